@@ -1,0 +1,45 @@
+"""`prefix-router` command line: one subcommand per module, imported only when used.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int`` so that
+starting the server never pays for importing the simulator or the plotting stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("extproc.serve", "run the ext_proc gRPC server Envoy consults"),
+    "explain": ("extproc.explain", "show how a request body becomes a prefix key"),
+    "sim": ("extproc.sim.cli", "run simulated vLLM replicas on loopback ports"),
+    "bench": ("extproc.bench.cli", "A/B benchmark: stock Envoy routing vs prefix routing"),
+    "demo": ("extproc.bench.demo", "short sagemaker-8k comparison (round robin vs prefix-maglev)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("extproc"):
+                p.set_defaults(_missing=f"subcommand {name!r} is not available: {exc}")
+                continue
+            raise
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(args._missing, file=sys.stderr)
+        return 2
+    return int(args._run(args) or 0)
