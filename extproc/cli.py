@@ -20,26 +20,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Parser for all subcommands; only ``command``'s module is imported (for its flags)."""
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
+        if name == command:
             mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("extproc"):
-                p.set_defaults(_missing=f"subcommand {name!r} is not available: {exc}")
-                continue
-            raise
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "_missing", None):
-        print(args._missing, file=sys.stderr)
-        return 2
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     return int(args._run(args) or 0)

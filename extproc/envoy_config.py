@@ -1,0 +1,111 @@
+"""Load the envoy/*.yaml files and point them at local ports (for tests, demo, benchmark).
+
+Edits are structural (by listener, cluster and filter name), so the YAML files stay the
+documented drop-in examples and nobody hand-edits ports.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENVOY_DIR = Path(__file__).resolve().parent.parent / "envoy"
+EXT_PROC = "envoy.filters.http.ext_proc"
+Config = dict[str, Any]
+
+
+def load(name_or_path: str | Path) -> Config:
+    path = Path(name_or_path)
+    if not path.exists():
+        path = ENVOY_DIR / name_or_path
+    return yaml.safe_load(path.read_text())
+
+
+def dump(cfg: Config, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _endpoint(host: str, port: int) -> dict[str, Any]:
+    return {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+
+
+def cluster(cfg: Config, name: str) -> dict[str, Any]:
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == name:
+            return c
+    raise KeyError(f"no cluster {name!r}")
+
+
+def http_manager(cfg: Config) -> dict[str, Any]:
+    chain = cfg["static_resources"]["listeners"][0]["filter_chains"][0]
+    return chain["filters"][0]["typed_config"]
+
+
+def http_filter(cfg: Config, name: str) -> dict[str, Any]:
+    for f in http_manager(cfg)["http_filters"]:
+        if f["name"] == name:
+            return f["typed_config"]
+    raise KeyError(f"no http filter {name!r}")
+
+
+def routes(cfg: Config) -> list[dict[str, Any]]:
+    return http_manager(cfg)["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, int]]) -> None:
+    c = cluster(cfg, cluster_name)
+    c["load_assignment"]["endpoints"] = [{"lb_endpoints": [_endpoint(h, p) for h, p in backends]}]
+
+
+def set_health_interval(cfg: Config, seconds: float) -> None:
+    """Faster health checks for tests: a dead host leaves within ~2 intervals."""
+    for c in cfg["static_resources"]["clusters"]:
+        for hc in c.get("health_checks", []):
+            hc["interval"] = hc["no_traffic_interval"] = f"{seconds}s"
+            hc["timeout"] = f"{max(seconds, 0.5)}s"
+
+
+def set_stream_metadata(cfg: Config, metadata: Mapping[str, str]) -> None:
+    """Replace the listener-wide x-prefix-router-* settings sent to the ext_proc server."""
+    service = http_filter(cfg, EXT_PROC)["grpc_service"]
+    service["initial_metadata"] = [{"key": k, "value": str(v)} for k, v in metadata.items()]
+
+
+def set_route_metadata(cfg: Config, route_index: int, metadata: Mapping[str, str]) -> None:
+    """Per-route override of ext_proc settings (ExtProcPerRoute grpc_initial_metadata)."""
+    per_filter = routes(cfg)[route_index].setdefault("typed_per_filter_config", {})
+    per_filter[EXT_PROC] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"grpc_initial_metadata": [{"key": k, "value": str(v)} for k, v in metadata.items()]},
+    }
+
+
+def localize(
+    cfg: Config,
+    *,
+    listener_port: int,
+    admin_port: int,
+    backends: Sequence[tuple[str, int]],
+    extproc_port: int | None = None,
+    health_interval: float | None = None,
+) -> Config:
+    """A copy of ``cfg`` with every address and port pointing at this machine's test setup."""
+    cfg = copy.deepcopy(cfg)
+    cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listener_port}
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == "prefix_router":
+            if extproc_port is not None:
+                set_endpoints(cfg, "prefix_router", [("127.0.0.1", extproc_port)])
+        else:
+            set_endpoints(cfg, c["name"], backends)
+    if health_interval is not None:
+        set_health_interval(cfg, health_interval)
+    return cfg

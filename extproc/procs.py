@@ -1,0 +1,118 @@
+"""Start and stop the local processes the tests, demo and benchmark need (loopback only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so no repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class Process:
+    """A child process whose output is kept (last lines) for error messages.
+
+    Stopped by its own PID only: SIGTERM, then SIGKILL after ``grace`` seconds.
+    """
+
+    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None,
+                 cwd: str | Path | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.lines: deque[str] = deque(maxlen=200)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, check: Callable[[], bool], timeout: float = 30.0) -> "Process":
+        def ready() -> bool:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
+            return check()
+        try:
+            wait_until(ready, timeout, self.name)
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s:\n{self.output()}") from None
+        return self
+
+    def wait_for_line(self, text: str, timeout: float = 30.0) -> "Process":
+        return self.wait_ready(lambda: any(text in line for line in list(self.lines)), timeout)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._reader.join(timeout=2)
+        return self.proc.returncode
+
+    def __enter__(self) -> "Process":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv running ``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]

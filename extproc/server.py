@@ -1,0 +1,177 @@
+"""The gRPC adapter: speaks Envoy's ext_proc protocol and only translates messages.
+
+Per stream: the request-headers message gives the tenant headers (reply at once, removing
+any client-sent key header); the request-body message gives the body, the core decides,
+and the reply sets the key header (and the same key as dynamic metadata, for configs that
+skip the header phase). The RPC then ends: Envoy needs nothing more from us, and holding
+streams open until the response ends would cost memory per in-flight request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Final
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc import metrics
+from extproc.decide import Decision, decide
+from extproc.settings import METADATA_PREFIX, RouteSettings, with_metadata
+
+log = logging.getLogger("extproc.server")
+
+_OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_ATTR_HEADER_PREFIX: Final = "request.headers['"
+_MAX_CACHED_METADATA: Final = 1024
+
+
+def read_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
+    """The wanted headers (lower-case names) of an ext_proc headers message."""
+    wanted = set(wanted)
+    out: dict[str, str] = {}
+    for h in http_headers.headers.headers:
+        if h.key in wanted:
+            out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def read_attribute_headers(request: pb.ProcessingRequest) -> dict[str, str]:
+    """Headers Envoy sent as ``request_attributes`` (used when the header phase is skipped)."""
+    out: dict[str, str] = {}
+    for struct in request.attributes.values():
+        for name, value in struct.fields.items():
+            if name.startswith(_ATTR_HEADER_PREFIX) and name.endswith("']"):
+                out[name[len(_ATTR_HEADER_PREFIX):-2].lower()] = value.string_value
+    return out
+
+
+class PrefixRouter(pb_grpc.ExternalProcessorServicer):
+    """ExternalProcessor service; one instance serves every stream."""
+
+    def __init__(self, settings: RouteSettings, metadata_namespace: str = "prefix_router") -> None:
+        self.settings = settings
+        self.namespace = metadata_namespace
+        self._by_metadata: dict[tuple[tuple[str, str], ...], RouteSettings] = {}
+
+    def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> RouteSettings:
+        """Process settings overridden by this stream's x-prefix-router-* metadata.
+
+        Metadata is the same for every stream of a route, so results are cached and a bad
+        value is logged once per distinct metadata set, not once per request.
+        """
+        ours = tuple(
+            (k, v if isinstance(v, str) else v.decode("utf-8", "replace"))
+            for k, v in (invocation_metadata or ())
+            if k.startswith(METADATA_PREFIX)
+        )
+        if not ours:
+            return self.settings
+        cached = self._by_metadata.get(ours)
+        if cached is None:
+            cached, errors = with_metadata(self.settings, ours)
+            for error in errors:
+                metrics.METADATA_ERRORS.inc()
+                log.warning("ignoring per-stream setting: %s; using %s", error, "the process default")
+            if len(self._by_metadata) >= _MAX_CACHED_METADATA:
+                self._by_metadata.clear()
+            self._by_metadata[ours] = cached
+        return cached
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        metrics.STREAMS_ACTIVE.inc()
+        try:
+            settings = self.settings_for(context.invocation_metadata())
+        except Exception:  # never let the router fail a request
+            log.exception("reading stream metadata failed")
+            metrics.ERRORS.labels("metadata").inc()
+            settings = self.settings
+        wanted = settings.tenant_headers
+        headers: dict[str, str] = {}
+        chunks: list[bytes] = []
+        try:
+            async for request in request_iterator:
+                phase = request.WhichOneof("request")
+                if phase == "request_headers":
+                    headers = self.safe_headers(request.request_headers, wanted)
+                    yield self.headers_reply(settings)
+                    if request.request_headers.end_of_stream:
+                        metrics.DECISIONS.labels(settings.normalize, "empty").inc()
+                        return
+                elif phase == "request_body":
+                    chunks.append(request.request_body.body)
+                    if not request.request_body.end_of_stream:
+                        yield _empty_body_reply()
+                        continue
+                    if not headers:
+                        headers = read_attribute_headers(request)
+                    yield self.body_reply(b"".join(chunks), headers, settings)
+                    return
+                else:
+                    yield _pass_through(phase)
+        finally:
+            metrics.STREAMS_ACTIVE.dec()
+
+    @staticmethod
+    def safe_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
+        try:
+            return read_headers(http_headers, wanted)
+        except Exception:
+            log.exception("reading request headers failed; deciding without a header tenant")
+            metrics.ERRORS.labels("headers").inc()
+            return {}
+
+    @staticmethod
+    def headers_reply(settings: RouteSettings) -> pb.ProcessingResponse:
+        reply = pb.ProcessingResponse()
+        # A client-sent key header must never choose the host.
+        reply.request_headers.response.header_mutation.remove_headers.append(settings.key_header)
+        return reply
+
+    def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings) -> pb.ProcessingResponse:
+        started = time.perf_counter()
+        try:
+            decision = decide(body, headers, settings)
+        except Exception:
+            log.exception("deciding a prefix key failed; passing the request on without one")
+            metrics.ERRORS.labels("decide").inc()
+            return _empty_body_reply()
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
+        metrics.BODY_BYTES.observe(len(body))
+        metrics.DECISIONS.labels(decision.normalize, decision.fallback or "none").inc()
+        return self.decision_reply(decision, settings)
+
+    def decision_reply(self, decision: Decision, settings: RouteSettings) -> pb.ProcessingResponse:
+        reply = pb.ProcessingResponse()
+        mutation = reply.request_body.response.header_mutation
+        if decision.key is None:
+            mutation.remove_headers.append(settings.key_header)
+            return reply
+        option = mutation.set_headers.add()
+        option.header.key = settings.key_header
+        option.header.raw_value = decision.key.encode()
+        option.append_action = _OVERWRITE
+        reply.dynamic_metadata.fields[self.namespace].struct_value.fields["prefix_key"].string_value = decision.key
+        return reply
+
+
+def _empty_body_reply() -> pb.ProcessingResponse:
+    reply = pb.ProcessingResponse()
+    reply.request_body.response.SetInParent()
+    return reply
+
+
+def _pass_through(phase: str | None) -> pb.ProcessingResponse:
+    """An empty reply for phases we do not use (if a config sends them anyway)."""
+    reply = pb.ProcessingResponse()
+    if phase in ("response_headers", "response_body"):
+        getattr(reply, phase).response.SetInParent()
+    elif phase in ("request_trailers", "response_trailers"):
+        getattr(reply, phase).SetInParent()
+    return reply
