@@ -1,0 +1,82 @@
+"""Replica profiles: engine limits plus a first-order step-time model.
+
+Step time (model seconds) = base + per_prefill_token * prefill tokens in the step
++ per_decode * decoding sequences in the step. The llama profile follows the derived
+Llama 3.1 70B / TP8 / 8x H100 numbers in design.md section 5 (+-30 %).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Engine limits and step cost of one simulated replica."""
+
+    name: str
+    model: str
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    step_base_s: float
+    per_prefill_token_s: float
+    per_decode_s: float
+
+    def step_time(self, prefill_tokens: int, decodes: int) -> float:
+        """Model-time duration of one engine step."""
+        return (
+            self.step_base_s
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_decode_s * decodes
+        )
+
+    def with_overrides(self, **overrides: object) -> "Profile":
+        """Copy with the non-None overrides applied; max_model_len is capped to KV capacity."""
+        p = replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        capacity = (p.num_blocks - 1) * p.block_size
+        if p.max_model_len > capacity:
+            p = replace(p, max_model_len=capacity)
+        return p
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="llama-3.1-70b-h100-tp8",
+            model="meta-llama/Llama-3.1-70B-Instruct",
+            block_size=16,
+            num_blocks=84000,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            max_model_len=131072,
+            step_base_s=0.012,
+            per_prefill_token_s=45e-6,
+            per_decode_s=0.05e-3,
+        ),
+        Profile(
+            name="tiny",
+            model="sim-tiny",
+            block_size=16,
+            num_blocks=2048,
+            max_num_seqs=32,
+            max_num_batched_tokens=1024,
+            max_model_len=8192,
+            step_base_s=0.002,
+            per_prefill_token_s=20e-6,
+            per_decode_s=0.05e-3,
+        ),
+    )
+}
+
+DEFAULT_PROFILE = "tiny"
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r}; choose from {', '.join(PROFILES)}") from None
