@@ -1,0 +1,61 @@
+"""Shared fixtures: real backends, a real ext_proc server, a real Envoy (all loopback)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from extproc import envoy_config
+from extproc.envoy_proc import Envoy
+from extproc.procs import Process, free_ports
+
+from backends import BackendFleet
+from support import envoy_ready_hosts, start_router
+
+
+@pytest.fixture(scope="session")
+def fleet() -> Iterator[BackendFleet]:
+    f = BackendFleet(4).start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture()
+def backends(fleet: BackendFleet) -> BackendFleet:
+    fleet.reset()
+    return fleet
+
+
+@pytest.fixture(scope="session")
+def router() -> Iterator[tuple[Process, int, int]]:
+    proc, port, metrics_port = start_router()
+    yield proc, port, metrics_port
+    proc.stop()
+
+
+EnvoyFactory = Callable[..., tuple[Envoy, int]]
+
+
+@pytest.fixture()
+def make_envoy(router: tuple[Process, int, int]) -> Iterator[EnvoyFactory]:
+    """Start Envoy on a config from envoy/ pointed at the backends; returns (envoy, port)."""
+    started: list[Envoy] = []
+
+    def make(backends: BackendFleet, name: str = "envoy.yaml", extproc_port: int | None = None,
+             edit: Callable[[envoy_config.Config], None] | None = None) -> tuple[Envoy, int]:
+        listener, admin = free_ports(2)
+        cfg = envoy_config.localize(
+            envoy_config.load(name), listener_port=listener, admin_port=admin,
+            backends=backends.addresses, extproc_port=extproc_port or router[1], health_interval=0.2,
+        )
+        if edit:
+            edit(cfg)
+        envoy = Envoy(cfg).start()
+        started.append(envoy)
+        envoy_ready_hosts(envoy, "vllm", len(backends.addresses))
+        return envoy, listener
+
+    yield make
+    for e in started:
+        e.stop()

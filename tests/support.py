@@ -1,0 +1,46 @@
+"""Helpers the tests share: an HTTP client for one request, and process starters."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.envoy_proc import Envoy
+from extproc.procs import Process, free_ports, python_module, wait_until
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def send(port: int, path: str = "/v1/chat/completions", body: bytes | None = None,
+         headers: dict[str, str] | None = None, method: str | None = None) -> Reply:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method or ("POST" if body is not None else "GET"), path, body=body,
+                     headers={"content-type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
+
+
+def start_router(*flags: str, env: dict[str, str] | None = None) -> tuple[Process, int, int]:
+    port, metrics_port = free_ports(2)
+    proc = Process(python_module("extproc", "serve", "--port", str(port), "--metrics-port", str(metrics_port), *flags),
+                   name="prefix-router", env=env)
+    proc.wait_for_line("ready on", timeout=30)
+    return proc, port, metrics_port
+
+
+def envoy_ready_hosts(envoy: Envoy, cluster: str, n: int, timeout: float = 15.0) -> None:
+    """Wait until ``n`` hosts of ``cluster`` pass health checks (first checks take a moment)."""
+    wait_until(lambda: sum(envoy.healthy_hosts(cluster).values()) == n, timeout, f"{n} healthy hosts in {cluster}")

@@ -1,0 +1,193 @@
+"""End to end: real Envoy 1.40 + the ext_proc server + real HTTP backends on loopback."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from backends import SSE_CHUNKS, BackendFleet
+from conftest import EnvoyFactory
+from support import send, start_router
+
+from extproc import envoy_config
+from extproc.procs import wait_until
+
+SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~5.7 KB > 4096
+
+
+def chat(system: str, question: str, **extra: object) -> bytes:
+    return json.dumps({
+        "model": "llama", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        **extra,
+    }).encode()
+
+
+def served_by(port: int, body: bytes, headers: dict[str, str] | None = None) -> int:
+    reply = send(port, body=body, headers=headers)
+    assert reply.status == 200, reply.body
+    return reply.json()["backend"]
+
+
+def test_one_prefix_goes_to_one_backend(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    _, port = make_envoy(backends)
+    served = Counter(served_by(port, chat(SYSTEM, f"question {i}?", temperature=i / 100)) for i in range(100))
+    assert len(served) == 1, served
+    keys = {k for b in backends.backends for k in b.seen_keys}
+    assert len(keys) == 1 and None not in keys
+
+
+def test_distinct_prefixes_spread_evenly(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    _, port = make_envoy(backends)
+    served = Counter(served_by(port, chat(f"system prompt number {i}", "hi")) for i in range(300))
+    even = 300 / len(backends.backends)
+    assert set(served) == {0, 1, 2, 3}
+    assert all(0.75 * even <= n <= 1.25 * even for n in served.values()), served
+
+
+def variants(i: int) -> list[bytes]:
+    """The same prompt serialised four ways, with different sampling fields.
+
+    The last adds ``max_tokens``, which sorts before ``messages``: canonical mode keys it
+    differently by design (it hashes the whole document), prompt mode must not.
+    """
+    doc = {"model": "llama", "messages": [{"role": "system", "content": f"{SYSTEM} tenant doc {i}"},
+                                          {"role": "user", "content": "hi"}]}
+    return [
+        json.dumps({**doc, "temperature": 0.1}).encode(),
+        json.dumps({"temperature": 0.9, "top_p": 0.5, **dict(reversed(list(doc.items())))}, indent=2).encode(),
+        json.dumps({"stream": False, **doc}, separators=(",", ":"), ensure_ascii=True).encode(),
+        json.dumps({"max_tokens": 7, "seed": 3, **doc}).encode(),
+    ]
+
+
+def test_serialisation_does_not_split_a_prefix_except_in_raw(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    results: dict[str, list[set[int]]] = {}
+    for mode in ("prompt", "canonical", "raw"):
+        _, port = make_envoy(backends, edit=lambda c, m=mode: envoy_config.set_stream_metadata(
+            c, {"x-prefix-router-normalize": m}))
+        count = 3 if mode == "canonical" else 4
+        results[mode] = [{served_by(port, body) for body in variants(i)[:count]} for i in range(8)]
+    assert all(len(s) == 1 for s in results["prompt"]), results["prompt"]
+    assert all(len(s) == 1 for s in results["canonical"]), results["canonical"]
+    # raw hashes the bytes: with 4 hosts, 8 prompts x 3 serialisations stay together by chance ~ (1/16)^8.
+    assert any(len(s) > 1 for s in results["raw"]), results["raw"]
+
+
+def test_unhealthy_backend_loses_only_its_keys(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    """Maglev moves the dead host's keys; survivors keep theirs.
+
+    Maglev's minimal disruption is near-perfect, not perfect: rebuilding the lookup table
+    can hand a few of a survivor's slots to another survivor (seen: 0-1 key in 300).
+    """
+    envoy, port = make_envoy(backends)
+    n = 400
+    bodies = [chat(f"prefix {i}", "q") for i in range(n)]
+    before = [served_by(port, b) for b in bodies]
+    victim = Counter(before).most_common(1)[0][0]
+    backends.backends[victim].healthy = False
+    victim_addr = f"127.0.0.1:{backends.backends[victim].port}"
+    wait_until(lambda: not envoy.healthy_hosts("vllm")[victim_addr], 10, "the victim to fail health checks")
+    during = [served_by(port, b) for b in bodies]
+    assert victim not in during
+    survivors_moved = [i for i in range(n) if before[i] != victim and during[i] != before[i]]
+    assert len(survivors_moved) <= 0.02 * (n - before.count(victim)), survivors_moved
+    backends.backends[victim].healthy = True
+    wait_until(lambda: envoy.healthy_hosts("vllm")[victim_addr], 10, "the victim to recover")
+    assert [served_by(port, b) for b in bodies] == before  # recovery restores the map exactly
+
+
+def test_fail_open_and_client_key_ignored_when_router_is_down(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    proc, grpc_port, _ = start_router()
+    try:
+        envoy, port = make_envoy(backends, extproc_port=grpc_port)
+        assert served_by(port, chat(SYSTEM, "warm-up")) in range(4)
+    finally:
+        proc.stop()
+    wait_until(lambda: not envoy.healthy_hosts("prefix_router").get(f"127.0.0.1:{grpc_port}", True), 10,
+               "Envoy to see the router down")
+    backends.reset()
+    spoof = {"x-prefix-key": "client-chosen"}
+    served = Counter(served_by(port, chat(SYSTEM, "same question"), spoof) for _ in range(40))
+    assert len(served) > 1, served  # no key: Envoy spreads at random, the client's key chose nothing
+    assert all(k is None for b in backends.backends for k in b.seen_keys)
+    assert envoy.stats("ext_proc")["http.llm.ext_proc.failure_mode_allowed"] >= 40
+
+
+def test_client_sent_key_is_replaced_by_the_router(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    _, port = make_envoy(backends, edit=lambda c: c["static_resources"]["listeners"][0]["filter_chains"][0]
+                         ["filters"][0]["typed_config"]["http_filters"].pop(0))  # no header_mutation filter
+    honest = send(port, body=chat(SYSTEM, "q")).json()
+    spoofed = send(port, body=chat(SYSTEM, "q"), headers={"x-prefix-key": "attacker"}).json()
+    assert spoofed["prefix_key"] == honest["prefix_key"] != "attacker"
+    assert spoofed["backend"] == honest["backend"]
+    no_body = send(port, path="/v1/models", headers={"x-prefix-key": "attacker"})
+    assert no_body.status == 200 and no_body.json()["prefix_key"] is None
+
+
+def test_per_route_metadata_changes_prefix_length(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    def two_routes(cfg: envoy_config.Config) -> None:
+        routes = envoy_config.routes(cfg)
+        short = json.loads(json.dumps(routes[0]))
+        short["match"] = {"prefix": "/short/"}
+        routes.insert(0, short)
+        envoy_config.set_route_metadata(cfg, 0, {"x-prefix-router-prefix-length": "64"})
+
+    _, port = make_envoy(backends, edit=two_routes)
+    a, b = chat("x" * 200 + " first", "q"), chat("x" * 200 + " second", "q")
+    short = [send(port, "/short/v1/chat/completions", a).json()["prefix_key"],
+             send(port, "/short/v1/chat/completions", b).json()["prefix_key"]]
+    default = [send(port, body=a).json()["prefix_key"], send(port, body=b).json()["prefix_key"]]
+    assert short[0] == short[1] and default[0] != default[1]
+    assert short[0] not in default
+
+
+def test_bad_listener_metadata_is_ignored_and_counted(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    proc, grpc_port, metrics_port = start_router()
+    try:
+        _, port = make_envoy(backends, extproc_port=grpc_port, edit=lambda c: envoy_config.set_stream_metadata(
+            c, {"x-prefix-router-prefix-length": "banana", "x-prefix-router-normalize": "canonical"}))
+        keyed = send(port, body=chat(SYSTEM, "q"))
+        assert keyed.status == 200 and keyed.json()["prefix_key"]
+        metrics = send(metrics_port, "/metrics").body.decode()
+        assert "prefix_router_metadata_errors_total 1.0" in metrics  # logged once, not per request
+        assert 'prefix_router_decisions_total{fallback="none",normalize="canonical"}' in metrics
+    finally:
+        proc.stop()
+    assert "prefix-length" in proc.output() and "banana" in proc.output()
+
+
+def test_sse_stream_passes_byte_for_byte(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    _, port = make_envoy(backends)
+    reply = send(port, body=chat(SYSTEM, "stream please", stream=True))
+    assert reply.status == 200
+    assert reply.headers["content-type"] == "text/event-stream"
+    assert reply.body == b"".join(SSE_CHUNKS)
+
+
+def test_large_and_unparseable_bodies_are_routed(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    _, port = make_envoy(backends)
+    big = chat("y" * 900_000, "q")
+    reply = send(port, body=big)
+    assert reply.status == 200 and reply.json()["body_bytes"] == len(big) and reply.json()["prefix_key"]
+    for junk in (b"\xff\xfe not json", b"[1,2,3]", b"{" * 100_000, b"{\"model\": 1e999}"):
+        reply = send(port, body=junk)
+        assert reply.status == 200 and reply.json()["prefix_key"], junk[:20]
+
+
+def test_ab_split_follows_runtime_share(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    envoy, port = make_envoy(backends, name="ab.yaml")
+    envoy_ready_hosts_stock = lambda: sum(envoy.healthy_hosts("vllm_stock").values()) == 4  # noqa: E731
+    wait_until(envoy_ready_hosts_stock, 15, "stock cluster healthy")
+    arms = Counter(send(port, body=chat(SYSTEM, f"q{i}")).headers["x-ab-arm"] for i in range(200))
+    assert 60 <= arms["prefix"] <= 140, arms  # default share 50 %
+    envoy.admin("/runtime_modify?ab.prefix_share=100", method="POST")
+    backends.reset()
+    replies = [send(port, body=chat(SYSTEM, f"q{i}")) for i in range(30)]
+    assert {r.headers["x-ab-arm"] for r in replies} == {"prefix"}
+    assert len({r.json()["backend"] for r in replies}) == 1
+    envoy.admin("/runtime_modify?ab.prefix_share=0", method="POST")
+    backends.reset()
+    replies = [send(port, body=chat(SYSTEM, f"q{i}")) for i in range(30)]
+    assert {r.headers["x-ab-arm"] for r in replies} == {"stock"}
+    assert len({r.json()["backend"] for r in replies}) == 4  # round robin over all four
+    assert all(k is None for b in backends.backends for k in b.seen_keys)  # no ext_proc on the stock arm
