@@ -39,6 +39,7 @@ class Sequence:
     admitted: bool = False
     preemptions: int = 0
     first_token_time: float | None = None
+    last_token_time: float = 0.0
     finish_time: float | None = None
     finish_reason: str | None = None
     aborted: bool = False
