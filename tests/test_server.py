@@ -1,0 +1,204 @@
+"""The gRPC adapter and the CLI: settings, health, metrics, drain, errors (real gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import send, start_router
+
+from extproc import envoy_config, envoy_proc, metrics, server
+from extproc.decide import decide
+from extproc.settings import RouteSettings, SettingError, route_settings, with_metadata
+
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
+
+
+def headers_msg(headers: dict[str, str], end_of_stream: bool = False) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest()
+    for k, v in headers.items():
+        req.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    req.request_headers.end_of_stream = end_of_stream
+    return req
+
+
+def body_msg(body: bytes) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest()
+    req.request_body.body = body
+    req.request_body.end_of_stream = True
+    return req
+
+
+def key_set(reply: pb.ProcessingResponse) -> str | None:
+    for opt in reply.request_body.response.header_mutation.set_headers:
+        if opt.header.key == "x-prefix-key":
+            return opt.header.raw_value.decode()
+    return None
+
+
+@pytest.fixture(scope="module")
+def channel(router) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{router[1]}") as ch:
+        yield ch
+
+
+def process(channel: grpc.Channel, messages: list[pb.ProcessingRequest],
+            metadata: tuple[tuple[str, str], ...] = ()) -> list[pb.ProcessingResponse]:
+    return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages), metadata=metadata, timeout=10))
+
+
+def test_headers_then_body_sets_the_key_and_strips_the_client_copy(channel: grpc.Channel) -> None:
+    replies = process(channel, [headers_msg({":path": "/v1/chat/completions", "x-prefix-aware-id": "acme",
+                                             "x-prefix-key": "spoof"}), body_msg(BODY)])
+    assert len(replies) == 2
+    assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefix-key"]
+    expected = decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
+    assert key_set(replies[1]) == expected
+    assert replies[1].dynamic_metadata.fields["prefix_router"].struct_value.fields["prefix_key"].string_value == expected
+
+
+def test_body_without_header_phase_reads_tenant_from_attributes(channel: grpc.Channel) -> None:
+    msg = body_msg(BODY)
+    msg.attributes["envoy.filters.http.ext_proc"].fields["request.headers['x-prefix-aware-id']"].string_value = "acme"
+    (reply,) = process(channel, [msg])
+    assert key_set(reply) == decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
+
+
+def test_metadata_overrides_per_stream_and_bad_values_are_ignored(channel: grpc.Channel) -> None:
+    default = key_set(process(channel, [body_msg(BODY)])[0])
+    short = key_set(process(channel, [body_msg(BODY)], (("x-prefix-router-prefix-length", "64"),))[0])
+    bad = key_set(process(channel, [body_msg(BODY)], (("x-prefix-router-prefix-length", "9"),))[0])
+    assert short == decide(BODY, {}, RouteSettings(prefix_length=64)).key != default
+    assert bad == default
+    header = process(channel, [body_msg(BODY)], (("x-prefix-router-key-header", "x-route-key"),))[0]
+    assert header.request_body.response.header_mutation.set_headers[0].header.key == "x-route-key"
+
+
+def test_get_without_body_gets_no_key(channel: grpc.Channel) -> None:
+    (reply,) = process(channel, [headers_msg({":path": "/v1/models"}, end_of_stream=True)])
+    assert reply.WhichOneof("response") == "request_headers"
+    assert list(reply.request_headers.response.header_mutation.remove_headers) == ["x-prefix-key"]
+
+
+def test_grpc_health_is_serving(channel: grpc.Channel) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_metrics_count_decisions_by_mode_and_fallback(router, channel: grpc.Channel) -> None:
+    process(channel, [body_msg(b"\xff\xfe")])
+    text = send(router[2], "/metrics").body.decode()
+    assert 'prefix_router_decisions_total{fallback="not_utf8",normalize="raw"}' in text
+    assert "prefix_router_decision_seconds_bucket" in text
+
+
+def test_an_exception_in_the_router_passes_the_request_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the core must cost the request its key, never the request."""
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server, "decide", broken)
+    before = metrics.ERRORS.labels("decide")._value.get()
+
+    async def run() -> list[pb.ProcessingResponse]:
+        srv = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(server.PrefixRouter(RouteSettings()), srv)
+        port = srv.add_insecure_port("127.0.0.1:0")
+        await srv.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = pb_grpc.ExternalProcessorStub(ch).Process(iter([headers_msg({}), body_msg(BODY)]))
+                return [r async for r in call]
+        finally:
+            await srv.stop(None)
+
+    replies = asyncio.run(run())
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    assert not replies[1].request_body.response.HasField("header_mutation")
+    assert metrics.ERRORS.labels("decide")._value.get() == before + 1
+
+
+def test_sigterm_drains_an_open_stream_then_exits() -> None:
+    proc, port, _ = start_router("--drain-seconds", "10")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            body_sent = threading.Event()
+
+            def requests() -> Iterator[pb.ProcessingRequest]:
+                yield headers_msg({":path": "/v1/completions"})
+                body_sent.wait(10)
+                yield body_msg(BODY)
+
+            call = pb_grpc.ExternalProcessorStub(ch).Process(requests(), timeout=20)
+            first = next(call)
+            assert first.WhichOneof("response") == "request_headers"
+            proc.signal(signal.SIGTERM)  # the stream is open: the server must finish it
+            body_sent.set()
+            second = next(call)
+            assert key_set(second) == decide(BODY, {}, RouteSettings()).key
+        proc.proc.wait(15)
+        assert proc.proc.returncode == 0
+        assert "draining" in proc.output()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--prefix-length", "32"], {}, "--prefix-length"),
+    (["--normalize", "fancy"], {}, "--normalize"),
+    (["--port", "70000"], {}, "--port"),
+    ([], {"PREFIX_ROUTER_PREFIX_LENGTH": "100000"}, "PREFIX_ROUTER_PREFIX_LENGTH"),
+    ([], {"PREFIX_ROUTER_TENANT_HEADERS": " , "}, "PREFIX_ROUTER_TENANT_HEADERS"),
+])
+def test_bad_startup_settings_exit_non_zero_naming_the_setting(argv: list[str], env: dict[str, str], needle: str) -> None:
+    import os
+    done = subprocess.run([sys.executable, "-m", "extproc", "serve", *argv], capture_output=True, text=True,
+                          timeout=30, env={**os.environ, **env})
+    assert done.returncode == 2
+    assert needle in done.stderr and "must be" in done.stderr
+
+
+def test_flags_beat_env_and_metadata_beats_both() -> None:
+    import argparse
+    args = argparse.Namespace(prefix_length="8192", normalize=None, key_header=None, tenant_headers=None)
+    s = route_settings(args, {"PREFIX_ROUTER_PREFIX_LENGTH": "1024", "PREFIX_ROUTER_NORMALIZE": "raw"})
+    assert (s.prefix_length, s.normalize) == (8192, "raw")
+    s2, errors = with_metadata(s, [("x-prefix-router-normalize", "canonical"), ("x-prefix-router-tenant-headers", "a,B")])
+    assert (s2.normalize, s2.tenant_headers, errors) == ("canonical", ("a", "b"), [])
+    with pytest.raises(SettingError, match="PREFIX_ROUTER_KEY_HEADER"):
+        route_settings(None, {"PREFIX_ROUTER_KEY_HEADER": "bad header"})
+
+
+def test_explain_json_matches_the_server_decision(tmp_path) -> None:
+    path = tmp_path / "body.json"
+    path.write_bytes(BODY)
+    done = subprocess.run([sys.executable, "-m", "extproc", "explain", str(path), "--json", "-H", "X-Prefix-Aware-Id: acme",
+                           "--prefix-length", "128"], capture_output=True, text=True, timeout=30)
+    info = json.loads(done.stdout)
+    assert info["key"] == decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings(prefix_length=128)).key
+    assert (info["tenant"], info["normalize"], info["fallback"], info["prefix_bytes"]) == ("acme", "prompt", None, 128)
+    text = subprocess.run([sys.executable, "-m", "extproc", "explain"], input=b"\xff", capture_output=True, timeout=30)
+    assert b"fallback from prompt: not_utf8" in text.stdout
+
+
+def test_envoy_files_exist():
+    assert {"envoy.yaml", "ab.yaml"} <= {p.name for p in envoy_config.ENVOY_DIR.glob("*.yaml")}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in envoy_config.ENVOY_DIR.glob("*.yaml")))
+def test_every_envoy_file_validates(name: str) -> None:
+    ok, output = envoy_proc.validate(envoy_config.ENVOY_DIR / name)
+    assert ok, output
