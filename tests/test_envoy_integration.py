@@ -191,3 +191,20 @@ def test_ab_split_follows_runtime_share(backends: BackendFleet, make_envoy: Envo
     assert {r.headers["x-ab-arm"] for r in replies} == {"stock"}
     assert len({r.json()["backend"] for r in replies}) == 4  # round robin over all four
     assert all(k is None for b in backends.backends for k in b.seen_keys)  # no ext_proc on the stock arm
+
+
+def test_fast_shape_keys_by_body_and_tenant_attribute(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    """envoy-fast.yaml: one ext_proc message per request, key via dynamic metadata."""
+    from extproc.decide import decide
+    from extproc.settings import RouteSettings
+
+    _, port = make_envoy(backends, name="envoy-fast.yaml")
+    body = chat(SYSTEM, "q")
+    reply = send(port, body=body, headers={"x-prefix-aware-id": "acme", "x-prefix-key": "spoof"}).json()
+    assert reply["prefix_key"] == decide(body, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
+    served = Counter(served_by(port, chat(SYSTEM, f"question {i}?")) for i in range(50))
+    assert len(served) == 1
+    spread = Counter(served_by(port, chat(f"prefix {i}", "q")) for i in range(100))
+    assert len(spread) == 4
+    no_body = send(port, path="/v1/models", headers={"x-prefix-key": "spoof"})
+    assert no_body.status == 200 and no_body.json()["prefix_key"] is None
