@@ -1,0 +1,532 @@
+"""HTTP tests of the simulated vLLM fleet: real sockets on 127.0.0.1, fleet in-process
+(and once through the CLI in a subprocess)."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from extproc.sim import tokenizer
+from extproc.sim.fleet import FleetThread, SimConfig
+
+MODEL = "sim-tiny"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Client:
+    """Tiny blocking HTTP client for one replica."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.host, port = url.removeprefix("http://").split(":")
+        self.port = int(port)
+
+    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
+                timeout: float = 10.0) -> tuple[int, bytes, dict[str, str]]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            data = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
+        finally:
+            conn.close()
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        status, data, _ = self.request("POST", path, body)
+        return status, orjson.loads(data) if data and not data.startswith(b"data:") else data
+
+    def get_json(self, path: str) -> Any:
+        status, data, _ = self.request("GET", path)
+        assert status == 200, data
+        return orjson.loads(data)
+
+    def control(self, **kw: Any) -> dict[str, Any]:
+        status, body = self.post("/sim/control", kw)
+        assert status == 200, body
+        return body
+
+    def metrics(self) -> dict[str, float]:
+        status, data, headers = self.request("GET", "/metrics")
+        assert status == 200 and headers["content-type"].startswith("text/plain")
+        out: dict[str, float] = {}
+        for line in data.decode().splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+
+def sse_events(data: bytes) -> list[Any]:
+    """Split an SSE body; asserts vLLM's exact framing (``data: ...\\n\\n`` only)."""
+    text = data.decode()
+    assert text.endswith("data: [DONE]\n\n")
+    parts = text.split("\n\n")
+    assert parts[-1] == ""
+    events: list[Any] = []
+    for p in parts[:-1]:
+        assert p.startswith("data: "), p
+        payload = p[len("data: "):]
+        events.append("[DONE]" if payload == "[DONE]" else orjson.loads(payload))
+    return events
+
+
+def lbl(name: str, **labels: str) -> str:
+    labels = {"engine": "0", "model_name": MODEL, **labels}
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def expected_hit(n_tokens: int, block: int = 16) -> int:
+    return (n_tokens - 1) // block * block
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[list[Client]]:
+    ft = FleetThread(SimConfig(replicas=3, base_port=0, profile="tiny", time_scale=20.0))
+    f = ft.start()
+    try:
+        yield [Client(u) for u in f.urls]
+    finally:
+        ft.stop()
+
+
+@pytest.fixture
+def c(fleet: list[Client]) -> Iterator[Client]:
+    client = fleet[0]
+    yield client
+    client.control(healthy=True, fail_rate=0.0, drop_connections=False, slow_factor=1.0)
+
+
+def unique_text(tag: str, n_bytes: int = 400) -> str:
+    base = f"[{tag} {time.perf_counter_ns()}] "
+    return (base + "the quick brown fox jumps over the lazy dog " * (n_bytes // 40 + 1))[:n_bytes]
+
+
+# ---- plain endpoints -----------------------------------------------------------------------
+
+def test_models_health_load_ping(c: Client) -> None:
+    models = c.get_json("/v1/models")
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    assert models["data"][0]["max_model_len"] == 8192
+    status, body, _ = c.request("GET", "/health")
+    assert (status, body) == (200, b"")
+    assert c.request("GET", "/ping")[0] == 200
+    assert c.request("POST", "/ping")[0] == 200
+    assert c.get_json("/load") == {"server_load": 0}
+
+
+def test_health_503_after_control(c: Client) -> None:
+    state = c.control(healthy=False)
+    assert state["healthy"] is False
+    assert c.request("GET", "/health")[0] == 503
+    assert c.request("GET", "/ping")[0] == 503
+    # requests are still served while "unhealthy"
+    assert c.post("/v1/completions", {"model": MODEL, "prompt": "hi there", "max_tokens": 1})[0] == 200
+    c.control(healthy=True)
+    assert c.request("GET", "/health")[0] == 200
+
+
+# ---- completions -------------------------------------------------------------------------
+
+def test_completion_non_streaming_and_cached_tokens(c: Client) -> None:
+    prompt = unique_text("cmpl", 400)  # 100 tokens
+    status, r = c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 5})
+    assert status == 200
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-")
+    assert r["choices"][0]["text"] == "lorem ipsum dolor si"
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": 100, "total_tokens": 105, "completion_tokens": 5,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+    status, r2 = c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 5,
+                                            "temperature": 0.3})
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
+def test_default_max_tokens_and_max_completion_tokens(c: Client) -> None:
+    r = c.post("/v1/completions", {"model": MODEL, "prompt": "abc"})[1]
+    assert r["usage"]["completion_tokens"] == 16
+    r = c.post("/v1/chat/completions", {"model": MODEL, "max_completion_tokens": 2,
+                                        "messages": [{"role": "user", "content": "x"}]})[1]
+    assert r["usage"]["completion_tokens"] == 2
+
+
+def test_completion_streaming_sequence(c: Client) -> None:
+    body = {"model": MODEL, "prompt": unique_text("cs", 200), "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    status, data, headers = c.request("POST", "/v1/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    ev = sse_events(data)
+    assert len(ev) == 4 + 1 + 1
+    texts = [e["choices"][0]["text"] for e in ev[:4]]
+    assert "".join(texts) == "lorem ipsum dolo"
+    assert [e["choices"][0]["finish_reason"] for e in ev[:4]] == [None, None, None, "length"]
+    assert all(e["object"] == "text_completion" for e in ev[:5])
+    assert ev[4]["choices"] == [] and ev[4]["usage"]["completion_tokens"] == 4
+    assert ev[5] == "[DONE]"
+    # without include_usage: no usage chunk
+    body.pop("stream_options")
+    ev = sse_events(c.request("POST", "/v1/completions", body)[1])
+    assert len(ev) == 5 and all("usage" not in e for e in ev[:4])
+
+
+def test_chat_streaming_exact_sequence_and_usage_cached_tokens(c: Client) -> None:
+    msgs = [{"role": "system", "content": unique_text("sys", 300)},
+            {"role": "user", "content": "Say three words."}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    ev1 = sse_events(c.request("POST", "/v1/chat/completions", body)[1])
+    ev2 = sse_events(c.request("POST", "/v1/chat/completions", body)[1])
+    for ev in (ev1, ev2):
+        assert len(ev) == 1 + 3 + 1 + 1
+        assert ev[0]["object"] == "chat.completion.chunk"
+        assert ev[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]
+        assert [e["choices"][0]["delta"] for e in ev[1:4]] == [
+            {"content": "lore"}, {"content": "m ip"}, {"content": "sum "}]
+        assert [e["choices"][0]["finish_reason"] for e in ev[1:4]] == [None, None, "length"]
+        assert ev[4]["choices"] == []
+        assert len({e["id"] for e in ev[:5]}) == 1 and ev[0]["id"].startswith("chatcmpl-")
+        assert ev[5] == "[DONE]"
+    n_prompt = ev1[4]["usage"]["prompt_tokens"]
+    assert ev1[4]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ev2[4]["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_hit(n_prompt)
+    assert ev2[4]["usage"]["total_tokens"] == n_prompt + 3
+
+
+def test_chat_non_streaming(c: Client) -> None:
+    status, r = c.post("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
+    assert status == 200 and r["object"] == "chat.completion"
+    assert r["choices"][0]["message"]["role"] == "assistant"
+    assert r["choices"][0]["message"]["content"] == "lorem ip"
+    # "<|user|>\nhello<|end|>\n<|assistant|>\n" = 34 bytes -> 9 tokens
+    assert r["usage"]["prompt_tokens"] == 9
+
+
+def test_token_id_prompts_and_exact_counters(c: Client) -> None:
+    ids = [(7 * i + 13) % 30000 for i in range(100)]
+    m0 = c.metrics()
+    q = lbl("vllm:prefix_cache_queries_total")
+    h = lbl("vllm:prefix_cache_hits_total")
+    r1 = c.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})[1]
+    m1 = c.metrics()
+    assert r1["usage"]["prompt_tokens"] == 100
+    assert (m1[q] - m0[q], m1[h] - m0[h]) == (100, 0)
+    r2 = c.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})[1]
+    m2 = c.metrics()
+    assert (m2[q] - m1[q], m2[h] - m1[h]) == (100, 96)
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    # list of lists: two engine requests, one choice each
+    r3 = c.post("/v1/completions", {"model": MODEL, "prompt": [ids[:64] + [1, 2, 3], ids[:40]],
+                                    "max_tokens": 1})[1]
+    m3 = c.metrics()
+    assert [ch["index"] for ch in r3["choices"]] == [0, 1]
+    assert (m3[q] - m2[q], m3[h] - m2[h]) == (67 + 40, 64 + 32)
+    # token ids pass through: the text prompt with the same ids hits the same blocks
+    text = "abcd" * 40
+    c.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
+    r4 = c.post("/v1/completions", {"model": MODEL, "prompt": tokenizer.encode(text), "max_tokens": 1})[1]
+    assert r4["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_hit(40) == 32
+
+
+def test_batch_string_prompts(c: Client) -> None:
+    r = c.post("/v1/completions", {"model": MODEL, "prompt": ["one prompt", "another one"],
+                                   "max_tokens": 2})[1]
+    assert [ch["index"] for ch in r["choices"]] == [0, 1]
+    assert all(ch["text"] == "lorem ip" for ch in r["choices"])
+    assert r["usage"]["completion_tokens"] == 4
+
+
+def test_cache_salt_isolates(c: Client) -> None:
+    prompt = unique_text("salt", 400)
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    c.post("/v1/completions", {**base, "cache_salt": "tenant-a"})
+    hit = lambda **kw: c.post("/v1/completions", {**base, **kw})[1]["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    assert hit(cache_salt="tenant-b") == 0
+    assert hit() == 0
+    assert hit(cache_salt="tenant-a") == 96
+
+
+def test_invocations_dispatch_by_shape(c: Client) -> None:
+    s, r = c.post("/invocations", {"model": MODEL, "prompt": "x y z", "max_tokens": 1})
+    assert s == 200 and r["object"] == "text_completion"
+    s, r = c.post("/invocations", {"model": MODEL, "messages": [{"role": "user", "content": "q"}],
+                                   "max_tokens": 1})
+    assert s == 200 and r["object"] == "chat.completion"
+    s, r = c.post("/invocations", {"model": MODEL, "inputs": "nope"})
+    assert s == 400 and r["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (orjson.dumps({"prompt": "hi"}), "model"),
+    (orjson.dumps({"model": MODEL}), "prompt"),
+    (orjson.dumps({"model": MODEL, "prompt": ""}), "prompt"),
+    (orjson.dumps({"model": MODEL, "prompt": [1, -2]}), "prompt"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}), "max_tokens"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 9000}), "max_tokens"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}), "stream_options"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "cache_salt": ""}), "cache_salt"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "cache_salt": "x" * 129}), "cache_salt"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "cache_salt": "a@b"}), "cache_salt"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "cache_salt": "a/b"}), "cache_salt"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "cache_salt": "a\\b"}), "cache_salt"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "cache_salt": "a\x00b"}), "cache_salt"),
+    (orjson.dumps({"model": MODEL, "prompt": "hi", "cache_salt": 5}), "cache_salt"),
+])
+def test_completions_400_errors(c: Client, raw: bytes, param: str | None) -> None:
+    status, body, headers = c.request("POST", "/v1/completions", raw=raw)
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    err = orjson.loads(body)["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param
+    assert isinstance(err["message"], str) and err["message"]
+
+
+def test_chat_errors_and_unknown_model(c: Client) -> None:
+    s, r = c.post("/v1/chat/completions", {"model": MODEL})
+    assert s == 400 and r["error"]["param"] == "messages"
+    s, r = c.post("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]})
+    assert s == 400
+    s, r = c.post("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    assert s == 404 and r["error"]["type"] == "NotFoundError"
+    assert c.get_json("/v1/models")["data"][0]["id"] == MODEL  # still alive
+    ok = c.post("/v1/chat/completions", {"model": MODEL, "cache_salt": "x" * 128,
+                                         "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    assert ok[0] == 200
+
+
+# ---- faults --------------------------------------------------------------------------------
+
+def test_fail_rate_one_gives_500(c: Client) -> None:
+    c.control(fail_rate=1.0)
+    for _ in range(3):
+        s, r = c.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert s == 500 and r["error"]["code"] == 500
+    assert c.get_json("/sim/state")["failed"] >= 3
+    c.control(fail_rate=0.0)
+    assert c.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})[0] == 200
+
+
+def test_fail_rate_fraction(c: Client) -> None:
+    c.control(fail_rate=0.5, seed=1)
+    codes = [c.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})[0]
+             for _ in range(40)]
+    assert 8 <= codes.count(500) <= 32 and set(codes) == {200, 500}
+
+
+def test_drop_connections_closes_without_response(c: Client) -> None:
+    c.control(drop_connections=True)
+    for path, method in (("/v1/completions", "POST"), ("/health", "GET")):
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError, http.client.BadStatusLine)):
+            c.request(method, path, {"model": MODEL, "prompt": "x"} if method == "POST" else None)
+    assert c.get_json("/sim/state")["dropped"] >= 2  # /sim/* still answers
+    c.control(drop_connections=False)
+    assert c.request("GET", "/health")[0] == 200
+
+
+def test_reset_cache_makes_repeat_a_miss(c: Client) -> None:
+    body = {"model": MODEL, "prompt": unique_text("reset", 400), "max_tokens": 1}
+    c.post("/v1/completions", body)
+    assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    state = c.control(reset_cache=True)
+    assert state["blocks_cached"] == 0
+    assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_slow_factor_slows_steps(fleet: list[Client]) -> None:
+    c = fleet[1]
+    body = {"model": MODEL, "prompt": "tick", "max_tokens": 40}
+    t0 = time.perf_counter()
+    c.post("/v1/completions", body)
+    fast = time.perf_counter() - t0
+    c.control(slow_factor=6.0)
+    try:
+        t0 = time.perf_counter()
+        c.post("/v1/completions", body)
+        slow = time.perf_counter() - t0
+    finally:
+        c.control(slow_factor=1.0)
+    assert slow > 2.5 * fast
+
+
+def test_control_rejects_bad_fields(c: Client) -> None:
+    for bad in ({"healthy": "no"}, {"fail_rate": 2}, {"slow_factor": 0}, {"bogus": 1}):
+        s, r = c.post("/sim/control", bad)
+        assert s == 400 and r["error"]["type"] == "BadRequestError"
+    state = c.get_json("/sim/state")
+    for key in ("healthy", "slow_factor", "fail_rate", "drop_connections", "requests",
+                "prefix_cache_queries", "prefix_cache_hits", "running", "waiting",
+                "blocks_free", "blocks_used"):
+        assert key in state
+
+
+def test_stream_client_disconnect_aborts(fleet: list[Client]) -> None:
+    c = fleet[2]
+    before = c.get_json("/sim/state")["aborted"]
+    conn = http.client.HTTPConnection(c.host, c.port, timeout=5)
+    conn.request("POST", "/v1/completions", orjson.dumps(
+        {"model": MODEL, "prompt": "long one", "max_tokens": 2000, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        st = c.get_json("/sim/state")
+        if st["aborted"] > before and st["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert st["aborted"] == before + 1 and st["running"] == 0 and st["blocks_used"] == 0
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+def test_metrics_names_labels_and_counters(fleet: list[Client]) -> None:
+    c = fleet[2]
+    status, data, _ = c.request("GET", "/metrics")
+    text = data.decode()
+    for name, kind in (
+        ("vllm:prefix_cache_queries", "counter"), ("vllm:prefix_cache_hits", "counter"),
+        ("vllm:prompt_tokens", "counter"), ("vllm:generation_tokens", "counter"),
+        ("vllm:request_success", "counter"), ("vllm:num_requests_running", "gauge"),
+        ("vllm:num_requests_waiting", "gauge"), ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:cache_config_info", "gauge"), ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:e2e_request_latency_seconds", "histogram"),
+    ):
+        exposed = name + "_total" if kind == "counter" else name
+        assert f"# TYPE {exposed} {kind}\n" in text, name
+    assert re.search(r'vllm:cache_config_info\{[^}]*block_size="16"[^}]*enable_prefix_caching="True"'
+                     r'[^}]*num_gpu_blocks="2048"[^}]*\} 1\.0', text)
+    buckets = re.findall(r'vllm:time_to_first_token_seconds_bucket\{engine="0",le="([^"]+)",'
+                         r'model_name="sim-tiny"\}', text)
+    assert buckets == ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25",
+                       "0.5", "0.75", "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0",
+                       "160.0", "640.0", "2560.0", "+Inf"]
+    m0 = c.metrics()
+    prompt = [5] * 50
+    c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})
+    c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})
+    m1 = c.metrics()
+    d = lambda k: m1.get(k, 0.0) - m0.get(k, 0.0)  # noqa: E731
+    assert d(lbl("vllm:prefix_cache_queries_total")) == 100
+    assert d(lbl("vllm:prefix_cache_hits_total")) == 48
+    assert d(lbl("vllm:prompt_tokens_total")) == 100
+    assert d(lbl("vllm:generation_tokens_total")) == 6
+    assert d(lbl("vllm:request_success_total", finished_reason="length")) == 2
+    assert d(lbl("vllm:time_to_first_token_seconds_count")) == 2
+    assert d(lbl("vllm:e2e_request_latency_seconds_count")) == 2
+    assert m1[lbl("vllm:num_requests_running")] == 0
+    assert 0.0 <= m1[lbl("vllm:kv_cache_usage_perc")] <= 1.0
+
+
+def test_cached_prompt_ttft_much_lower_over_http() -> None:
+    """llama profile: cold 8k-token prompt vs the same prompt cached (ratio, model time)."""
+    ft = FleetThread(SimConfig(replicas=1, base_port=0, profile="llama-3.1-70b-h100-tp8",
+                               time_scale=4.0))
+    f = ft.start()
+    try:
+        c = Client(f.urls[0])
+        model = "meta-llama/Llama-3.1-70B-Instruct"
+        ttft = lbl("vllm:time_to_first_token_seconds_sum", model_name=model)
+        body = {"model": model, "prompt": list(range(8192)), "max_tokens": 1}
+        walls = []
+        sums = [c.metrics()[ttft]]
+        for _ in range(2):
+            t0 = time.perf_counter()
+            assert c.post("/v1/completions", body)[0] == 200
+            walls.append(time.perf_counter() - t0)
+            sums.append(c.metrics()[ttft])
+        cold, warm = sums[1] - sums[0], sums[2] - sums[1]
+        assert 0.3 < cold < 0.6  # model seconds, as a real replica would report
+        assert warm < cold / 8
+        assert walls[1] < walls[0] / 3  # client-observed (scaled wall clock)
+    finally:
+        ft.stop()
+
+
+# ---- CLI in a subprocess -------------------------------------------------------------------
+
+def _free_base_port(count: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(count):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError("no free port range")
+
+
+def test_cli_three_replicas_subprocess() -> None:
+    base = _free_base_port(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "sim", "--replicas", "3", "--base-port", str(base),
+         "--profile", "tiny", "--time-scale", "20", "--num-blocks", "512"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    try:
+        timer = threading.Timer(20, proc.kill)
+        timer.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("fleet ready"):
+                break
+        timer.cancel()
+        ready = [ln for ln in lines if ln.startswith("replica ")]
+        assert ready == [f"replica {i} ready on http://127.0.0.1:{base + i}" for i in range(3)], lines
+        for i in range(3):
+            c = Client(f"http://127.0.0.1:{base + i}")
+            assert c.request("GET", "/health")[0] == 200
+            r = c.post("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})[1]
+            assert r["usage"]["completion_tokens"] == 2
+            assert c.get_json("/sim/state")["replica"] == i
+            assert 'num_gpu_blocks="512"' in c.request("GET", "/metrics")[1].decode()
+        # the --control helper flips replica 1 only
+        out = subprocess.run(
+            [sys.executable, "-m", "extproc", "sim", "--control", f"http://127.0.0.1:{base + 1}",
+             "--set", "healthy=false"], cwd=ROOT, capture_output=True, text=True, timeout=20)
+        assert out.returncode == 0 and orjson.loads(out.stdout)["healthy"] is False
+        assert Client(f"http://127.0.0.1:{base + 1}").request("GET", "/health")[0] == 503
+        assert Client(f"http://127.0.0.1:{base}").request("GET", "/health")[0] == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest, _ = proc.communicate()
+    assert proc.returncode == 0, rest
+    assert "sim: stopped" in rest
+    assert "Traceback" not in rest
