@@ -57,18 +57,9 @@ class _Spec:
     allowed: str
 
 
-def _int_in(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(raw: str) -> int:
-        value = int(raw.strip())
-        if not lo <= value <= hi:
-            raise ValueError
-        return value
-    return parse
-
-
-def _float_in(lo: float, hi: float) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        value = float(raw.strip())
+def _number_in(kind: Callable[[str], Any], lo: float, hi: float) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        value = kind(raw.strip())
         if not lo <= value <= hi:
             raise ValueError
         return value
@@ -105,14 +96,14 @@ def _non_empty(raw: str) -> str:
 
 
 SPECS: Final[dict[str, _Spec]] = {
-    "prefix_length": _Spec(_int_in(*PREFIX_LENGTH_RANGE), "an integer in 64..65536 (bytes)"),
+    "prefix_length": _Spec(_number_in(int, *PREFIX_LENGTH_RANGE), "an integer in 64..65536 (bytes)"),
     "normalize": _Spec(_choice(*MODES), "one of " + ", ".join(MODES)),
     "key_header": _Spec(_header_name, "a lower-case HTTP header name"),
     "tenant_headers": _Spec(_header_list, "a comma-separated list of HTTP header names"),
     "host": _Spec(_non_empty, "an address to bind, e.g. 127.0.0.1"),
-    "port": _Spec(_int_in(0, 65535), "a TCP port in 0..65535"),
-    "metrics_port": _Spec(_int_in(0, 65535), "a TCP port in 0..65535 (0 disables metrics)"),
-    "drain_seconds": _Spec(_float_in(0.0, 3600.0), "seconds in 0..3600"),
+    "port": _Spec(_number_in(int, 0, 65535), "a TCP port in 0..65535"),
+    "metrics_port": _Spec(_number_in(int, 0, 65535), "a TCP port in 0..65535 (0 disables metrics)"),
+    "drain_seconds": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),
     "log_level": _Spec(_choice("debug", "info", "warning", "error"), "one of debug, info, warning, error"),
     "metadata_namespace": _Spec(_non_empty, "a non-empty dynamic metadata namespace"),
 }
