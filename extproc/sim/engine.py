@@ -94,6 +94,7 @@ class Engine:
             self.sched.abort(seq)
             self.metrics.request_success("abort")
             self._refresh_gauges()
+            self._wake.set()
 
     def reset_cache(self) -> int:
         return self.sched.kv.reset()

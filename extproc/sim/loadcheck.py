@@ -1,0 +1,114 @@
+"""Measure how many requests/s one simulator process sustains (docs/simulator.md).
+
+Starts ``prefix-router sim`` in a subprocess (as a benchmark would), then runs a bounded
+aiohttp client loop: ``--concurrency`` workers send short /v1/completions requests
+round robin over the replicas for at most ``--duration`` seconds / ``--max-requests``.
+
+    python -m extproc.sim.loadcheck --replicas 8 --concurrency 32 --duration 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import orjson
+
+
+async def _load(urls: list[str], model: str, concurrency: int, duration: float,
+                max_requests: int, max_tokens: int, stream: bool) -> dict[str, float]:
+    counter = itertools.count()
+    done = errors = 0
+    latencies: list[float] = []
+    deadline = time.monotonic() + duration
+    conn = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+
+        async def worker(w: int) -> None:
+            nonlocal done, errors
+            while time.monotonic() < deadline:
+                i = next(counter)
+                if i >= max_requests:
+                    return
+                body = {"model": model, "max_tokens": max_tokens, "stream": stream,
+                        "prompt": f"shared system prompt for tenant {i % 50}. " * 8 + f"question {i}"}
+                t0 = time.monotonic()
+                try:
+                    async with session.post(urls[i % len(urls)] + "/v1/completions",
+                                            data=orjson.dumps(body),
+                                            headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    done += 1
+                    latencies.append(time.monotonic() - t0)
+                else:
+                    errors += 1
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        elapsed = time.monotonic() - t0
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2] if latencies else float("nan")
+    p99 = latencies[int(len(latencies) * 0.99)] if latencies else float("nan")
+    return {"requests": done, "errors": errors, "seconds": elapsed, "rps": done / elapsed,
+            "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds (hard cap)")
+    ap.add_argument("--max-requests", type=int, default=200_000)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--time-scale", type=float, default=100.0)
+    args = ap.parse_args(argv)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "sim", "--replicas", str(args.replicas), "--base-port", "0",
+         "--profile", args.profile, "--time-scale", str(args.time_scale)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    urls: list[str] = []
+    model = ""
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("sim: profile="):
+                model = line.split("model=")[1].split()[0]
+            if line.startswith("replica "):
+                urls.append(line.rsplit(" ", 1)[1].strip())
+            if line.startswith("fleet ready"):
+                break
+        cpu0 = _cpu_seconds(proc.pid)
+        result = asyncio.run(_load(urls, model, args.concurrency, args.duration,
+                                   args.max_requests, args.max_tokens, args.stream))
+        result["sim_cpu_percent"] = 100 * (_cpu_seconds(proc.pid) - cpu0) / result["seconds"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    return 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
