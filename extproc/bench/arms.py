@@ -1,0 +1,215 @@
+"""The arms of the A/B: stock Envoy routing, our prefix routing, and peer routers.
+
+Every Envoy arm is built from envoy/envoy.yaml (the drop-in example users deploy), so the
+benchmark measures exactly what the README ships:
+
+* stock arms drop the ext_proc filter, the hash policy and the consistent-hashing config
+  and set ``lb_policy`` (ROUND_ROBIN, LEAST_REQUEST, RANDOM);
+* prefix arms keep them and choose MAGLEV (plain or bounded with ``hash_balance_factor``)
+  or RING_HASH; ``raw-bytes`` asks the router to key on raw body bytes (SageMaker's
+  native-API behaviour) through the listener's stream metadata.
+
+All arms add a response header naming the upstream replica, so the client can tell how a
+prefix group was spread. Peer routers front the same fleet without Envoy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from extproc import envoy_config
+from extproc.envoy_proc import Envoy
+from extproc.procs import Process, free_ports, port_open, python_module, wait_until
+
+UPSTREAM_HEADER = "x-upstream-host"
+DEFAULT_BALANCE_FACTOR = 150
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    name: str
+    summary: str
+    lb_policy: str = "MAGLEV"
+    prefix: bool = False
+    normalize: str = "prompt"
+    bounded: bool = False
+    peer: str | None = None  # python module of a peer router
+
+    @property
+    def available(self) -> bool:
+        return self.peer is None or importlib.util.find_spec(self.peer) is not None
+
+
+ARMS: dict[str, ArmSpec] = {a.name: a for a in (
+    ArmSpec("round-robin", "stock Envoy ROUND_ROBIN", "ROUND_ROBIN"),
+    ArmSpec("least-request", "stock Envoy LEAST_REQUEST (power of two choices)", "LEAST_REQUEST"),
+    ArmSpec("random", "stock Envoy RANDOM", "RANDOM"),
+    ArmSpec("prefix-maglev", "prefix key + Maglev (default settings)", "MAGLEV", prefix=True),
+    ArmSpec("prefix-ring", "prefix key + ring hash", "RING_HASH", prefix=True),
+    ArmSpec("prefix-bounded", "prefix key + Maglev with bounded load (hash_balance_factor)",
+            "MAGLEV", prefix=True, bounded=True),
+    ArmSpec("raw-bytes", "key over raw body bytes + Maglev (SageMaker native API)", "MAGLEV",
+            prefix=True, normalize="raw"),
+    ArmSpec("sglang-router", "SGLang model gateway, cache_aware policy (no Envoy)", peer="sglang_router"),
+    ArmSpec("vllm-router", "vllm-router, cache_aware policy (no Envoy)", peer="vllm_router"),
+)}
+
+
+def get(name: str) -> ArmSpec:
+    try:
+        return ARMS[name]
+    except KeyError:
+        raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARMS)}") from None
+
+
+def _strip_prefix_routing(cfg: envoy_config.Config) -> None:
+    manager = envoy_config.http_manager(cfg)
+    manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] != envoy_config.EXT_PROC]
+    for route in envoy_config.routes(cfg):
+        route.get("route", {}).pop("hash_policy", None)
+    cfg["static_resources"]["clusters"] = [
+        c for c in cfg["static_resources"]["clusters"] if c["name"] != "prefix_router"]
+
+
+def envoy_config_for(
+    arm: ArmSpec,
+    backends: list[tuple[str, int]],
+    *,
+    listener_port: int,
+    admin_port: int,
+    extproc_port: int | None,
+    prefix_length: int = 4096,
+    balance_factor: int = DEFAULT_BALANCE_FACTOR,
+    base: str = "envoy.yaml",
+) -> envoy_config.Config:
+    """envoy.yaml localised to our ports and changed only where the arm differs."""
+    cfg = envoy_config.localize(envoy_config.load(base), listener_port=listener_port, admin_port=admin_port,
+                                backends=backends, extproc_port=extproc_port, health_interval=0.5)
+    vllm = envoy_config.cluster(cfg, "vllm")
+    vllm["lb_policy"] = arm.lb_policy
+    common = vllm.setdefault("common_lb_config", {})
+    if arm.prefix:
+        envoy_config.set_stream_metadata(cfg, {"x-prefix-router-prefix-length": str(prefix_length),
+                                               "x-prefix-router-normalize": arm.normalize})
+        if arm.bounded:
+            common["consistent_hashing_lb_config"] = {"hash_balance_factor": balance_factor}
+        else:
+            common.pop("consistent_hashing_lb_config", None)
+    else:
+        _strip_prefix_routing(cfg)
+        common.pop("consistent_hashing_lb_config", None)
+    vhost = envoy_config.http_manager(cfg)["route_config"]["virtual_hosts"][0]
+    vhost["response_headers_to_add"] = [
+        {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
+    return cfg
+
+
+class RunningArm:
+    """The processes of one arm in front of a running backend; ``url`` takes the traffic."""
+
+    def __init__(self, arm: ArmSpec, backend_urls: list[str], *, prefix_length: int = 4096,
+                 balance_factor: int = DEFAULT_BALANCE_FACTOR) -> None:
+        self.arm = arm
+        self.backend_urls = backend_urls
+        self.prefix_length = prefix_length
+        self.balance_factor = balance_factor
+        self.envoy: Envoy | None = None
+        self.router: Process | None = None
+        self.peer: Process | None = None
+        self.url = ""
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "RunningArm":
+        try:
+            if self.arm.peer:
+                self._start_peer()
+            else:
+                self._start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _backends(self) -> list[tuple[str, int]]:
+        out = []
+        for url in self.backend_urls:
+            host, _, port = url.split("://", 1)[1].rstrip("/").rpartition(":")
+            out.append((host, int(port)))
+        return out
+
+    def _start_envoy(self) -> None:
+        listener, admin, grpc_port = free_ports(3)
+        if self.arm.prefix:
+            self.router = Process(python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", "0",
+                                                "--log-level", "warning", "--drain-seconds", "1"), name="prefix-router")
+            self.router.wait_for_line("prefix-router ready", timeout=30)
+        cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
+                               extproc_port=grpc_port if self.arm.prefix else None,
+                               prefix_length=self.prefix_length, balance_factor=self.balance_factor)
+        self.envoy = Envoy(cfg, concurrency=1).start()
+        wanted = {f"{h}:{p}" for h, p in self._backends()}
+        wait_until(lambda: {h for h, ok in self.envoy.healthy_hosts("vllm").items() if ok} >= wanted,
+                   30, "envoy health checks to pass on every replica", interval=0.1)
+        if self.arm.prefix:
+            wait_until(lambda: any(self.envoy.healthy_hosts("prefix_router").values()), 30,
+                       "envoy to see the prefix router healthy", interval=0.1)
+        self.url = f"http://127.0.0.1:{listener}"
+
+    def _start_peer(self) -> None:
+        if not self.arm.available:
+            raise RuntimeError(f"{self.arm.name} is not installed (pip install '.[peers]')")
+        port, metrics = free_ports(2)
+        if self.arm.peer == "sglang_router":
+            argv = python_module("sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+                                 "--policy", "cache_aware", "--worker-urls", *self.backend_urls)
+        else:
+            argv = python_module("vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+                                 "--policy", "cache_aware", "--worker-urls", *self.backend_urls)
+        self.peer = Process(argv, name=self.arm.name)
+        self.peer.wait_ready(lambda: port_open(port) and _get_ok(f"http://127.0.0.1:{port}/health"), timeout=60)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        for part in (self.envoy, self.router, self.peer):
+            if part is not None:
+                part.stop()
+
+    def __enter__(self) -> "RunningArm":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- observations ------------------------------------------------------------------
+    @property
+    def pids(self) -> dict[str, int]:
+        out = {}
+        if self.envoy:
+            out["envoy"] = self.envoy.process.pid
+        if self.router:
+            out["prefix_router"] = self.router.pid
+        if self.peer:
+            out[self.arm.name] = self.peer.pid
+        return out
+
+    def envoy_stats(self) -> dict[str, Any]:
+        """ext_proc health of the run: unkeyed requests would blur the comparison."""
+        if not self.envoy:
+            return {}
+        stats = self.envoy.stats(r"ext_proc|upstream_rq_(2xx|5xx|retry)|lb_healthy_panic")
+        keep = ("failure_mode_allowed", "streams_started", "message_timeouts", "stream_msgs_sent",
+                "upstream_rq_2xx", "upstream_rq_5xx", "upstream_rq_retry", "lb_healthy_panic")
+        return {k: v for k, v in stats.items() if k.startswith(("http.", "cluster.vllm.")) and k.endswith(keep)}
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

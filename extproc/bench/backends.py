@@ -1,0 +1,137 @@
+"""The replicas an arm routes to: a fresh simulated fleet, zero-work servers, or URLs.
+
+Every arm gets a fresh fleet (cold caches, zeroed counters) when we start it; external
+servers cannot be restarted, so between arms their prefix cache is reset with vLLM's
+``POST /reset_prefix_cache`` (needs ``VLLM_SERVER_DEV_MODE=1``), best effort.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from extproc.bench.scenarios import FleetSpec
+from extproc.procs import Process, free_ports, python_module
+
+_READY = re.compile(r"replica (\d+) ready on (http://\S+)")
+
+
+def served_model(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
+def reset_prefix_cache(url: str) -> bool:
+    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Backend(Protocol):
+    urls: list[str]
+    block_size: int
+
+    def start(self) -> "Backend": ...
+    def stop(self) -> None: ...
+    @property
+    def pids(self) -> dict[str, int]: ...
+
+
+def _ready_urls(proc: Process, n: int) -> list[str]:
+    found: dict[int, str] = {}
+    for line in list(proc.lines):
+        m = _READY.search(line)
+        if m:
+            found[int(m.group(1))] = m.group(2)
+    return [found[i] for i in range(n)] if len(found) >= n else []
+
+
+@dataclass
+class SimBackend:
+    """``prefix-router sim`` in a child process, on ephemeral loopback ports."""
+
+    spec: FleetSpec
+    urls: list[str] = field(default_factory=list)
+    process: Process | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def argv(self) -> list[str]:
+        s = self.spec
+        argv = python_module("extproc", "sim", "--replicas", str(s.replicas), "--base-port", "0",
+                             "--profile", s.profile, "--time-scale", str(s.time_scale),
+                             "--block-size", str(s.block_size))
+        for flag, value in (("--num-blocks", s.num_blocks), ("--max-num-seqs", s.max_num_seqs),
+                            ("--max-num-batched-tokens", s.max_num_batched_tokens)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+    def start(self) -> "SimBackend":
+        self.process = Process(self.argv(), name="sim")
+        self.process.wait_ready(lambda: bool(_ready_urls(self.process, self.spec.replicas)), timeout=60)
+        self.urls = _ready_urls(self.process, self.spec.replicas)
+        return self
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {"sim": self.process.pid} if self.process else {}
+
+
+@dataclass
+class ZeroBackend:
+    """Zero-work servers (the overhead scenario)."""
+
+    replicas: int
+    urls: list[str] = field(default_factory=list)
+    process: Process | None = None
+    block_size: int = 16
+
+    def start(self) -> "ZeroBackend":
+        ports = free_ports(self.replicas)
+        self.process = Process(python_module("extproc.bench.zero_backend", "--ports", ",".join(map(str, ports))),
+                               name="zero-backend")
+        self.process.wait_ready(lambda: bool(_ready_urls(self.process, self.replicas)), timeout=30)
+        self.urls = _ready_urls(self.process, self.replicas)
+        return self
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {"backend": self.process.pid} if self.process else {}
+
+
+@dataclass
+class ExternalBackend:
+    """Servers someone else runs (``--backend-url``); caches are reset between arms."""
+
+    urls: list[str]
+    block_size: int = 16
+    reset_ok: bool | None = None
+
+    def start(self) -> "ExternalBackend":
+        self.reset_ok = all(reset_prefix_cache(u) for u in self.urls)
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {}

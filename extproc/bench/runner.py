@@ -1,0 +1,213 @@
+"""Run a scenario against each arm on a fresh fleet with the same seeded trace.
+
+``run_bench(BenchConfig(...)) -> Report`` is the whole benchmark as a Python call (the
+tests use it); the CLI and the demo are thin wrappers. Per arm (and per concurrency
+phase): start the backend, start the arm (router + Envoy, or a peer router), read the
+replicas' counters, run the load, read them again, stop everything we started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.bench import arms as arms_mod
+from extproc.bench import backends, loadgen, progress as progress_mod, replica_metrics, report as report_mod
+from extproc.bench.oracle import oracle
+from extproc.bench.proc_cpu import CpuMeter
+from extproc.bench.scenarios import FleetSpec, LoadSpec, Scenario, get as get_scenario
+
+
+@dataclass
+class BenchConfig:
+    """Everything a run needs; None means the scenario's default."""
+
+    scenario: str = "sagemaker-8k"
+    arms: Sequence[str] | None = None
+    seed: int = 0
+    out: Path | None = None
+    quick: bool = False
+    params: Mapping[str, Any] = field(default_factory=dict)
+    replicas: int | None = None
+    requests: int | None = None
+    time_scale: float | None = None
+    load_mode: str | None = None
+    concurrency: int | None = None
+    rate: float | None = None
+    duration_s: float | None = None
+    num_blocks: int | None = None
+    profile: str | None = None
+    prefix_length: int | None = None
+    balance_factor: int = arms_mod.DEFAULT_BALANCE_FACTOR
+    backend_urls: Sequence[str] = ()
+    plots: bool = True
+    progress: progress_mod.Progress | None = None
+
+
+def _params(scenario: Scenario, cfg: BenchConfig) -> dict[str, Any]:
+    overrides = dict(cfg.params)
+    for key, value in (("replicas", cfg.replicas), ("requests", cfg.requests), ("time_scale", cfg.time_scale)):
+        if value is not None and key in scenario.params:
+            overrides[key] = value
+    return scenario.resolve(overrides, quick=cfg.quick)
+
+
+def _fleet(scenario: Scenario, params: Mapping[str, Any], cfg: BenchConfig) -> FleetSpec:
+    spec = scenario.fleet(dict(params))
+    changes = {k: v for k, v in (("num_blocks", cfg.num_blocks), ("profile", cfg.profile),
+                                 ("replicas", cfg.replicas)) if v is not None}
+    return dataclasses.replace(spec, **changes)
+
+
+def _load(scenario: Scenario, cfg: BenchConfig) -> LoadSpec:
+    base = scenario.load
+    return LoadSpec(mode=cfg.load_mode or base.mode, concurrency=cfg.concurrency or base.concurrency,
+                    rate=cfg.rate or base.rate, duration_s=cfg.duration_s or base.duration_s)
+
+
+def _backend(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig):
+    if cfg.backend_urls:
+        return backends.ExternalBackend(list(cfg.backend_urls), block_size=spec.block_size)
+    if scenario.backend == "zero":
+        return backends.ZeroBackend(spec.replicas)
+    return backends.SimBackend(spec)
+
+
+def _model(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> str:
+    if cfg.backend_urls:
+        return backends.served_model(cfg.backend_urls[0])
+    if scenario.backend == "zero":
+        return "zero"
+    from extproc.sim.profiles import get_profile
+
+    return get_profile(spec.profile).model
+
+
+def _arm_names(scenario: Scenario, cfg: BenchConfig, note) -> list[str]:
+    names = list(cfg.arms or scenario.arms)
+    out = []
+    for name in names:
+        arm = arms_mod.get(name)
+        if arm.available:
+            out.append(name)
+        else:
+            note(f"skipping {name}: not installed (pip install '.[peers]')")
+    return out
+
+
+def run_bench(cfg: BenchConfig) -> report_mod.Report:
+    scenario = get_scenario(cfg.scenario)
+    params = _params(scenario, cfg)
+    spec = _fleet(scenario, params, cfg)
+    load = _load(scenario, cfg)
+    prog = cfg.progress or progress_mod.Quiet()
+    model = _model(scenario, spec, cfg)
+    trace = scenario.trace(params, cfg.seed, model)
+    best = oracle(trace.requests, spec.block_size).hit_rate
+    prefix_length = cfg.prefix_length or scenario.prefix_length
+    names = _arm_names(scenario, cfg, prog.note)
+    report = report_mod.Report(
+        scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
+        fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else scenario.backend},
+        load={**dataclasses.asdict(load), "prefix_length": prefix_length,
+              **({"phases": list(scenario.phases)} if scenario.phases else {})},
+        oracle_hit_rate=best,
+    )
+    prog.note(f"{scenario.name}: {len(trace)} requests in {len(trace.sessions)} sessions, oracle hit rate "
+              f"{best:.0%}, arms {', '.join(names)}")
+    phases = scenario.phases or (load.concurrency,)
+    try:
+        for name in names:
+            arm = arms_mod.get(name)
+            per_phase: dict[str, dict[str, Any]] = {}
+            for concurrency in phases:
+                label = f"{name}" + (f" c={concurrency}" if scenario.phases else "")
+                phase_load = dataclasses.replace(load, concurrency=concurrency)
+                summary, ttfts = _run_arm(arm, label, scenario, spec, phase_load, trace, best, prefix_length, cfg, prog)
+                per_phase[f"c{concurrency}"] = summary
+                report.ttft_samples[label] = ttfts
+            main = dict(per_phase[f"c{phases[-1]}"])
+            if scenario.phases:
+                main["phases"] = per_phase
+            report.arms[name] = main
+    finally:
+        progress_mod.stop(prog)
+    if scenario.phases and len(names) >= 2:
+        stock = next((n for n in names if not arms_mod.get(n).prefix), names[0])
+        ours = next((n for n in names if arms_mod.get(n).prefix), names[-1])
+        report.overhead = report_mod.overhead_summary(report.arms, stock, ours)
+    _add_notes(report)
+    if cfg.out is not None:
+        out = Path(cfg.out)
+        if cfg.plots:
+            from extproc.bench import plots
+
+            plots.write_all(report, out)
+        report_mod.write(report, out)
+    return report
+
+
+def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
+             trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
+             prog: progress_mod.Progress) -> tuple[dict[str, Any], list[float]]:
+    backend = _backend(scenario, spec, cfg)
+    prog.note(f"{label}: starting fleet and arm")
+    backend.start()
+    try:
+        with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length,
+                                 balance_factor=cfg.balance_factor) as running:
+            before = _scrape(backend.urls, scenario)
+            meter = CpuMeter({**backend.pids, **running.pids})
+            prog.start(label, len(trace))
+            result = _run_async(loadgen.run_load(
+                running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
+                duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance))
+            cpu = meter.stop()
+            after = _scrape(backend.urls, scenario)
+            envoy = running.envoy_stats()
+    finally:
+        backend.stop()
+    fleet = replica_metrics.delta(before, after) if before and after else None
+    summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
+                                   backend_urls=backend.urls, cpu=cpu, envoy=envoy)
+    prog.finish(f"{label}: ttft p50 {summary['ttft_ms']['p50']} ms, hit rate {summary['kv_hit_rate']}, "
+                f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}")
+    ttfts = [r.ttft * 1000 for r in result.results if r.ok and r.ttft is not None]
+    return summary, ttfts
+
+
+def _scrape(urls: Sequence[str], scenario: Scenario) -> list[replica_metrics.ReplicaCounters]:
+    try:
+        return replica_metrics.scrape_all(urls)
+    except OSError:
+        return []
+
+
+def _run_async(coro):
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _add_notes(report: report_mod.Report) -> None:
+    for name, a in report.arms.items():
+        client = a["client"]
+        if client["saturated"]:
+            report.notes.append(
+                f"{name}: the load generator was saturated (CPU {client['cpu_fraction']:.0%} of a core, loop lag "
+                f"p99 {client['loop_lag_p99_ms']:.0f} ms): its latencies include client queueing.")
+        busy = a["cpu_s"].get("machine_busy_fraction")
+        if busy is not None and busy > 0.9:
+            report.notes.append(f"{name}: the machine's CPUs were {busy:.0%} busy: latencies include CPU contention.")
+        unkeyed = sum(v for k, v in a["envoy"].items() if k.endswith("failure_mode_allowed"))
+        if unkeyed:
+            report.notes.append(f"{name}: {unkeyed} requests went on unkeyed (ext_proc failure_mode_allow).")
+        if a["success_rate"] < 1:
+            report.notes.append(f"{name}: success rate {a['success_rate']:.1%} ({a['errors']}).")
