@@ -82,12 +82,14 @@ class SimProcess:
 
     def __init__(self, python: str, port: int, block_size: int, num_blocks: int,
                  max_num_batched_tokens: int, time_scale: float, profile: str = "tiny",
+                 max_model_len: int = 8192,
                  logfile: Path | None = None) -> None:
         self.python, self.port = python, port
         self.cmd = [python, "-m", "extproc", "sim", "--replicas", "1", "--base-port", str(port),
                     "--profile", profile, "--block-size", str(block_size),
                     "--num-blocks", str(num_blocks),
                     "--max-num-batched-tokens", str(max_num_batched_tokens),
+                    "--max-model-len", str(max_model_len),
                     "--time-scale", str(time_scale)]
         self.logfile = logfile or Path(tempfile.mkstemp(prefix="sim-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
@@ -202,7 +204,9 @@ def format_row(r: Row) -> str:
             f"{match:<5} {r.real_ms:>8.0f} {sim_ms:>7}  {r.label}")
 
 
-def summarize(rows: list[Row], with_sim: bool) -> dict:
+def summarize(rows: list[Row], with_sim: bool, tail_ref: Trace | None = None) -> dict:
+    """Per-phase counts. ``tail_ref``: the same trace's expectations under the simpler
+    "every freed block to the queue tail" model, compared with the simulator."""
     out: dict = {}
     for phase in ("fit", "evict"):
         pr = [r for r in rows if r.phase == phase]
@@ -220,6 +224,10 @@ def summarize(rows: list[Row], with_sim: bool) -> dict:
             d["sim_queries"] = sum(r.sim_queries or 0 for r in pr)
             d["sim_hits"] = sum(r.sim_hits or 0 for r in pr)
             d["mismatches"] = [r.index for r in pr if not r.match]
+            if tail_ref is not None:
+                d["sim_vs_tail_ref_match"] = sum(
+                    r.sim_queries == tail_ref.expected[r.index].queries
+                    and r.sim_hits == tail_ref.expected[r.index].hits for r in pr)
         out[phase] = d
     return out
 
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="python for `-m extproc sim` (default: /work/main/.venv/bin/python or this one)")
     p.add_argument("--sim-port", type=int, default=8390)
     p.add_argument("--sim-url", default=None, help="use this running simulator instead of starting one")
-    p.add_argument("--sim-time-scale", type=float, default=0.01)
+    p.add_argument("--sim-time-scale", type=float, default=20.0,
+                   help="simulator speed-up (simulated durations are divided by it)")
     p.add_argument("--no-sim", action="store_true", help="real vLLM vs the reference model only")
     p.add_argument("--json", default=None, help="write rows and summary to this file")
     a = p.parse_args(argv)
@@ -253,14 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.vllm_url:
             real_url = a.vllm_url.rstrip("/")
+            status, _ = promtext.http_post_json(real_url + "/reset_prefix_cache", {}, timeout=30)
+            if status != 200:
+                log(f"[fidelity] WARNING: POST {real_url}/reset_prefix_cache -> {status} "
+                    "(start vLLM with VLLM_SERVER_DEV_MODE=1); its cache is not fresh")
         else:
             model_dir = Path(a.model)
             ensure_model(model_dir, a.vllm_python)
             fleet = VllmFleet(model_dir, 1, a.vllm_port, a.vllm_python, block_size=a.block_size,
                               num_gpu_blocks=a.num_gpu_blocks or None,
-                              max_num_batched_tokens=a.max_num_batched_tokens)
+                              max_num_batched_tokens=a.max_num_batched_tokens, dev_mode=True)
             fleet.start()
             real_url = fleet.urls[0]
+            info["reset_prefix_cache_ok"] = fleet.reset_prefix_cache()[0]
             info["vllm_startup_s"] = round(fleet.startup_seconds[0], 1)
             info["vllm_rss_mb_ready"] = round(fleet.rss_mb(0))
         real_model = served_model(real_url)
@@ -280,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             pass
         trace = build_trace(block_size=block_size, seed=a.seed, requests=a.requests,
                             num_blocks=num_blocks, evict=a.evict, vocab_high=vocab_high)
+        tail_ref = build_trace(block_size=block_size, seed=a.seed, requests=a.requests,
+                               num_blocks=num_blocks, evict=a.evict, vocab_high=vocab_high,
+                               unhashed_to_front=False)
 
         sim_url = sim_model = None
         if not a.no_sim:
@@ -293,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                                  a.max_num_batched_tokens, a.sim_time_scale)
                 sim_url = sim.start()
             sim_model = served_model(sim_url)
+            if a.sim_url:
+                promtext.http_post_json(sim_url + "/reset_prefix_cache", {}, timeout=30)
             scc = promtext.cache_config(sim_url)
             info["sim_cache_config_info"] = scc
             log(f"[fidelity] simulator {sim_url}: cache_config_info {scc}")
@@ -309,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         if fleet is not None:
             fleet.stop()
 
-    summary = summarize(rows, sim_url is not None)
+    summary = summarize(rows, sim_url is not None, tail_ref)
     fit = summary.get("fit", {})
     print()
     for phase, d in summary.items():
@@ -317,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if "real_vs_sim_match" in d:
             parts.append(f"real==sim {d['real_vs_sim_match']}/{d['requests']}")
         parts.append(f"real==reference {d['real_vs_ref_match']}/{d['requests']}")
+        if "sim_vs_tail_ref_match" in d:
+            parts.append(f"sim==all-to-tail reference {d['sim_vs_tail_ref_match']}/{d['requests']}")
         parts.append(f"hit tokens real {d['real_hits']}" + (f" sim {d['sim_hits']}" if "sim_hits" in d else "")
                      + f" ref {d['ref_hits']} of {d['real_queries']} queried")
         print("; ".join(parts))

@@ -10,6 +10,7 @@ Python API (what the benchmark's ``--backend vllm-cpu`` uses)::
         fleet.model_name    # the served model name (the --model path unless served_model_name)
         fleet.pids          # server PIDs
         fleet.cache_config(0)   # labels of vllm:cache_config_info, e.g. block_size, num_gpu_blocks
+        fleet.reset_prefix_cache()  # [True, True] with dev_mode=True
     # every server has been stopped here (SIGTERM to its own process group, then SIGKILL)
 
 ``VllmFleet(...).start()`` / ``.stop()`` do the same without ``with``. ``start()`` returns the
@@ -116,6 +117,8 @@ class VllmFleet:
     kv_cache_space_gb: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache per server).
     cores: CPU core per replica for ``VLLM_CPU_OMP_THREADS_BIND`` (default: i mod cpu count).
     served_model_name: ``--served-model-name`` (default: the model path, vLLM's default).
+    dev_mode: set ``VLLM_SERVER_DEV_MODE=1`` so that ``POST /reset_prefix_cache`` works
+        (see :meth:`reset_prefix_cache`; benchmarks use it between runs).
     extra_args: more api_server arguments, appended as is.
     extra_env: more environment variables for the servers.
     workdir: where logs and caches go (default: a new temp dir, removed by :meth:`stop`
@@ -140,6 +143,7 @@ class VllmFleet:
         kv_cache_space_gb: int = 2,
         cores: Sequence[int] | None = None,
         served_model_name: str | None = None,
+        dev_mode: bool = False,
         extra_args: Sequence[str] = (),
         extra_env: dict[str, str] | None = None,
         workdir: str | os.PathLike | None = None,
@@ -167,6 +171,7 @@ class VllmFleet:
         if len(self.cores) != replicas:
             raise ValueError("cores must have one entry per replica")
         self.served_model_name = served_model_name
+        self.dev_mode = dev_mode
         self.extra_args = list(extra_args)
         self.extra_env = dict(extra_env or {})
         self._own_workdir = workdir is None
@@ -246,6 +251,8 @@ class VllmFleet:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         })
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(self.extra_env)
         return env
 
@@ -361,6 +368,21 @@ class VllmFleet:
         """Labels of replica i's ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...)."""
         return promtext.cache_config(self.urls[i])
 
+    def reset_prefix_cache(self) -> list[bool]:
+        """POST /reset_prefix_cache on every replica (needs ``dev_mode=True``); which worked.
+
+        A reset leaves every block free and without a hash, which for prefix-cache purposes
+        is the same as a fresh server (counters keep counting: use deltas).
+        """
+        ok = []
+        for u in self.urls:
+            try:
+                status, _ = promtext.http_post_json(u + "/reset_prefix_cache", {}, timeout=30)
+            except OSError:
+                status = 0
+            ok.append(status == 200)
+        return ok
+
     def rss_mb(self, i: int = 0) -> float:
         """Resident memory of replica i (API server + engine core), MB."""
         return _rss_mb_tree(self.procs[i].pid) if i < len(self.procs) else 0.0
@@ -397,6 +419,8 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-space-gb", type=int, default=2)
     p.add_argument("--startup-timeout", type=float, default=420.0)
     p.add_argument("--workdir", default=None, help="logs and caches (default: a temp dir)")
+    p.add_argument("--dev-mode", action="store_true",
+                   help="VLLM_SERVER_DEV_MODE=1 (enables POST /reset_prefix_cache)")
 
 
 def fleet_from_args(a: argparse.Namespace) -> VllmFleet:
@@ -404,7 +428,7 @@ def fleet_from_args(a: argparse.Namespace) -> VllmFleet:
         a.model, a.replicas, a.base_port, a.python, block_size=a.block_size,
         num_gpu_blocks=a.num_gpu_blocks, max_model_len=a.max_model_len,
         max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_space_gb=a.kv_cache_space_gb,
-        startup_timeout=a.startup_timeout, workdir=a.workdir,
+        startup_timeout=a.startup_timeout, workdir=a.workdir, dev_mode=a.dev_mode,
         keep_workdir=a.workdir is not None,
     )
 

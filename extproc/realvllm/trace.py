@@ -220,8 +220,9 @@ def build_trace(
         trace.expected.append(exp)
         return sized.evicted
 
-    A = g.tokens(3 * B + 37)
-    add("fit", "cold doc A (3 blocks + 37)", A)
+    tail_a = max(1, 37 * B // 128)  # 37 at B=128: a partial last block
+    A = g.tokens(3 * B + tail_a)
+    add("fit", f"cold doc A (3 blocks + {tail_a})", A)
     add("fit", "repeat A", A)
     add("fit", "A[:3B] + new 50-token tail", A[: 3 * B] + g.tokens(50))
     add("fit", "A[:2B], exact block multiple (hit capped at len-1)", A[: 2 * B])
