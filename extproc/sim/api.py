@@ -158,6 +158,10 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     n = _int_field(body, "n", 1) or 1
+    min_tokens = _int_field(body, "min_tokens", 0) or 0
+    if min_tokens > max_tokens:
+        raise ApiError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                       f"got {min_tokens}.", param="min_tokens")
     for p in prompts:
         if not p:
             raise ApiError("The prompt cannot be empty.", param="prompt")

@@ -7,6 +7,7 @@ that keys on "tools + messages" sees the same prefix structure the replica cache
     <|tools|>\n{canonical JSON of tools}<|end|>\n          (only if tools are given)
     <|{role}|>\n{content}<|end|>\n                        (per message)
     <|{role}:{name}|>\n...                                (when the message has a name)
+    <|{role}#{tool_call_id}|>\n...                        (tool results; after the name)
     ...{content}<|tool_calls|>{canonical JSON}<|end|>\n     (when it has tool_calls)
     <|assistant|>\n                                       (add_generation_prompt, default)
 
