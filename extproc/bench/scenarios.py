@@ -261,7 +261,7 @@ GSP = Scenario(
     generate=_gsp,
     fleet=_gsp_fleet,
     load=LoadSpec(concurrency=16, rate=20.0),
-    quick=dict(requests=64, groups=8, prompts_per_group=8, system_tokens=512, output_tokens=8,
+    quick=dict(requests=64, groups=8, prompts_per_group=8, system_tokens=1100, output_tokens=8,
                replicas=3, time_scale=20.0),
 )
 
@@ -289,7 +289,7 @@ HOT_PREFIX = Scenario(
     fleet=_hot_prefix_fleet,
     load=LoadSpec(concurrency=24, rate=80.0),
     arms=ENVOY_ARMS,
-    quick=dict(requests=60, prefixes=6, prefix_tokens=500, replicas=3, time_scale=20.0, output_tokens=8),
+    quick=dict(requests=60, prefixes=6, prefix_tokens=1100, replicas=3, time_scale=20.0, output_tokens=8),
 )
 
 
@@ -327,7 +327,7 @@ TENANTS = Scenario(
     generate=_tenants,
     fleet=_tenants_fleet,
     load=LoadSpec(concurrency=16, rate=40.0),
-    quick=dict(requests=60, tenants=4, documents=2, prefix_tokens=500, replicas=3, time_scale=20.0,
+    quick=dict(requests=60, tenants=4, documents=2, prefix_tokens=1100, replicas=3, time_scale=20.0,
                output_tokens=8),
 )
 
@@ -381,7 +381,7 @@ SERIALIZATION = Scenario(
         num_blocks=int(p["prefixes"] * p["kv_share_per_replica"] + 8)
         * blocks(p["prefix_tokens"] + p["question_max"] + p["output_tokens"] + 48) + 1),
     load=LoadSpec(concurrency=16, rate=40.0),
-    quick=dict(requests=60, prefixes=6, prefix_tokens=500, replicas=3, time_scale=20.0, output_tokens=8),
+    quick=dict(requests=60, prefixes=6, prefix_tokens=1100, replicas=3, time_scale=20.0, output_tokens=8),
 )
 
 

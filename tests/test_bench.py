@@ -1,0 +1,87 @@
+"""Smoke runs of the whole benchmark: real Envoy, real ext_proc server, real simulator.
+
+Quick scale (a few seconds per arm, time-scaled sim). Assertions compare hit rates,
+spread and presence of outputs, never milliseconds: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extproc.bench.runner import BenchConfig, run_bench
+from extproc.bench.scenarios import ENVOY_ARMS
+from extproc.cli import main as cli_main
+
+REPORT_KEYS = {"success_rate", "ttft_ms", "kv_hit_rate", "oracle_hit_rate", "throughput_rps",
+               "requests_per_replica", "e2e_ms", "tpot_ms", "output_tokens_per_s", "client"}
+
+
+def test_sagemaker_quick_prefix_routing_beats_round_robin_and_writes_every_output(tmp_path: Path) -> None:
+    report = run_bench(BenchConfig(scenario="sagemaker-8k", quick=True, arms=["round-robin", "prefix-maglev"],
+                                   out=tmp_path))
+    for name in ("report.json", "report.md", "ttft_cdf.png", "hit_rate.png", "requests_per_replica.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["scenario"] == "sagemaker-8k"
+    assert set(data["arms"]) == {"round-robin", "prefix-maglev"}
+    for arm in data["arms"].values():
+        assert REPORT_KEYS <= set(arm)
+        assert arm["success_rate"] == 1.0
+        assert set(arm["ttft_ms"]) >= {"p50", "p90", "p99"}
+        assert len(arm["requests_per_replica"]) == 3 and sum(arm["requests_per_replica"]) == arm["ok"]
+        assert arm["client"]["saturated"] in (True, False)
+    rr, ours = report.arms["round-robin"], report.arms["prefix-maglev"]
+    assert ours["kv_hit_rate"] > rr["kv_hit_rate"] + 0.15
+    assert ours["kv_hit_rate"] <= report.oracle_hit_rate + 0.01
+    assert ours["replicas_per_group"] == 1.0 < rr["replicas_per_group"]
+    assert ours["envoy"]["http.llm.ext_proc.failure_mode_allowed"] == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "| prefix-maglev |" in md and "vs round-robin" in md
+
+
+def test_serialization_raw_bytes_scatters_where_prompt_keys_do_not() -> None:
+    report = run_bench(BenchConfig(scenario="serialization", quick=True, arms=["raw-bytes", "prefix-maglev"]))
+    raw, ours = report.arms["raw-bytes"], report.arms["prefix-maglev"]
+    assert ours["replicas_per_group"] == 1.0
+    assert raw["replicas_per_group"] >= 1.5
+    assert ours["kv_hit_rate"] > raw["kv_hit_rate"] + 0.1
+
+
+def test_every_envoy_arm_serves_a_shared_prefix_trace() -> None:
+    report = run_bench(BenchConfig(scenario="gsp", quick=True, arms=list(ENVOY_ARMS), requests=40))
+    assert list(report.arms) == list(ENVOY_ARMS)
+    for name, arm in report.arms.items():
+        assert arm["success_rate"] == 1.0, (name, arm["errors"])
+    for name in ("prefix-maglev", "prefix-ring", "raw-bytes"):
+        assert report.arms[name]["replicas_per_group"] == 1.0, name
+    assert report.arms["round-robin"]["replicas_per_group"] > 1.5
+
+
+def test_overhead_measures_both_phases_against_the_zero_backend() -> None:
+    report = run_bench(BenchConfig(scenario="overhead", quick=True))
+    assert report.overhead is not None
+    assert set(report.overhead["phases"]) == {"c1", "c16"}
+    for arm in report.arms.values():
+        assert set(arm["phases"]) == {"c1", "c16"}
+        assert all(p["success_rate"] == 1.0 for p in arm["phases"].values())
+    assert report.arms["prefix-maglev"]["envoy"]["http.llm.ext_proc.streams_started"] >= 150
+    assert "http.llm.ext_proc.streams_started" not in report.arms["round-robin"]["envoy"]
+
+
+def test_open_loop_multi_turn_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["bench", "--scenario", "multi-turn", "--quick", "--arms", "round-robin,prefix-bounded",
+                     "--load", "open", "--rate", "40", "--out", str(tmp_path), "--no-plots", "--seed", "3"])
+    assert code == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["load"]["mode"] == "open" and data["seed"] == 3
+    assert data["arms"]["prefix-bounded"]["success_rate"] == 1.0
+    assert data["arms"]["prefix-bounded"]["kv_hit_rate"] > data["arms"]["round-robin"]["kv_hit_rate"]
+    assert "| prefix-bounded |" in capsys.readouterr().out
+
+
+def test_cli_rejects_unknown_arms_and_parameters(tmp_path: Path) -> None:
+    assert cli_main(["bench", "--arms", "round-robin,nope", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "--quick", "--param", "nope=1", "--arms", "round-robin", "--out", str(tmp_path)]) == 2

@@ -1,0 +1,160 @@
+"""The benchmark's pure parts: scenarios, oracle, arm configs, metrics parsing, report."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from extproc import envoy_config
+from extproc.bench import arms, scenarios
+from extproc.bench.loadgen import ClientStats, LoadResult, Result
+from extproc.bench.oracle import oracle
+from extproc.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
+from extproc.bench.report import Report, markdown_table, summarize
+from extproc.bench.trace import Request, TextSource, chat_body, encode
+from extproc.envoy_proc import validate
+from extproc.normalize import normalize
+
+MODEL = "m"
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
+def test_every_scenario_is_seeded_and_sized(name: str) -> None:
+    sc = scenarios.get(name)
+    params = sc.resolve(quick=True)
+    a, b = sc.trace(params, 1, MODEL), sc.trace(params, 1, MODEL)
+    other = sc.trace(params, 2, MODEL)
+    assert [r.body for r in a.requests] == [r.body for r in b.requests]
+    assert [r.body for r in a.requests] != [r.body for r in other.requests]
+    assert len(a) == params["requests"] or name == "multi-turn" and len(a) >= params["requests"]
+    assert all(orjson.loads(r.body)["stream"] is True for r in a.requests)
+
+
+def test_unknown_parameter_is_an_error_and_strings_are_coerced() -> None:
+    sc = scenarios.get("sagemaker-8k")
+    assert sc.resolve({"prefixes": "9", "time_scale": "2.5"})["prefixes"] == 9
+    assert sc.resolve({"time_scale": "2.5"})["time_scale"] == 2.5
+    with pytest.raises(KeyError):
+        sc.resolve({"prefixez": 3})
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_sagemaker_working_set_exceeds_one_replica_but_fits_the_fleet(quick: bool) -> None:
+    sc = scenarios.get("sagemaker-8k")
+    p = sc.resolve(quick=quick)
+    fleet = sc.fleet(p)
+    working_set = p["prefixes"] * scenarios.blocks(p["prefix_tokens"])
+    assert working_set > fleet.num_blocks
+    assert working_set < fleet.replicas * fleet.num_blocks * 0.9
+
+
+def test_serialization_varies_bytes_but_not_the_prompt_key() -> None:
+    sc = scenarios.get("serialization")
+    trace = sc.trace(sc.resolve(quick=True), 0, MODEL)
+    by_group: dict[str, list[bytes]] = {}
+    for r in trace.requests:
+        by_group.setdefault(r.group, []).append(r.body)
+    for bodies in by_group.values():
+        prompt_views = {normalize(b, "prompt").data for b in bodies}
+        # same system prompt, different questions: the first PrefixLength bytes agree
+        assert len({v[:1024] for v in prompt_views}) == 1
+        assert len({b[:1024] for b in bodies}) > 1  # raw bytes differ
+
+
+def test_multi_turn_history_grows_and_keeps_its_key_prefix() -> None:
+    sc = scenarios.get("multi-turn")
+    trace = sc.trace(sc.resolve(quick=True), 0, MODEL)
+    for session in trace.sessions:
+        views = [normalize(r.body, "prompt").data for r in session.requests]
+        assert len({v[:4096] for v in views}) == 1
+        sizes = [len(orjson.loads(r.body)["messages"]) for r in session.requests]
+        assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+
+
+def _req(rid: int, text: str, salt: str | None = None) -> Request:
+    extra = {"cache_salt": salt} if salt else {}
+    body = chat_body(MODEL, [{"role": "user", "content": text}], 4, **extra)
+    return Request(rid=rid, body=encode(body), group="g", max_tokens=4)
+
+
+def test_oracle_counts_every_prefix_missing_once() -> None:
+    prefix = TextSource(random.Random(1)).text(400)
+    reqs = [_req(0, prefix + " one"), _req(1, prefix + " two"), _req(2, "something else entirely " * 40)]
+    result = oracle(reqs, 16)
+    assert 0.3 < result.hit_rate < 0.5  # only the second request hits, its ~400-token prefix
+    assert oracle([_req(0, prefix), _req(1, prefix, salt="a")], 16).hit_tokens == 0  # a salt isolates
+    assert oracle(reqs[:1], 16).hit_rate == 0
+
+
+def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path) -> None:
+    backends = [("127.0.0.1", 18100), ("127.0.0.1", 18101)]
+    for name, spec in arms.ARMS.items():
+        if spec.peer:
+            continue
+        cfg = arms.envoy_config_for(spec, backends, listener_port=18000, admin_port=18001, extproc_port=18002,
+                                    prefix_length=2048)
+        names = [f["name"] for f in envoy_config.http_manager(cfg)["http_filters"]]
+        route = envoy_config.routes(cfg)[0]["route"]
+        cluster = envoy_config.cluster(cfg, "vllm")
+        assert cluster["lb_policy"] == spec.lb_policy
+        balance = cluster.get("common_lb_config", {}).get("consistent_hashing_lb_config")
+        assert bool(balance) == spec.bounded
+        if spec.prefix:
+            assert envoy_config.EXT_PROC in names and route["hash_policy"]
+            meta = {m["key"]: m["value"] for m in envoy_config.http_filter(cfg, envoy_config.EXT_PROC)
+                    ["grpc_service"]["initial_metadata"]}
+            assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize}
+        else:
+            assert envoy_config.EXT_PROC not in names and "hash_policy" not in route
+        ok, out = validate(envoy_config.dump(cfg, tmp_path / f"{name}.yaml"))
+        assert ok, out
+
+
+def test_metrics_parse_sums_label_sets() -> None:
+    text = (
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 40.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 2.0\n'
+    )
+    c = parse(text)
+    assert (c.queries, c.hits, c.requests) == (100, 40, 5)
+    fleet = FleetDelta([c - ReplicaCounters(queries=50, hits=0, requests=1), ReplicaCounters(50, 10, 4)])
+    assert fleet.kv_hit_rate == pytest.approx(50 / 100)
+    assert fleet.requests_per_replica == [4, 4]
+
+
+def _load(ttfts: list[float], replica: str) -> LoadResult:
+    results = [Result(rid=i, group=f"g{i % 2}", start=0.0, ok=True, status=200, ttft=t, e2e=t * 2,
+                      output_tokens=4, prompt_tokens=100, cached_tokens=50, replica=replica)
+               for i, t in enumerate(ttfts)]
+    return LoadResult(results, ClientStats(wall_s=1, cpu_s=0.1, max_rss_mb=1, loop_lag_p99_ms=1), 0.0, 1.0)
+
+
+def test_report_table_compares_every_arm_with_round_robin() -> None:
+    rep = Report("s", "summary", 0, {}, {}, {})
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    for name, ttft, host in (("round-robin", 0.1, "127.0.0.1:1"), ("prefix-maglev", 0.05, "127.0.0.1:2")):
+        rep.arms[name] = summarize(_load([ttft] * 10, host), None, oracle_hit_rate=0.8, total_requests=10,
+                                   backend_urls=urls, cpu={}, envoy={})
+    table = markdown_table(rep)
+    assert "| prefix-maglev | 50.0 | -50% |" in table
+    assert rep.arms["prefix-maglev"]["requests_per_replica"] == [0, 10]
+    assert rep.arms["prefix-maglev"]["replicas_per_group"] == 1.0
+    assert rep.arms["round-robin"]["client_cached_rate"] == 0.5
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize("name", sorted(set(scenarios.SCENARIOS) - {"no-sharing", "overhead"}))
+def test_requests_of_a_group_share_the_bytes_the_router_hashes(name: str, quick: bool) -> None:
+    """PrefixLength must cover only the shared part, or the key would differ per question."""
+    sc = scenarios.get(name)
+    params = sc.resolve({"requests": 60}, quick=quick)
+    keys: dict[str, set[bytes]] = {}
+    for r in sc.trace(params, 0, MODEL).requests:
+        tenant = dict(r.headers).get("x-prefix-aware-id", "")
+        keys.setdefault(r.group, set()).add(tenant.encode() + normalize(r.body, "prompt").data[:sc.prefix_length])
+    assert all(len(v) == 1 for v in keys.values())
+    assert len(keys) > 1
