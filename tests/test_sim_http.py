@@ -530,3 +530,50 @@ def test_cli_three_replicas_subprocess() -> None:
     assert proc.returncode == 0, rest
     assert "sim: stopped" in rest
     assert "Traceback" not in rest
+
+
+# ---- concurrency -------------------------------------------------------------------------
+
+def test_concurrent_load_with_kv_pressure_and_max_num_seqs() -> None:
+    """24 concurrent requests, 4 seqs max, KV for ~3 of them: all succeed, limits hold."""
+    import asyncio
+
+    import aiohttp
+
+    ft = FleetThread(SimConfig(replicas=1, base_port=0, profile="tiny", time_scale=5.0,
+                               num_blocks=30, max_num_seqs=4, max_num_batched_tokens=128))
+    f = ft.start()
+    url = f.urls[0]
+
+    async def drive() -> tuple[list[int], list[dict[str, Any]]]:
+        samples: list[dict[str, Any]] = []
+        async with aiohttp.ClientSession() as s:
+            async def one(i: int) -> int:
+                body = {"model": MODEL, "prompt": list(range(i, i + 100)), "max_tokens": 30,
+                        "stream": i % 2 == 0}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+
+            async def sample() -> None:
+                for _ in range(200):
+                    async with s.get(url + "/sim/state") as r:
+                        samples.append(await r.json())
+                    await asyncio.sleep(0.01)
+
+            sampler = asyncio.ensure_future(sample())
+            statuses = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(24))), 20)
+            sampler.cancel()
+        return list(statuses), samples
+
+    try:
+        statuses, samples = asyncio.run(drive())
+        state = Client(url).get_json("/sim/state")
+    finally:
+        ft.stop()
+    assert statuses == [200] * 24
+    assert max(x["running"] for x in samples) <= 4
+    assert max(x["waiting"] for x in samples) > 0
+    assert state["finished"] == 24 and state["running"] == 0 and state["waiting"] == 0
+    assert state["blocks_used"] == 0 and state["preemptions"] > 0
+    assert state["prefix_cache_queries"] == 24 * 100
