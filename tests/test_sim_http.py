@@ -352,17 +352,40 @@ def test_reset_cache_makes_repeat_a_miss(c: Client) -> None:
 def test_slow_factor_slows_steps(fleet: list[Client]) -> None:
     c = fleet[1]
     body = {"model": MODEL, "prompt": "tick", "max_tokens": 40}
-    t0 = time.perf_counter()
+    e2e = lbl("vllm:e2e_request_latency_seconds_sum")
+    m0 = c.metrics()[e2e]
     c.post("/v1/completions", body)
-    fast = time.perf_counter() - t0
+    m1 = c.metrics()[e2e]
     c.control(slow_factor=6.0)
     try:
         t0 = time.perf_counter()
         c.post("/v1/completions", body)
-        slow = time.perf_counter() - t0
+        slow_wall = time.perf_counter() - t0
     finally:
         c.control(slow_factor=1.0)
-    assert slow > 2.5 * fast
+    m2 = c.metrics()[e2e]
+    step = 0.002 + 0.05e-3  # tiny profile, one decode
+    assert m1 - m0 >= 40 * step * 0.99  # model seconds
+    assert m2 - m1 >= 6 * 40 * step * 0.99
+    assert m2 - m1 > 2.5 * (m1 - m0)
+    assert slow_wall >= 6 * 40 * step / 20 * 0.99  # wall = model / time_scale
+
+
+def test_non_streaming_client_disconnect_aborts(fleet: list[Client]) -> None:
+    c = fleet[1]
+    before = c.get_json("/sim/state")["aborted"]
+    with socket.create_connection((c.host, c.port), timeout=5) as s:
+        body = orjson.dumps({"model": MODEL, "prompt": "long", "max_tokens": 4000})
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        st = c.get_json("/sim/state")
+        if st["aborted"] > before and st["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert st["aborted"] == before + 1 and st["running"] == 0 and st["blocks_used"] == 0
 
 
 def test_control_rejects_bad_fields(c: Client) -> None:

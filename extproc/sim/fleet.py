@@ -84,7 +84,9 @@ async def start_fleet(config: SimConfig) -> Fleet:
             rep = Replica(i, profile, config.time_scale, seed=config.seed)
             rep.engine.start()
             replicas.append(rep)
-            runner = web.AppRunner(rep.app, access_log=None, handle_signals=False)
+            # handler_cancellation: a client that disconnects aborts its request, as in vLLM
+            runner = web.AppRunner(rep.app, access_log=None, handle_signals=False,
+                                   handler_cancellation=True)
             await runner.setup()
             runners.append(runner)
             port = 0 if config.base_port == 0 else config.base_port + i
