@@ -57,11 +57,23 @@ async def _load(urls: list[str], model: str, concurrency: int, duration: float,
         t0 = time.monotonic()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.monotonic() - t0
+        e2e_sum = e2e_count = snapped = 0.0
+        for url in urls:  # the replicas' own view, in model seconds
+            async with session.get(url + "/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    if line.startswith("vllm:e2e_request_latency_seconds_sum"):
+                        e2e_sum += float(line.rsplit(" ", 1)[1])
+                    elif line.startswith("vllm:e2e_request_latency_seconds_count"):
+                        e2e_count += float(line.rsplit(" ", 1)[1])
+            async with session.get(url + "/sim/state") as r:
+                snapped += (await r.json())["snapped_model_s"]
     latencies.sort()
     p50 = latencies[len(latencies) // 2] if latencies else float("nan")
     p99 = latencies[int(len(latencies) * 0.99)] if latencies else float("nan")
     return {"requests": done, "errors": errors, "seconds": elapsed, "rps": done / elapsed,
-            "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3}
+            "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
+            "model_e2e_mean_ms": 1e3 * e2e_sum / e2e_count if e2e_count else float("nan"),
+            "lag_model_s_per_replica": snapped / max(1, len(urls))}
 
 
 def main(argv: list[str] | None = None) -> int:
