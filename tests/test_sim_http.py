@@ -157,7 +157,8 @@ def test_completion_non_streaming_and_cached_tokens(c: Client) -> None:
 
 
 def test_default_max_tokens_and_max_completion_tokens(c: Client) -> None:
-    r = c.post("/v1/completions", {"model": MODEL, "prompt": "abc"})[1]
+    r = c.post("/v1/completions", {"model": MODEL, "prompt": "abc", "stream": None,
+                                   "max_tokens": None})[1]
     assert r["usage"]["completion_tokens"] == 16
     r = c.post("/v1/chat/completions", {"model": MODEL, "max_completion_tokens": 2,
                                         "messages": [{"role": "user", "content": "x"}]})[1]

@@ -171,7 +171,9 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
                 f"you requested {len(p) + max_tokens} tokens ({len(p)} in the messages, "
                 f"{max_tokens} in the completion). Please reduce the length of the messages "
                 "or completion.", param="max_tokens" if len(p) < max_model_len else "prompt")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise ApiError("'stream' must be a boolean", param="stream")
     opts = body.get("stream_options")
