@@ -224,14 +224,14 @@ def _free_base_port(n: int) -> int:
 
 
 def test_launcher_command_and_environment(tmp_path):
-    f = VllmFleet(tmp_path, replicas=3, base_port=9100, python=sys.executable, block_size=16,
+    f = VllmFleet(tmp_path, replicas=3, base_port=9100, python=sys.executable, block_size=64,
                   num_gpu_blocks=64, max_num_batched_tokens=2048, workdir=tmp_path / "w",
                   dev_mode=True)
     assert f.urls == ["http://127.0.0.1:9100", "http://127.0.0.1:9101", "http://127.0.0.1:9102"]
     cmd = f.command(1)
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert "--enable-prefix-caching" in cmd
-    for flag, val in (("--port", "9101"), ("--host", "127.0.0.1"), ("--block-size", "16"),
+    for flag, val in (("--port", "9101"), ("--host", "127.0.0.1"), ("--block-size", "64"),
                       ("--num-gpu-blocks-override", "64"), ("--max-num-batched-tokens", "2048")):
         assert cmd[cmd.index(flag) + 1] == val
     ncpu = os.cpu_count() or 1
@@ -244,6 +244,8 @@ def test_launcher_command_and_environment(tmp_path):
     assert len({e["VLLM_CACHE_ROOT"] for e in envs}) == 3
     with pytest.raises(ValueError):
         VllmFleet(tmp_path, host="0.0.0.0")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        VllmFleet(tmp_path, block_size=16)
 
 
 def test_launcher_starts_waits_and_stops_by_pid(fake_vllm):

