@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ class BenchConfig:
     duration_s: float | None = None
     num_blocks: int | None = None
     profile: str | None = None
+    block_size: int | None = None  # of the backend's KV cache (for the oracle)
     prefix_length: int | None = None
     balance_factor: int = arms_mod.DEFAULT_BALANCE_FACTOR
     backend_urls: Sequence[str] = ()
@@ -59,7 +61,8 @@ def _params(scenario: Scenario, cfg: BenchConfig) -> dict[str, Any]:
 def _fleet(scenario: Scenario, params: Mapping[str, Any], cfg: BenchConfig) -> FleetSpec:
     spec = scenario.fleet(dict(params))
     changes = {k: v for k, v in (("num_blocks", cfg.num_blocks), ("profile", cfg.profile),
-                                 ("replicas", cfg.replicas)) if v is not None}
+                                 ("replicas", cfg.replicas),
+                                 ("block_size", cfg.block_size)) if v is not None}
     return dataclasses.replace(spec, **changes)
 
 
@@ -205,7 +208,10 @@ def _add_notes(report: report_mod.Report) -> None:
                 f"p99 {client['loop_lag_p99_ms']:.0f} ms): its latencies include client queueing.")
         busy = a["cpu_s"].get("machine_busy_fraction")
         if busy is not None and busy > 0.9:
-            report.notes.append(f"{name}: the machine's CPUs were {busy:.0%} busy: latencies include CPU contention.")
+            ours = (client["cpu_s"] + sum(v for k, v in a["cpu_s"].items() if k != "machine_busy_fraction")) \
+                / (client["wall_s"] * (os.cpu_count() or 1))
+            report.notes.append(f"{name}: the machine's CPUs were {busy:.0%} busy ({ours:.0%} from this benchmark's "
+                                "processes): latencies include CPU contention.")
         unkeyed = sum(v for k, v in a["envoy"].items() if k.endswith("failure_mode_allowed"))
         if unkeyed:
             report.notes.append(f"{name}: {unkeyed} requests went on unkeyed (ext_proc failure_mode_allow).")

@@ -425,7 +425,7 @@ OVERHEAD = Scenario(
     name="overhead",
     summary="zero-work backend: stock Envoy vs Envoy + ext_proc, sequential and at concurrency 16 "
             "(added latency and throughput ratio of the extra hop)",
-    params=dict(requests=2000, body_tokens=1000, replicas=4),
+    params=dict(requests=5000, body_tokens=1000, replicas=4),
     generate=_overhead,
     fleet=lambda p: FleetSpec(replicas=p["replicas"]),
     load=LoadSpec(concurrency=16, duration_s=30.0),

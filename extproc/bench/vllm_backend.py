@@ -1,0 +1,90 @@
+"""`--backend vllm-cpu`: the same scenario against real vLLM on CPU (extproc.realvllm).
+
+Two servers, one per core, with the tiny offline model (made on first use with the vLLM
+venv's Python). Starting vLLM takes about a minute per server, so the fleet is started
+once and its prefix cache reset between arms (``VLLM_SERVER_DEV_MODE=1``
+``POST /reset_prefix_cache``); counters are read as deltas, so that is equivalent to a
+fresh fleet for the hit-rate and split figures. KV capacity is capped with
+``--num-gpu-blocks-override`` so the working set exceeds one replica, as with the sim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import tempfile
+from pathlib import Path
+
+from extproc.bench.runner import BenchConfig, run_bench
+from extproc.bench.report import Report
+
+# Real-model sizes: prompts well under max_model_len (8192 real tokens) whatever the
+# tiny tokenizer's bytes per token, and small enough for a CPU to prefill quickly.
+VLLM_PARAMS = {"sagemaker-8k": {"prefix_tokens": 1200, "prefixes": 12, "requests": 240,
+                                "question_max": 60, "output_tokens": 16}}
+BLOCK_SIZE = 128  # vllm-cpu 0.32's default
+
+
+def tiny_model(python: str) -> Path:
+    out = Path(tempfile.gettempdir()) / "prefix-router-tiny-llama"
+    if not (out / "tiny_model.json").exists():
+        subprocess.run([python, "-m", "extproc.realvllm.tiny_model", "--out", str(out)], check=True,
+                       cwd=str(Path(__file__).resolve().parents[2]), timeout=900)
+    return out
+
+
+def num_blocks_for(params: dict, kv_prefixes: int, bytes_per_token: float = 3.0) -> int:
+    """Blocks holding ``kv_prefixes`` shared prefixes (real tokens estimated from bytes)."""
+    prompt_tokens = (params.get("prefix_tokens", 1000) + params.get("question_max", 100)) * 4 / bytes_per_token
+    return int(kv_prefixes * (prompt_tokens / BLOCK_SIZE + 2)) + 8
+
+
+def run_with_vllm_cpu(cfg: BenchConfig, *, model: str | None = None, python: str | None = None,
+                      kv_prefixes_per_replica: int = 4) -> Report:
+    from extproc.realvllm.launcher import DEFAULT_VLLM_PYTHON, VllmFleet
+
+    python = python or DEFAULT_VLLM_PYTHON
+    model_dir = Path(model) if model else tiny_model(python)
+    params = {**VLLM_PARAMS.get(cfg.scenario, {}), **dict(cfg.params)}
+    blocks = cfg.num_blocks or num_blocks_for(params, kv_prefixes_per_replica)
+    base = _free_base(2)
+    fleet = VllmFleet(model_dir, replicas=2, base_port=base, python=python, dev_mode=True,
+                      num_gpu_blocks=blocks, max_model_len=8192)
+    fleet.start()
+    try:
+        run_cfg = dataclasses.replace(cfg, backend_urls=fleet.urls, params={**params, "replicas": 2},
+                                      replicas=2, block_size=BLOCK_SIZE, num_blocks=blocks)
+        report = run_bench(run_cfg)
+        report.fleet.update({"backend": "vllm-cpu", "model": str(model_dir), "num_gpu_blocks": blocks,
+                             "block_size": BLOCK_SIZE})
+        if cfg.out is not None:
+            from extproc.bench import report as report_mod
+
+            report_mod.write(report, Path(cfg.out))
+        return report
+    finally:
+        fleet.stop()
+
+
+def _free_base(n: int) -> int:
+    """A port p with p..p+n-1 free (the launcher wants consecutive ports)."""
+    import socket
+
+    for _ in range(50):
+        from extproc.procs import free_ports
+
+        base = free_ports(1)[0]
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"no {n} consecutive free ports")
+
