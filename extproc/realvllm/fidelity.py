@@ -204,6 +204,37 @@ def format_row(r: Row) -> str:
             f"{match:<5} {r.real_ms:>8.0f} {sim_ms:>7}  {r.label}")
 
 
+def markdown_table(rows: list[Row], collapse_fill: bool = True) -> str:
+    """The rows as a Markdown table; consecutive eviction-phase fill requests in one line."""
+    out = ["| # | phase | prompt tokens | salt | real queries/hits | sim queries/hits | "
+           "reference | match | request |",
+           "|---:|---|---:|---|---:|---:|---:|---|---|"]
+    i = 0
+    while i < len(rows):
+        r = rows[i]
+        if collapse_fill and r.phase == "evict" and r.label.startswith("fill "):
+            j = i
+            while j + 1 < len(rows) and rows[j + 1].label.startswith("fill "):
+                j += 1
+            grp = rows[i:j + 1]
+            same = all(g.match for g in grp)
+            hits = sorted({g.real_hits for g in grp})
+            out.append(
+                f"| {r.index}-{rows[j].index} | evict | {r.prompt_tokens} each | | "
+                f"{sum(g.real_queries for g in grp)}/{sum(g.real_hits for g in grp)} | "
+                f"{sum(g.sim_queries or 0 for g in grp)}/{sum(g.sim_hits or 0 for g in grp)} | "
+                f"{sum(g.ref_queries for g in grp)}/{sum(g.ref_hits for g in grp)} | "
+                f"{'yes' if same else 'NO'} | {len(grp)} fresh fill prompts (hits per request: {hits}) |")
+            i = j + 1
+            continue
+        match = "-" if r.match is None else ("yes" if r.match else "**NO**")
+        out.append(f"| {r.index} | {r.phase} | {r.prompt_tokens} | {r.cache_salt or ''} | "
+                   f"{_qh(r.real_queries, r.real_hits)} | {_qh(r.sim_queries, r.sim_hits)} | "
+                   f"{_qh(r.ref_queries, r.ref_hits)} | {match} | {r.label} |")
+        i += 1
+    return "\n".join(out) + "\n"
+
+
 def summarize(rows: list[Row], with_sim: bool, tail_ref: Trace | None = None) -> dict:
     """Per-phase counts. ``tail_ref``: the same trace's expectations under the simpler
     "every freed block to the queue tail" model, compared with the simulator."""
@@ -254,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulator speed-up (simulated durations are divided by it)")
     p.add_argument("--no-sim", action="store_true", help="real vLLM vs the reference model only")
     p.add_argument("--json", default=None, help="write rows and summary to this file")
+    p.add_argument("--markdown", default=None, help="write the table as Markdown to this file")
     a = p.parse_args(argv)
 
     fleet: VllmFleet | None = None
@@ -347,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary, "rows": [asdict(r) for r in rows],
         }, indent=2))
         log(f"[fidelity] wrote {a.json}")
+    if a.markdown:
+        Path(a.markdown).write_text(markdown_table(rows))
+        log(f"[fidelity] wrote {a.markdown}")
     if sim_url is None:
         ok = fit.get("real_vs_ref_match") == fit.get("requests")
     else:
