@@ -51,8 +51,9 @@ def test_serialization_raw_bytes_scatters_where_prompt_keys_do_not() -> None:
 
 
 def test_every_envoy_arm_serves_a_shared_prefix_trace() -> None:
-    report = run_bench(BenchConfig(scenario="gsp", quick=True, arms=list(ENVOY_ARMS), requests=40))
-    assert list(report.arms) == list(ENVOY_ARMS)
+    arms = [*ENVOY_ARMS, "prefix-fast"]
+    report = run_bench(BenchConfig(scenario="gsp", quick=True, arms=arms, requests=40))
+    assert list(report.arms) == arms
     for name, arm in report.arms.items():
         assert arm["success_rate"] == 1.0, (name, arm["errors"])
     for name in ("prefix-maglev", "prefix-ring", "raw-bytes"):
@@ -68,6 +69,11 @@ def test_overhead_measures_both_phases_against_the_zero_backend() -> None:
         assert set(arm["phases"]) == {"c1", "c16"}
         assert all(p["success_rate"] == 1.0 for p in arm["phases"].values())
     assert report.arms["prefix-maglev"]["envoy"]["http.llm.ext_proc.streams_started"] >= 150
+    assert set(report.overhead["arms"]) == {"prefix-maglev", "prefix-fast"}
+    # envoy.yaml sends headers + body per request; envoy-fast.yaml only the body.
+    for name, per_request in (("prefix-maglev", 2), ("prefix-fast", 1)):
+        stats = report.arms[name]["envoy"]
+        assert stats["http.llm.ext_proc.stream_msgs_sent"] == per_request * stats["http.llm.ext_proc.streams_started"]
     assert "http.llm.ext_proc.streams_started" not in report.arms["round-robin"]["envoy"]
 
 

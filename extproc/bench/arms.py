@@ -37,6 +37,7 @@ class ArmSpec:
     normalize: str = "prompt"
     bounded: bool = False
     peer: str | None = None  # python module of a peer router
+    base: str = "envoy.yaml"  # the shipped config this arm starts from
 
     @property
     def available(self) -> bool:
@@ -51,6 +52,8 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
     ArmSpec("prefix-ring", "prefix key + ring hash", "RING_HASH", prefix=True),
     ArmSpec("prefix-bounded", "prefix key + Maglev with bounded load (hash_balance_factor)",
             "MAGLEV", prefix=True, bounded=True),
+    ArmSpec("prefix-fast", "envoy-fast.yaml: one ext_proc message per request, bounded Maglev",
+            "MAGLEV", prefix=True, bounded=True, base="envoy-fast.yaml"),
     ArmSpec("raw-bytes", "key over raw body bytes + Maglev (SageMaker native API)", "MAGLEV",
             prefix=True, normalize="raw"),
     ArmSpec("sglang-router", "SGLang model gateway, cache_aware policy (no Envoy)", peer="sglang_router"),
@@ -83,10 +86,9 @@ def envoy_config_for(
     extproc_port: int | None,
     prefix_length: int = 4096,
     balance_factor: int = DEFAULT_BALANCE_FACTOR,
-    base: str = "envoy.yaml",
 ) -> envoy_config.Config:
-    """envoy.yaml localised to our ports and changed only where the arm differs."""
-    cfg = envoy_config.localize(envoy_config.load(base), listener_port=listener_port, admin_port=admin_port,
+    """The arm's shipped config localised to our ports and changed only where the arm differs."""
+    cfg = envoy_config.localize(envoy_config.load(arm.base), listener_port=listener_port, admin_port=admin_port,
                                 backends=backends, extproc_port=extproc_port, health_interval=0.5)
     vllm = envoy_config.cluster(cfg, "vllm")
     vllm["lb_policy"] = arm.lb_policy

@@ -160,33 +160,40 @@ def markdown_table(report: Report) -> str:
 def overhead_table(report: Report) -> str:
     if not report.overhead:
         return ""
-    lines = ["| concurrency | stock p50 ms | ext_proc p50 ms | added p50 ms | added p99 ms "
+    lines = ["| arm | concurrency | stock p50 ms | ext_proc p50 ms | added p50 ms | added p99 ms "
              "| stock req/s | ext_proc req/s | throughput ratio | client saturated |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for phase, row in report.overhead["phases"].items():
-        lines.append(
-            f"| {phase} | {_fmt(row['stock_p50_ms'], 2)} | {_fmt(row['extproc_p50_ms'], 2)} "
-            f"| {_fmt(row['added_p50_ms'], 2)} | {_fmt(row['added_p99_ms'], 2)} | {_fmt(row['stock_rps'])} "
-            f"| {_fmt(row['extproc_rps'])} | {_fmt(row['throughput_ratio'], 2)} | {row['client_saturated']} |")
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for arm, phases in report.overhead["arms"].items():
+        for phase, row in phases.items():
+            lines.append(
+                f"| {arm} | {phase} | {_fmt(row['stock_p50_ms'], 2)} | {_fmt(row['extproc_p50_ms'], 2)} "
+                f"| {_fmt(row['added_p50_ms'], 2)} | {_fmt(row['added_p99_ms'], 2)} | {_fmt(row['stock_rps'])} "
+                f"| {_fmt(row['extproc_rps'])} | {_fmt(row['throughput_ratio'], 2)} | {row['client_saturated']} |")
     return "\n".join(lines)
 
 
-def overhead_summary(arms: Mapping[str, Mapping[str, Any]], stock: str, ours: str) -> dict[str, Any]:
-    """Added latency and throughput ratio of the ext_proc hop, per concurrency phase."""
-    phases: dict[str, Any] = {}
-    for phase, s in arms[stock].get("phases", {}).items():
-        o = arms[ours].get("phases", {}).get(phase)
-        if not o:
-            continue
-        phases[phase] = {
-            "stock_p50_ms": s["e2e_ms"]["p50"], "extproc_p50_ms": o["e2e_ms"]["p50"],
-            "added_p50_ms": _diff(o["e2e_ms"]["p50"], s["e2e_ms"]["p50"]),
-            "added_p99_ms": _diff(o["e2e_ms"]["p99"], s["e2e_ms"]["p99"]),
-            "stock_rps": s["throughput_rps"], "extproc_rps": o["throughput_rps"],
-            "throughput_ratio": round(o["throughput_rps"] / s["throughput_rps"], 3) if s["throughput_rps"] else None,
-            "client_saturated": s["client"]["saturated"] or o["client"]["saturated"],
-        }
-    return {"stock_arm": stock, "extproc_arm": ours, "phases": phases}
+def overhead_summary(arms: Mapping[str, Mapping[str, Any]], stock: str, ours: list[str]) -> dict[str, Any]:
+    """Added latency and throughput ratio of the ext_proc hop, per ext_proc arm and concurrency phase.
+
+    ``phases`` repeats the first ext_proc arm's rows (the shipped envoy.yaml shape).
+    """
+    by_arm: dict[str, dict[str, Any]] = {}
+    for name in ours:
+        phases: dict[str, Any] = {}
+        for phase, s in arms[stock].get("phases", {}).items():
+            o = arms[name].get("phases", {}).get(phase)
+            if not o:
+                continue
+            phases[phase] = {
+                "stock_p50_ms": s["e2e_ms"]["p50"], "extproc_p50_ms": o["e2e_ms"]["p50"],
+                "added_p50_ms": _diff(o["e2e_ms"]["p50"], s["e2e_ms"]["p50"]),
+                "added_p99_ms": _diff(o["e2e_ms"]["p99"], s["e2e_ms"]["p99"]),
+                "stock_rps": s["throughput_rps"], "extproc_rps": o["throughput_rps"],
+                "throughput_ratio": round(o["throughput_rps"] / s["throughput_rps"], 3) if s["throughput_rps"] else None,
+                "client_saturated": s["client"]["saturated"] or o["client"]["saturated"],
+            }
+        by_arm[name] = phases
+    return {"stock_arm": stock, "extproc_arm": ours[0], "phases": by_arm[ours[0]], "arms": by_arm}
 
 
 def _diff(a: float | None, b: float | None) -> float | None:

@@ -141,7 +141,7 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
         progress_mod.stop(prog)
     if scenario.phases and len(names) >= 2:
         stock = next((n for n in names if not arms_mod.get(n).prefix), names[0])
-        ours = next((n for n in names if arms_mod.get(n).prefix), names[-1])
+        ours = [n for n in names if arms_mod.get(n).prefix] or [names[-1]]
         report.overhead = report_mod.overhead_summary(report.arms, stock, ours)
     _add_notes(report)
     if cfg.out is not None:

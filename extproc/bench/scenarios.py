@@ -429,7 +429,7 @@ OVERHEAD = Scenario(
     generate=_overhead,
     fleet=lambda p: FleetSpec(replicas=p["replicas"]),
     load=LoadSpec(concurrency=16, duration_s=30.0),
-    arms=("round-robin", "prefix-maglev"),
+    arms=("round-robin", "prefix-maglev", "prefix-fast"),
     backend="zero",
     phases=(1, 16),
     quick=dict(requests=150, replicas=2),
