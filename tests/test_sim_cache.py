@@ -170,6 +170,20 @@ def test_lru_eviction_order_tail_first() -> None:
     assert abs(kv.usage() - 0.0) < 1e-9
 
 
+def test_unhashed_partial_block_is_reused_first() -> None:
+    """vLLM 0.32 puts freed blocks without a hash at the head of the free queue (seen
+    against real vLLM in docs/fidelity.md), so a partial tail never pushes out a cached block."""
+    kv = KVCache(num_blocks=9, block_size=4)
+    r = root_hash(b"x")
+    tokens = list(range(10))  # 2 full blocks + a partial third
+    assert kv.allocate("A", 10, block_hashes(tokens, 4, r))
+    kv.free("A")
+    assert kv.free_order() == [3, 4, 5, 6, 7, 8, 2, 1]  # partial block 3 first, hashed blocks last
+    assert kv.allocate("B", 4, block_hashes(list(range(50, 54)), 4, r))
+    assert [blk.block_id for blk in kv.req_blocks["B"]] == [3]
+    assert len(kv.longest_hit(block_hashes(tokens, 4, r), 11)) == 2  # A's cached blocks survive
+
+
 def test_blocks_of_running_requests_are_never_evicted() -> None:
     kv = KVCache(num_blocks=9, block_size=4)
     r = root_hash(b"x")

@@ -105,6 +105,17 @@ class FreeBlockQueue:
         self._tail.prev = block
         self._len += 1
 
+    def prepend(self, blocks: Sequence[Block]) -> None:
+        """Put ``blocks`` at the head, in order (``blocks[0]`` becomes the first evicted)."""
+        for block in reversed(blocks):
+            first = self._head.next
+            assert first is not None
+            self._head.next = block
+            block.prev = self._head
+            block.next = first
+            first.prev = block
+            self._len += 1
+
     def popleft(self) -> Block:
         first = self._head.next
         if first is None or first is self._tail:
@@ -256,15 +267,26 @@ class KVCache:
             self._req_num_cached[req_id] = full
 
     def free(self, req_id: str) -> None:
-        """Release a request's blocks, tail first, into the LRU free queue."""
+        """Release a request's blocks, tail first, into the LRU free queue.
+
+        As vLLM 0.32 does (seen against real vLLM, docs/fidelity.md): hashed blocks go to
+        the tail, so they stay findable longest; blocks without a hash (a partial last
+        block) go to the head and are reused first, since they can never be a hit.
+        """
         held = self.req_blocks.pop(req_id, None)
         self._req_num_cached.pop(req_id, None)
         if not held:
             return
+        unhashed: list[Block] = []
         for b in reversed(held):
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                if b.block_hash is None:
+                    unhashed.append(b)
+                else:
+                    self.free_queue.append(b)
+        if unhashed:
+            self.free_queue.prepend(unhashed)
 
     def reset(self) -> int:
         """Forget every cached hash (like vLLM's /reset_prefix_cache); returns how many.
