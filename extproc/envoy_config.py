@@ -31,8 +31,11 @@ def dump(cfg: Config, path: str | Path) -> Path:
     return path
 
 
-def _endpoint(host: str, port: int) -> dict[str, Any]:
-    return {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+def _endpoint(host: str, port: int, hash_key: str | None = None) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+    if hash_key:
+        endpoint["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": hash_key}}}
+    return endpoint
 
 
 def cluster(cfg: Config, name: str) -> dict[str, Any]:
@@ -58,9 +61,17 @@ def routes(cfg: Config) -> list[dict[str, Any]]:
     return http_manager(cfg)["route_config"]["virtual_hosts"][0]["routes"]
 
 
-def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, int]]) -> None:
+def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, int]],
+                  hash_key_prefix: str | None = None) -> None:
+    """Point a cluster at ``backends``; with ``hash_key_prefix``, replica i hashes as PREFIX-i.
+
+    Named replicas make the consistent-hash map independent of ports and addresses, so a
+    replica that comes back elsewhere keeps its keys (and tests are repeatable).
+    """
     c = cluster(cfg, cluster_name)
-    c["load_assignment"]["endpoints"] = [{"lb_endpoints": [_endpoint(h, p) for h, p in backends]}]
+    c["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        _endpoint(h, p, f"{hash_key_prefix}-{i}" if hash_key_prefix else None)
+        for i, (h, p) in enumerate(backends)]}]
 
 
 def set_health_interval(cfg: Config, seconds: float) -> None:
@@ -105,7 +116,7 @@ def localize(
             if extproc_port is not None:
                 set_endpoints(cfg, "prefix_router", [("127.0.0.1", extproc_port)])
         else:
-            set_endpoints(cfg, c["name"], backends)
+            set_endpoints(cfg, c["name"], backends, hash_key_prefix="vllm")
     if health_interval is not None:
         set_health_interval(cfg, health_interval)
     return cfg

@@ -208,3 +208,22 @@ def test_fast_shape_keys_by_body_and_tenant_attribute(backends: BackendFleet, ma
     assert len(spread) == 4
     no_body = send(port, path="/v1/models", headers={"x-prefix-key": "spoof"})
     assert no_body.status == 200 and no_body.json()["prefix_key"] is None
+
+
+def test_named_replicas_keep_their_keys_when_their_address_changes(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    """Maglev hashes each replica's hash_key (vllm-i), not its address: a replica that comes
+    back on another address (a restarted pod) gets its old keys back."""
+    bodies = [chat(f"prefix {i}", "q") for i in range(120)]
+    _, port = make_envoy(backends)
+    before = [served_by(port, b) for b in bodies]
+    swapped = list(backends.addresses)
+    swapped[1], swapped[2] = swapped[2], swapped[1]  # vllm-1 now lives at backend 2's address
+
+    def move(cfg: envoy_config.Config) -> None:
+        envoy_config.set_endpoints(cfg, "vllm", swapped, hash_key_prefix="vllm")
+
+    _, port2 = make_envoy(backends, edit=move)
+    after = [served_by(port2, b) for b in bodies]
+    rename = {1: 2, 2: 1}
+    assert after == [rename.get(b, b) for b in before]
+    assert {1, 2} <= set(before)
