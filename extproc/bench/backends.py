@@ -53,17 +53,49 @@ def _ready_urls(proc: Process, n: int) -> list[str]:
     return [found[i] for i in range(n)] if len(found) >= n else []
 
 
+class _ChildFleet:
+    """A child process serving ``replicas`` loopback ports, each announced by a ready line."""
+
+    name = "backend"
+    urls: list[str]
+    process: Process | None
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def count(self) -> int:
+        raise NotImplementedError
+
+    def start(self) -> "_ChildFleet":
+        self.process = proc = Process(self.argv(), name=self.name)
+        proc.wait_ready(lambda: bool(_ready_urls(proc, self.count())), timeout=60)
+        self.urls = _ready_urls(proc, self.count())
+        return self
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {self.name: self.process.pid} if self.process else {}
+
+
 @dataclass
-class SimBackend:
+class SimBackend(_ChildFleet):
     """``prefix-router sim`` in a child process, on ephemeral loopback ports."""
 
     spec: FleetSpec
     urls: list[str] = field(default_factory=list)
     process: Process | None = None
+    name = "sim"
 
     @property
     def block_size(self) -> int:
         return self.spec.block_size
+
+    def count(self) -> int:
+        return self.spec.replicas
 
     def argv(self) -> list[str]:
         s = self.spec
@@ -76,45 +108,22 @@ class SimBackend:
                 argv += [flag, str(value)]
         return argv
 
-    def start(self) -> "SimBackend":
-        self.process = Process(self.argv(), name="sim")
-        self.process.wait_ready(lambda: bool(_ready_urls(self.process, self.spec.replicas)), timeout=60)
-        self.urls = _ready_urls(self.process, self.spec.replicas)
-        return self
-
-    def stop(self) -> None:
-        if self.process:
-            self.process.stop()
-
-    @property
-    def pids(self) -> dict[str, int]:
-        return {"sim": self.process.pid} if self.process else {}
-
 
 @dataclass
-class ZeroBackend:
+class ZeroBackend(_ChildFleet):
     """Zero-work servers (the overhead scenario)."""
 
     replicas: int
     urls: list[str] = field(default_factory=list)
     process: Process | None = None
     block_size: int = 16
+    name = "backend"
 
-    def start(self) -> "ZeroBackend":
-        ports = free_ports(self.replicas)
-        self.process = Process(python_module("extproc.bench.zero_backend", "--ports", ",".join(map(str, ports))),
-                               name="zero-backend")
-        self.process.wait_ready(lambda: bool(_ready_urls(self.process, self.replicas)), timeout=30)
-        self.urls = _ready_urls(self.process, self.replicas)
-        return self
+    def count(self) -> int:
+        return self.replicas
 
-    def stop(self) -> None:
-        if self.process:
-            self.process.stop()
-
-    @property
-    def pids(self) -> dict[str, int]:
-        return {"backend": self.process.pid} if self.process else {}
+    def argv(self) -> list[str]:
+        return python_module("extproc.bench.zero_backend", "--ports", ",".join(map(str, free_ports(self.replicas))))
 
 
 @dataclass

@@ -33,20 +33,40 @@ def tiny_model(python: str) -> Path:
     return out
 
 
-def num_blocks_for(params: dict, kv_prefixes: int, bytes_per_token: float = 3.0) -> int:
-    """Blocks holding ``kv_prefixes`` shared prefixes (real tokens estimated from bytes)."""
+def measured_bytes_per_token(python: str, model_dir: Path, sample_tokens: int = 2000) -> float:
+    """Bytes per token of the real model's tokenizer on the scenarios' text.
+
+    The simulator's tokenizer makes 4 bytes a token; the tiny model's BPE makes about 2, so
+    KV sizing from the simulator's count would hold half the prefixes intended.
+    """
+    import random
+
+    from extproc.bench.trace import TextSource
+
+    text = TextSource(random.Random(0)).text(sample_tokens)
+    code = ("import sys; from tokenizers import Tokenizer; "
+            "print(len(Tokenizer.from_file(sys.argv[1]).encode(sys.stdin.read()).ids))")
+    done = subprocess.run([python, "-c", code, str(model_dir / "tokenizer.json")], input=text,
+                          capture_output=True, text=True, check=True, timeout=120)
+    return len(text.encode()) / int(done.stdout.strip())
+
+
+def num_blocks_for(params: dict, kv_prefixes: int, bytes_per_token: float) -> int:
+    """Blocks holding ``kv_prefixes`` shared prefixes (real tokens from bytes per token)."""
     prompt_tokens = (params.get("prefix_tokens", 1000) + params.get("question_max", 100)) * 4 / bytes_per_token
     return int(kv_prefixes * (prompt_tokens / BLOCK_SIZE + 2)) + 8
 
 
 def run_with_vllm_cpu(cfg: BenchConfig, *, model: str | None = None, python: str | None = None,
-                      kv_prefixes_per_replica: int = 4) -> Report:
+                      kv_prefixes_per_replica: int = 7) -> Report:
     from extproc.realvllm.launcher import DEFAULT_VLLM_PYTHON, VllmFleet
 
     python = python or DEFAULT_VLLM_PYTHON
     model_dir = Path(model) if model else tiny_model(python)
     params = {**VLLM_PARAMS.get(cfg.scenario, {}), **dict(cfg.params)}
-    blocks = cfg.num_blocks or num_blocks_for(params, kv_prefixes_per_replica)
+    # 12 prefixes, 7 per replica: more than one replica holds, less than the fleet does.
+    blocks = cfg.num_blocks or num_blocks_for(params, kv_prefixes_per_replica,
+                                              measured_bytes_per_token(python, model_dir))
     base = _free_base(2)
     fleet = VllmFleet(model_dir, replicas=2, base_port=base, python=python, dev_mode=True,
                       num_gpu_blocks=blocks, max_model_len=8192)
