@@ -1,7 +1,9 @@
 """`prefix-router explain`: why did these two requests go to different replicas?
 
 Runs the same core as the server on a body from a file or stdin, with the headers and
-settings given, and prints the decision.
+settings given, and prints the decision. Given two bodies, it also says whether they get
+the same key and, if not, what differs first: the tenant, or the first byte where the
+normalised forms part (inside the hashed prefix or not).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import sys
 import orjson
 
 from extproc.decide import Decision, decide
+from extproc.normalize import normalize
 from extproc.settings import ROUTE_FIELDS, RouteSettings, SettingError, add_flags, route_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("body", nargs="?", default="-", help="file with the request body ('-' or omitted: stdin)")
+    parser.add_argument("other", nargs="?", default=None,
+                        help="a second body file: compare the two (same key? where do they part?)")
     parser.add_argument("-H", "--header", action="append", default=[], metavar="'NAME: VALUE'",
                         help="a request header, as curl takes it (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -64,6 +69,35 @@ def render(info: dict[str, object]) -> str:
     ])
 
 
+def compare(a: bytes, b: bytes, headers: dict[str, str], settings: RouteSettings) -> dict[str, object]:
+    """Same key or not, and the first reason they differ."""
+    da, db = decide(a, headers, settings), decide(b, headers, settings)
+    na, nb = normalize(a, settings.normalize).data, normalize(b, settings.normalize).data
+    offset = next((i for i, (x, y) in enumerate(zip(na, nb)) if x != y), min(len(na), len(nb)))
+    if da.key == db.key:
+        reason = "same key: " + ("identical normalised forms" if na == nb else
+                                 f"the normalised forms part at byte {offset}, after the hashed prefix")
+    elif da.normalize != db.normalize:
+        reason = f"different normalisation used: {da.normalize} vs {db.normalize}"
+    elif da.tenant != db.tenant:
+        reason = f"different tenant: {da.tenant!r} vs {db.tenant!r}"
+    else:
+        reason = f"normalised forms part at byte {offset}, inside the first {settings.prefix_length} hashed bytes"
+    return {
+        "same_key": da.key == db.key,
+        "reason": reason,
+        "first_difference": offset if na != nb else None,
+        "context_a": na[max(0, offset - 40): offset + 40].decode("utf-8", "replace"),
+        "context_b": nb[max(0, offset - 40): offset + 40].decode("utf-8", "replace"),
+        "a": as_dict(da, settings),
+        "b": as_dict(db, settings),
+    }
+
+
+def read_body(path: str) -> bytes:
+    return sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = route_settings(args, os.environ)
@@ -72,10 +106,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefix-router explain: {exc}", file=sys.stderr)
         return 2
     try:
-        body = sys.stdin.buffer.read() if args.body == "-" else open(args.body, "rb").read()
+        body = read_body(args.body)
+        other = read_body(args.other) if args.other else None
     except OSError as exc:
-        print(f"prefix-router explain: cannot read {args.body}: {exc.strerror}", file=sys.stderr)
+        print(f"prefix-router explain: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
-    info = as_dict(decide(body, headers, settings), settings)
-    print(orjson.dumps(info).decode() if args.json else render(info))
+    if other is None:
+        info = as_dict(decide(body, headers, settings), settings)
+        print(orjson.dumps(info).decode() if args.json else render(info))
+        return 0
+    result = compare(body, other, headers, settings)
+    if args.json:
+        print(orjson.dumps(result).decode())
+    else:
+        print(f"{result['reason']}\n\n--- {args.body}\n{render(result['a'])}\n\n--- {args.other}\n{render(result['b'])}")
+        if result["first_difference"] is not None and not result["same_key"]:
+            print(f"\nat byte {result['first_difference']}:\n  a: {result['context_a']}\n  b: {result['context_b']}")
     return 0

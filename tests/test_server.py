@@ -202,3 +202,27 @@ def test_envoy_files_exist():
 def test_every_envoy_file_validates(name: str) -> None:
     ok, output = envoy_proc.validate(envoy_config.ENVOY_DIR / name)
     assert ok, output
+
+
+def test_explain_compares_two_bodies(tmp_path) -> None:
+    from extproc.explain import compare
+
+    system = "You answer questions about ACME. " * 10
+    a = json.dumps({"model": "m", "temperature": 1, "messages": [{"role": "system", "content": system},
+                                                                  {"role": "user", "content": "one"}]}).encode()
+    b = json.dumps({"messages": [{"role": "system", "content": system}, {"role": "user", "content": "two"}],
+                    "model": "m"}).encode()
+    near = compare(a, b, {}, RouteSettings())
+    assert not near["same_key"] and "inside the first 4096" in near["reason"]
+    assert near["context_a"] != near["context_b"] and "one" in near["context_a"]
+    far = compare(a, b, {}, RouteSettings(prefix_length=128))
+    assert far["same_key"] and "after the hashed prefix" in far["reason"]
+    assert far["first_difference"] == near["first_difference"] > 128
+    raw = compare(a, b"\xff", {}, RouteSettings())
+    assert "different normalisation" in raw["reason"]
+    (tmp_path / "a.json").write_bytes(a)
+    (tmp_path / "b.json").write_bytes(b)
+    done = subprocess.run([sys.executable, "-m", "extproc", "explain", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                           "--json", "-H", "x-prefix-aware-id: t"], capture_output=True, text=True, timeout=30)
+    out = json.loads(done.stdout)
+    assert out["same_key"] is False and out["a"]["tenant"] == out["b"]["tenant"] == "t"
