@@ -64,11 +64,15 @@ def _body_tenant(doc: dict[str, Any] | None, body: bytes) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, preview_bytes: int = 160) -> Decision:
-    """Compute the prefix key of one request. Never raises for any body or headers."""
-    norm = normalize(body, settings.normalize)
+def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, preview_bytes: int = 160,
+           complete: bool = True) -> Decision:
+    """Compute the prefix key of one request. Never raises for any body or headers.
+
+    ``complete=False`` when ``body`` is only the start of the request body.
+    """
+    norm = normalize(body, settings.normalize, complete)
     tenant, source = header_tenant(headers, settings)
-    if tenant is None and body:
+    if tenant is None and body and complete:
         tenant = _body_tenant(norm.document, body)
         source = "body" if tenant else None
     if not norm.data:

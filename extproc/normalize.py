@@ -30,8 +30,9 @@ NUMBER_OUT_OF_RANGE: Final = "number_out_of_range"
 NOT_JSON: Final = "not_json"
 NOT_OBJECT: Final = "not_object"
 NO_PROMPT_FIELDS: Final = "no_prompt_fields"
+TRUNCATED: Final = "truncated"  # Envoy sent only the first part of a body over its buffer limit
 FALLBACK_REASONS: Final = (
-    EMPTY, NOT_UTF8, TOO_DEEP, NUMBER_OUT_OF_RANGE, NOT_JSON, NOT_OBJECT, NO_PROMPT_FIELDS,
+    EMPTY, NOT_UTF8, TOO_DEEP, NUMBER_OUT_OF_RANGE, NOT_JSON, NOT_OBJECT, NO_PROMPT_FIELDS, TRUNCATED,
 )
 
 _SORTED: Final = orjson.OPT_SORT_KEYS
@@ -102,12 +103,16 @@ def prompt_view(doc: dict[str, Any]) -> list[Any] | None:
     return None
 
 
-def normalize(body: bytes, mode: str) -> Normalized:
-    """Normalise ``body`` under ``mode``; never raises."""
+def normalize(body: bytes, mode: str, complete: bool = True) -> Normalized:
+    """Normalise ``body`` under ``mode``; never raises.
+
+    ``complete=False``: only the start of the body is known (Envoy's BUFFERED_PARTIAL mode
+    past its buffer limit), so it cannot be parsed and its raw bytes are hashed.
+    """
     if not body:
         return Normalized(b"", mode, EMPTY, None)
-    if mode == "raw":
-        return Normalized(body, "raw", None, None)
+    if mode == "raw" or not complete:
+        return Normalized(body, "raw", None if mode == "raw" else TRUNCATED, None)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

@@ -22,6 +22,10 @@ from extproc.settings import ROUTE_FIELDS, SERVER_FIELDS, RouteSettings, ServerS
 log = logging.getLogger("extproc.serve")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Envoy sends a BUFFERED body as one gRPC message; gRPC's default 4 MiB limit would reject
+# long-context bodies below the listener's buffer limit (8 MiB in envoy.yaml), and those
+# requests would go on unkeyed. 64 MiB is above any sane buffer limit.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop``), then drain open streams and return."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
     pb_grpc.add_ExternalProcessorServicer_to_server(
         PrefixRouter(route_cfg, server_cfg.metadata_namespace), server
     )

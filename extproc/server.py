@@ -76,7 +76,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
             cached, errors = with_metadata(self.settings, ours)
             for error in errors:
                 metrics.METADATA_ERRORS.inc()
-                log.warning("ignoring per-stream setting: %s; using %s", error, "the process default")
+                log.warning("ignoring per-stream setting (using the process default): %s", error)
             if len(self._by_metadata) >= _MAX_CACHED_METADATA:
                 self._by_metadata.clear()
             self._by_metadata[ours] = cached
@@ -94,7 +94,6 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
             settings = self.settings
         wanted = settings.tenant_headers
         headers: dict[str, str] = {}
-        chunks: list[bytes] = []
         try:
             async for request in request_iterator:
                 phase = request.WhichOneof("request")
@@ -105,13 +104,12 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                         metrics.DECISIONS.labels(settings.normalize, "empty").inc()
                         return
                 elif phase == "request_body":
-                    chunks.append(request.request_body.body)
-                    if not request.request_body.end_of_stream:
-                        yield _empty_body_reply()
-                        continue
+                    # BUFFERED: the whole body. BUFFERED_PARTIAL: the whole body, or its first
+                    # buffer-limit bytes (end_of_stream false) while Envoy streams the rest on.
                     if not headers:
                         headers = read_attribute_headers(request)
-                    yield self.body_reply(b"".join(chunks), headers, settings)
+                    body = request.request_body
+                    yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
                     return
                 else:
                     yield _pass_through(phase)
@@ -134,10 +132,11 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         reply.request_headers.response.header_mutation.remove_headers.append(settings.key_header)
         return reply
 
-    def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings) -> pb.ProcessingResponse:
+    def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
+                   complete: bool = True) -> pb.ProcessingResponse:
         started = time.perf_counter()
         try:
-            decision = decide(body, headers, settings)
+            decision = decide(body, headers, settings, complete=complete)
         except Exception:
             log.exception("deciding a prefix key failed; passing the request on without one")
             metrics.ERRORS.labels("decide").inc()

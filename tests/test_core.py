@@ -141,6 +141,13 @@ def test_fallbacks_are_named_and_still_keyed(body: bytes, reason: str, mode: str
     assert (d.key is None) == (body == b"")
 
 
+def test_truncated_body_is_hashed_raw_without_parsing() -> None:
+    body = json.dumps(chat_doc(prompt_cache_key="t1")).encode()
+    d = decide(body[:500], {}, PROMPT, complete=False)
+    assert (d.normalize, d.fallback, d.tenant) == ("raw", "truncated", None)
+    assert d.key == decide(body[:500], {}, RouteSettings(normalize="raw"), complete=False).key
+
+
 def test_big_integers_do_not_break_the_key() -> None:
     d = decide(b'{"model":"m","prompt":"x","seed":123456789012345678901234567890}', {}, PROMPT)
     assert d.key and d.fallback is None

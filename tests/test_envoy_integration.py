@@ -156,6 +156,26 @@ def test_bad_listener_metadata_is_ignored_and_counted(backends: BackendFleet, ma
     assert "prefix-length" in proc.output() and "banana" in proc.output()
 
 
+def test_body_over_the_buffer_limit_is_routed_not_refused(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    """BUFFERED_PARTIAL: past the listener's buffer limit the router keys the first part."""
+    def small_buffer(cfg: envoy_config.Config) -> None:
+        cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = 1 << 20
+
+    proc, grpc_port, metrics_port = start_router()
+    try:
+        _, port = make_envoy(backends, extproc_port=grpc_port, edit=small_buffer)
+        keys = []
+        for tail in ("first", "second"):  # same first MiB, different ends
+            big = chat(SYSTEM + "z" * 3_000_000 + tail, "q")
+            reply = send(port, body=big)
+            assert reply.status == 200 and reply.json()["body_bytes"] == len(big)
+            keys.append(reply.json()["prefix_key"])
+        assert keys[0] and keys[0] == keys[1]
+        assert 'fallback="truncated",normalize="raw"} 2.0' in send(metrics_port, "/metrics").body.decode()
+    finally:
+        proc.stop()
+
+
 def test_sse_stream_passes_byte_for_byte(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
     _, port = make_envoy(backends)
     reply = send(port, body=chat(SYSTEM, "stream please", stream=True))
@@ -166,9 +186,10 @@ def test_sse_stream_passes_byte_for_byte(backends: BackendFleet, make_envoy: Env
 
 def test_large_and_unparseable_bodies_are_routed(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
     _, port = make_envoy(backends)
-    big = chat("y" * 900_000, "q")
-    reply = send(port, body=big)
-    assert reply.status == 200 and reply.json()["body_bytes"] == len(big) and reply.json()["prefix_key"]
+    for size in (900_000, 6_000_000):  # the second is above gRPC's default 4 MiB message limit
+        big = chat("y" * size, "q")
+        reply = send(port, body=big)
+        assert reply.status == 200 and reply.json()["body_bytes"] == len(big) and reply.json()["prefix_key"], size
     for junk in (b"\xff\xfe not json", b"[1,2,3]", b"{" * 100_000, b"{\"model\": 1e999}"):
         reply = send(port, body=junk)
         assert reply.status == 200 and reply.json()["prefix_key"], junk[:20]
