@@ -10,7 +10,7 @@ import pytest
 from extproc import envoy_config
 from extproc.bench import arms, scenarios
 from extproc.bench.loadgen import ClientStats, LoadResult, Result
-from extproc.bench.oracle import oracle
+from extproc.bench.oracle import oracle, parse as oracle_parse
 from extproc.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
 from extproc.bench.report import Report, markdown_table, summarize
 from extproc.bench.trace import Request, TextSource, chat_body, encode
@@ -88,6 +88,19 @@ def test_oracle_counts_every_prefix_missing_once() -> None:
     assert oracle(reqs[:1], 16).hit_rate == 0
 
 
+def test_oracle_follows_vllm_block_rules() -> None:
+    """Only full blocks hit, and never the block holding a prompt's last token."""
+    body = _req(0, TextSource(random.Random(2)).text(300)).body
+    n = len(oracle_parse(body).prompts[0])
+    again = oracle([Request(0, body, "g", 4), Request(1, body, "g", 4)], 16)
+    assert again.hit_tokens == (n - 1) // 16 * 16 and again.hit_tokens < n
+    assert oracle([Request(0, body, "g", 4), Request(1, body, "g", 4)], 32).hit_tokens == (n - 1) // 32 * 32
+    tokens = list(range(64))  # a token-id completion of exactly four blocks: the fourth never hits
+    completion = encode({"model": MODEL, "prompt": tokens, "max_tokens": 1})
+    reqs = [Request(i, completion, "c", 1, path="/v1/completions") for i in range(2)]
+    assert oracle(reqs, 16).hit_tokens == 48
+
+
 def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path) -> None:
     backends = [("127.0.0.1", 18100), ("127.0.0.1", 18101)]
     for name, spec in arms.ARMS.items():
@@ -96,18 +109,23 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
         cfg = arms.envoy_config_for(spec, backends, listener_port=18000, admin_port=18001, extproc_port=18002,
                                     prefix_length=2048)
         names = [f["name"] for f in envoy_config.http_manager(cfg)["http_filters"]]
-        route = envoy_config.routes(cfg)[0]["route"]
+        routes = [r["route"] for r in envoy_config.routes(cfg)]
+        clusters = [c["name"] for c in cfg["static_resources"]["clusters"]]
         cluster = envoy_config.cluster(cfg, "vllm")
         assert cluster["lb_policy"] == spec.lb_policy
         balance = cluster.get("common_lb_config", {}).get("consistent_hashing_lb_config")
         assert bool(balance) == spec.bounded
         if spec.prefix:
-            assert envoy_config.EXT_PROC in names and route["hash_policy"]
+            assert envoy_config.EXT_PROC in names and "prefix_router" in clusters
+            assert all(r["hash_policy"] == [{"header": {"header_name": "x-prefix-key"}}] for r in routes)
             meta = {m["key"]: m["value"] for m in envoy_config.http_filter(cfg, envoy_config.EXT_PROC)
                     ["grpc_service"]["initial_metadata"]}
             assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize}
+            assert all("typed_per_filter_config" not in r for r in envoy_config.routes(cfg))  # nothing overrides it
         else:
-            assert envoy_config.EXT_PROC not in names and "hash_policy" not in route
+            assert envoy_config.EXT_PROC not in names and "prefix_router" not in clusters
+            assert all("hash_policy" not in r for r in routes)
+        assert arms.ARMS["raw-bytes"].normalize == "raw"
         ok, out = validate(envoy_config.dump(cfg, tmp_path / f"{name}.yaml"))
         assert ok, out
 
@@ -158,3 +176,41 @@ def test_requests_of_a_group_share_the_bytes_the_router_hashes(name: str, quick:
         keys.setdefault(r.group, set()).add(tenant.encode() + normalize(r.body, "prompt").data[:sc.prefix_length])
     assert all(len(v) == 1 for v in keys.values())
     assert len(keys) > 1
+
+
+def test_an_interrupted_start_still_stops_every_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the fleet or Envoy is starting must not leave either running."""
+    from extproc.bench import runner
+
+    class Interrupted(BaseException):
+        pass
+
+    class FakeBackend:
+        urls: list[str] = []
+        stopped = False
+
+        def start(self) -> None:
+            raise Interrupted
+
+        def stop(self) -> None:
+            FakeBackend.stopped = True
+
+    monkeypatch.setattr(runner, "_backend", lambda *a: FakeBackend())
+    with pytest.raises(Interrupted):
+        runner.run_bench(runner.BenchConfig(scenario="sagemaker-8k", quick=True, arms=["round-robin"]))
+    assert FakeBackend.stopped
+
+    started = []
+
+    def interrupted_start(self: arms.Envoy, timeout: float = 30.0) -> arms.Envoy:
+        started.append(self.process)
+        raise Interrupted
+
+    monkeypatch.setattr(arms.Envoy, "start", interrupted_start)
+    try:
+        with pytest.raises(Interrupted):
+            arms.RunningArm(arms.get("round-robin"), ["http://127.0.0.1:9"]).start()
+        assert len(started) == 1 and not started[0].alive()
+    finally:
+        for proc in started:  # should be a no-op: the arm stopped it
+            proc.stop()

@@ -151,7 +151,8 @@ class RunningArm:
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
                                extproc_port=grpc_port if self.arm.prefix else None,
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor)
-        self.envoy = Envoy(cfg, concurrency=1).start()
+        self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
+        self.envoy.start()
         wanted = {f"{h}:{p}" for h, p in self._backends()}
         wait_until(lambda: {h for h, ok in self.envoy.healthy_hosts("vllm").items() if ok} >= wanted,
                    30, "envoy health checks to pass on every replica", interval=0.1)
@@ -164,14 +165,10 @@ class RunningArm:
         if not self.arm.available:
             raise RuntimeError(f"{self.arm.name} is not installed (pip install '.[peers]')")
         port, metrics = free_ports(2)
-        if self.arm.peer == "sglang_router":
-            argv = python_module("sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
-                                 "--policy", "cache_aware", "--worker-urls", *self.backend_urls)
-        else:
-            argv = python_module("vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
-                                 "--policy", "cache_aware", "--worker-urls", *self.backend_urls)
+        # sglang-router and vllm-router (its fork) share the launcher's flags.
+        argv = python_module(f"{self.arm.peer}.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+                             "--policy", "cache_aware", "--worker-urls", *self.backend_urls)
         self.peer = Process(argv, name=self.arm.name)
         self.peer.wait_ready(lambda: port_open(port) and _get_ok(f"http://127.0.0.1:{port}/health"), timeout=60)
         self.url = f"http://127.0.0.1:{port}"

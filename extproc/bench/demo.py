@@ -1,8 +1,9 @@
 """`prefix-router demo` (`make demo`): a short sagemaker-8k A/B, round robin vs prefix-maglev.
 
-Sized to finish in about two minutes on a 2-core machine: 7 simulated Llama-3.1-70B
-replicas (time-scaled), 35 shared 8000-token prefixes of which each replica caches 8,
-sustained closed-loop load. Prints the comparison table and where the report is.
+Sized to finish in about a minute on a 2-core machine, and bounded by ``--duration`` (75 s)
+per arm: 7 simulated Llama-3.1-70B replicas (time-scaled), 35 shared 8000-token prefixes
+of which each replica caches 8, sustained closed-loop load. Prints the comparison table
+and where the report is.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 
 from extproc.bench.trace import Request, Session
@@ -69,7 +70,9 @@ class ClientStats:
 
     @property
     def saturated(self) -> bool:
-        return self.cpu_fraction > SATURATED_CPU or self.loop_lag_p99_ms > SATURATED_LAG_MS
+        """Busy for most of a core, or late: its own timers or (open loop) its send schedule."""
+        return (self.cpu_fraction > SATURATED_CPU
+                or max(self.loop_lag_p99_ms, self.schedule_lag_p99_ms) > SATURATED_LAG_MS)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "cpu_fraction": round(self.cpu_fraction, 3), "saturated": self.saturated}
@@ -80,7 +83,7 @@ class LoadResult:
     results: list[Result]
     client: ClientStats
     started: float  # time.monotonic() at start
-    duration_s: float  # first send to last completion
+    duration_s: float  # first send to last completion: the throughput window
     timed_out: bool = False
     unsent: int = 0  # never sent: the deadline came first
     cancelled: int = 0  # sent, still running at deadline + grace
@@ -113,11 +116,13 @@ async def _send(http: aiohttp.ClientSession, base_url: str, req: Request, t0: fl
                 await resp.read()
                 return res
             chunks = 0
+            finished = False
             async for line in resp.content:
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    finished = True
                     break
                 chunk = orjson.loads(data)
                 if _content(chunk):
@@ -132,9 +137,11 @@ async def _send(http: aiohttp.ClientSession, base_url: str, req: Request, t0: fl
                     res.cached_tokens = details.get("cached_tokens") or 0
             res.e2e = time.monotonic() - start
             res.output_tokens = res.output_tokens or chunks
-            res.ok = res.ttft is not None or res.output_tokens == 0
-            if not res.ok:
+            if not finished:  # the stream ended without [DONE]: a cut-off response
+                res.error = "truncated"
+            elif res.ttft is None and res.output_tokens:
                 res.error = "no content"
+            res.ok = not res.error
     except asyncio.TimeoutError:
         res.error = "timeout"
     except (aiohttp.ClientError, OSError, ValueError) as exc:
@@ -150,10 +157,8 @@ async def _lag_monitor(samples: list[float], stop: asyncio.Event, every: float =
 
 
 def _p99(values: Sequence[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    """Same definition as the report's percentiles (numpy's linear interpolation)."""
+    return float(np.percentile(values, 99)) if values else 0.0
 
 
 async def run_load(
@@ -225,12 +230,13 @@ async def run_load(
         await monitor
     wall = time.monotonic() - t0
     total = sum(len(s.requests) for s in sessions)
-    end = max((r.start + (r.e2e or 0.0) for r in results), default=0.0)
+    first = min((r.start for r in results), default=0.0)
+    end = max((r.start + r.e2e for r in results if r.e2e is not None), default=0.0)
     client = ClientStats(
         wall_s=wall, cpu_s=time.process_time() - cpu0,
         max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         loop_lag_p99_ms=_p99(lag) * 1000, schedule_lag_p99_ms=_p99(schedule_lag) * 1000,
     )
     return LoadResult(results=sorted(results, key=lambda r: r.rid), client=client, started=t0,
-                      duration_s=end or wall, timed_out=bool(pending) or sent < total, unsent=total - sent,
-                      cancelled=sent - len(results))
+                      duration_s=(end - first) if end > first else wall,
+                      timed_out=bool(pending) or sent < total, unsent=total - sent, cancelled=sent - len(results))

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import orjson
-
 from extproc.bench.trace import Request
-from extproc.sim import chat_template, kv_cache, tokenizer
+from extproc.sim import api, kv_cache
+
+_NO_LENGTH_LIMIT = 1 << 40  # the oracle counts blocks; context limits are the server's business
 
 
 @dataclass(frozen=True)
@@ -29,28 +29,25 @@ class OracleResult:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def prompt_tokens(body: bytes) -> tuple[list[int], str | None, str]:
-    """(token ids, cache_salt, model) of a chat or completions body."""
-    doc = orjson.loads(body)
-    if "messages" in doc:
-        text = chat_template.render(doc["messages"], doc.get("tools"))
-    else:
-        text = doc.get("prompt", "")
-    return tokenizer.encode(text), doc.get("cache_salt"), str(doc.get("model", ""))
+def parse(body: bytes) -> api.ParsedRequest:
+    """The request as the simulator reads it (its chat template, tokenizer and salt rules)."""
+    doc = api.parse_json(body)
+    return api.parse(doc, api.request_kind(doc), str(doc.get("model", "")), _NO_LENGTH_LIMIT)
 
 
 def oracle(requests: Iterable[Request], block_size: int = 16) -> OracleResult:
     seen: set[int] = set()
     hits = queries = 0
     for req in requests:
-        tokens, salt, model = prompt_tokens(req.body)
-        root = kv_cache.root_hash(kv_cache.extra_keys(model, salt))
-        chain = kv_cache.block_hashes(tokens, block_size, root)
-        cap = max(len(tokens) - 1, 0) // block_size
-        n = 0
-        while n < min(cap, len(chain)) and chain[n] in seen:
-            n += 1
-        hits += n * block_size
-        queries += len(tokens)
-        seen.update(chain)
+        parsed = parse(req.body)
+        root = kv_cache.root_hash(kv_cache.extra_keys(parsed.model, parsed.cache_salt))
+        for tokens in parsed.prompts:
+            chain = kv_cache.block_hashes(tokens, block_size, root)
+            cap = min((len(tokens) - 1) // block_size, len(chain))  # vLLM always computes the last token
+            n = 0
+            while n < cap and chain[n] in seen:
+                n += 1
+            hits += n * block_size
+            queries += len(tokens)
+            seen.update(chain)
     return OracleResult(hits, queries)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import matplotlib
@@ -9,44 +11,54 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
 
 from extproc.bench.report import Report  # noqa: E402
 
 
-def ttft_cdf(report: Report, path: Path) -> Path:
+@contextmanager
+def _figure(path: Path, title: str) -> Iterator[Axes]:
+    """One figure: the caller draws on the axes; it is titled, saved and always closed."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, samples in report.ttft_samples.items():
-        if samples:
-            xs = np.sort(np.asarray(samples))
-            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name, drawstyle="steps-post")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, log scale)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"{report.scenario}: TTFT CDF per arm")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        yield ax
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def _slant_arm_names(ax: Axes) -> None:
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
+
+
+def ttft_cdf(report: Report, path: Path) -> Path:
+    with _figure(path, f"{report.scenario}: TTFT CDF per arm") as ax:
+        for name, samples in report.ttft_samples.items():
+            if samples:
+                xs = np.sort(np.asarray(samples))
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name, drawstyle="steps-post")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (ms, log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     return path
 
 
 def hit_rate(report: Report, path: Path) -> Path:
     names = list(report.arms)
     values = [(report.arms[n]["kv_hit_rate"] or 0.0) * 100 for n in names]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bars = ax.bar(names, values, color="tab:blue")
-    ax.axhline(report.oracle_hit_rate * 100, color="tab:red", linestyle="--", label="oracle (trace best)")
-    for bar, v in zip(bars, values):
-        ax.annotate(f"{v:.0f}%", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("KV cache hit rate (%), from replica /metrics")
-    ax.set_ylim(0, 100)
-    ax.set_title(f"{report.scenario}: prefix cache hit rate per arm")
-    ax.legend(fontsize=8)
-    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _figure(path, f"{report.scenario}: prefix cache hit rate per arm") as ax:
+        bars = ax.bar(names, values, color="tab:blue")
+        ax.axhline(report.oracle_hit_rate * 100, color="tab:red", linestyle="--", label="oracle (trace best)")
+        for bar, v in zip(bars, values):
+            ax.annotate(f"{v:.0f}%", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("KV cache hit rate (%), from replica /metrics")
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=8)
+        _slant_arm_names(ax)
     return path
 
 
@@ -54,20 +66,16 @@ def requests_per_replica(report: Report, path: Path) -> Path:
     names = list(report.arms)
     counts = [report.arms[n]["requests_per_replica"] for n in names]
     replicas = max((len(c) for c in counts), default=0)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     width = 0.8 / max(replicas, 1)
     x = np.arange(len(names))
-    for i in range(replicas):
-        ax.bar(x + i * width - 0.4 + width / 2, [c[i] if i < len(c) else 0 for c in counts], width,
-               label=f"replica {i}")
-    ax.set_xticks(x, names)
-    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
-    ax.set_ylabel("requests served")
-    ax.set_title(f"{report.scenario}: requests per replica")
-    ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _figure(path, f"{report.scenario}: requests per replica") as ax:
+        for i in range(replicas):
+            ax.bar(x + i * width - 0.4 + width / 2, [c[i] if i < len(c) else 0 for c in counts], width,
+                   label=f"replica {i}")
+        ax.set_xticks(x, names)
+        _slant_arm_names(ax)
+        ax.set_ylabel("requests served")
+        ax.legend(fontsize=7, ncol=4)
     return path
 
 

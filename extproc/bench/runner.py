@@ -11,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from extproc.bench import arms as arms_mod
 from extproc.bench import backends, loadgen, progress as progress_mod, replica_metrics, report as report_mod
 from extproc.bench.oracle import oracle
 from extproc.bench.proc_cpu import CpuMeter
 from extproc.bench.scenarios import FleetSpec, LoadSpec, Scenario, get as get_scenario
+from extproc.bench.trace import Trace
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,7 +75,7 @@ def _load(scenario: Scenario, cfg: BenchConfig) -> LoadSpec:
                     rate=cfg.rate or base.rate, duration_s=cfg.duration_s or base.duration_s)
 
 
-def _backend(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig):
+def _backend(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> backends.Backend:
     if cfg.backend_urls:
         return backends.ExternalBackend(list(cfg.backend_urls), block_size=spec.block_size)
     if scenario.backend == "zero":
@@ -90,7 +93,7 @@ def _model(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> str:
     return get_profile(spec.profile).model
 
 
-def _arm_names(scenario: Scenario, cfg: BenchConfig, note) -> list[str]:
+def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None]) -> list[str]:
     names = list(cfg.arms or scenario.arms)
     out = []
     for name in names:
@@ -155,22 +158,22 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
 
 
 def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
-             trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
+             trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
              prog: progress_mod.Progress) -> tuple[dict[str, Any], list[float]]:
     backend = _backend(scenario, spec, cfg)
     prog.note(f"{label}: starting fleet and arm")
-    backend.start()
     try:
+        backend.start()  # inside the try: an interrupted start still stops what it started
         with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length,
                                  balance_factor=cfg.balance_factor) as running:
-            before = _scrape(backend.urls, scenario)
+            before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
             result = _run_async(loadgen.run_load(
                 running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
                 duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance))
             cpu = meter.stop()
-            after = _scrape(backend.urls, scenario)
+            after = _scrape(backend.urls)
             envoy = running.envoy_stats()
     finally:
         backend.stop()
@@ -183,20 +186,21 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     return summary, ttfts
 
 
-def _scrape(urls: Sequence[str], scenario: Scenario) -> list[replica_metrics.ReplicaCounters]:
+def _scrape(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:
+    """Every replica's counters, or [] when one has no /metrics (then no hit rate)."""
     try:
         return replica_metrics.scrape_all(urls)
     except OSError:
         return []
 
 
-def _run_async(coro):
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop when installed (a lighter client), else asyncio."""
     try:
         import uvloop
-
-        return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _add_notes(report: report_mod.Report) -> None:
@@ -205,7 +209,8 @@ def _add_notes(report: report_mod.Report) -> None:
         if client["saturated"]:
             report.notes.append(
                 f"{name}: the load generator was saturated (CPU {client['cpu_fraction']:.0%} of a core, loop lag "
-                f"p99 {client['loop_lag_p99_ms']:.0f} ms): its latencies include client queueing.")
+                f"p99 {client['loop_lag_p99_ms']:.0f} ms, schedule lag p99 {client['schedule_lag_p99_ms']:.0f} ms): "
+                "its latencies include client queueing.")
         busy = a["cpu_s"].get("machine_busy_fraction")
         if busy is not None and busy > 0.9:
             ours = (client["cpu_s"] + sum(v for k, v in a["cpu_s"].items() if k != "machine_busy_fraction")) \

@@ -101,8 +101,20 @@ def _zipf_weights(n: int, s: float) -> list[float]:
     return [1.0 / (i + 1) ** s for i in range(n)]
 
 
-def _single(body: dict[str, Any], group: str, headers: tuple[tuple[str, str], ...] = ()):
-    return [(encode(body), group, body["max_tokens"], headers)]
+def _prompt_blocks(prefix: int, question: int, output: int) -> int:
+    """KV blocks of one running request: prefix, question, answer and template framing."""
+    return blocks(prefix + question + output + 3 * TEMPLATE_TOKENS)
+
+
+def _ask(system: str, question: str) -> list[dict[str, Any]]:
+    """The messages of a single-turn request: a (shared) system prompt, then the question."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def _single(body: dict[str, Any], group: str, headers: tuple[tuple[str, str], ...] = (),
+            encoded: bytes | None = None) -> list[tuple[bytes, str, int, tuple[tuple[str, str], ...]]]:
+    """A session of one request (``encoded``: the exact bytes to send, if not the default)."""
+    return [(encoded if encoded is not None else encode(body), group, body["max_tokens"], headers)]
 
 
 # --- sagemaker-8k -----------------------------------------------------------------------
@@ -115,13 +127,12 @@ def _shared_prefix_requests(p: Params, rng: random.Random, model: str, weights: 
     for _ in range(p["requests"]):
         i = rng.choices(range(len(prefixes)), weights=weights)[0] if weights else rng.randrange(len(prefixes))
         question = text.text(text.between(p["question_min"], p["question_max"]))
-        messages = [{"role": "system", "content": prefixes[i]}, {"role": "user", "content": question}]
-        chains.append(_single(chat_body(model, messages, p["output_tokens"]), f"prefix-{i}"))
+        chains.append(_single(chat_body(model, _ask(prefixes[i], question), p["output_tokens"]), f"prefix-{i}"))
     return build_sessions(chains)
 
 
 def _sagemaker_fleet(p: Params) -> FleetSpec:
-    per_prompt = blocks(p["prefix_tokens"] + p["question_max"] + p["output_tokens"] + 3 * TEMPLATE_TOKENS)
+    per_prompt = _prompt_blocks(p["prefix_tokens"], p["question_max"], p["output_tokens"])
     return FleetSpec(
         replicas=p["replicas"], time_scale=p["time_scale"],
         num_blocks=p["kv_prefixes_per_replica"] * per_prompt + 2 * per_prompt + 1,
@@ -154,17 +165,16 @@ def _short_chat(p: Params, rng: random.Random, model: str):
     chains = []
     for _ in range(p["requests"]):
         i = rng.choices(range(len(systems)), weights=weights)[0]
-        messages = [{"role": "system", "content": systems[i]},
-                    {"role": "user", "content": text.text(text.between(p["question_min"], p["question_max"]))}]
+        question = text.text(text.between(p["question_min"], p["question_max"]))
         out = text.between(p["output_min"], p["output_max"])
-        chains.append(_single(chat_body(model, messages, out), f"system-{i}"))
+        chains.append(_single(chat_body(model, _ask(systems[i], question), out), f"system-{i}"))
     return build_sessions(chains)
 
 
 def _short_chat_fleet(p: Params) -> FleetSpec:
     mean_system = (p["system_min"] + p["system_max"]) / 2
     working_set = p["groups"] * blocks(int(mean_system))
-    headroom = 8 * blocks(p["system_max"] + p["question_max"] + p["output_max"] + 48)
+    headroom = 8 * _prompt_blocks(p["system_max"], p["question_max"], p["output_max"])
     return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"],
                      num_blocks=int(working_set * p["kv_share_per_replica"]) + headroom + 1)
 
@@ -240,14 +250,13 @@ def _gsp(p: Params, rng: random.Random, model: str):
     rng.shuffle(pairs)
     chains = []
     for g, question in pairs[: p["requests"]]:
-        messages = [{"role": "system", "content": systems[g]}, {"role": "user", "content": question}]
-        chains.append(_single(chat_body(model, messages, p["output_tokens"]), f"group-{g}"))
+        chains.append(_single(chat_body(model, _ask(systems[g], question), p["output_tokens"]), f"group-{g}"))
     return build_sessions(chains)
 
 
 def _gsp_fleet(p: Params) -> FleetSpec:
     per_group = blocks(p["system_tokens"] + TEMPLATE_TOKENS)
-    headroom = 16 * blocks(p["system_tokens"] + p["question_tokens"] + p["output_tokens"] + 48)
+    headroom = 16 * _prompt_blocks(p["system_tokens"], p["question_tokens"], p["output_tokens"])
     return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"],
                      num_blocks=int(p["groups"] * p["kv_share_per_replica"]) * per_group + headroom + 1)
 
@@ -269,12 +278,14 @@ GSP = Scenario(
 # --- hot-prefix -------------------------------------------------------------------------
 
 def _hot_prefix(p: Params, rng: random.Random, model: str):
-    weights = [p["hot_share"]] + [(1 - p["hot_share"]) / (p["prefixes"] - 1)] * (p["prefixes"] - 1)
+    """Prefix 0 takes ``hot_share`` of the requests, the others split the rest evenly."""
+    cold = p["prefixes"] - 1
+    weights = [p["hot_share"]] + [(1 - p["hot_share"]) / cold] * cold if cold else [1.0]
     return _shared_prefix_requests(p, rng, model, weights)
 
 
 def _hot_prefix_fleet(p: Params) -> FleetSpec:
-    per_prompt = blocks(p["prefix_tokens"] + p["question_max"] + p["output_tokens"] + 48)
+    per_prompt = _prompt_blocks(p["prefix_tokens"], p["question_max"], p["output_tokens"])
     return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"], max_num_seqs=p["max_num_seqs"],
                      num_blocks=(p["prefixes"] // 2 + p["max_num_seqs"]) * per_prompt + 1)
 
@@ -303,19 +314,22 @@ def _tenants(p: Params, rng: random.Random, model: str):
     for _ in range(p["requests"]):
         t, d = rng.randrange(p["tenants"]), rng.randrange(p["documents"])
         tenant = f"tenant-{t}"
-        messages = [{"role": "system", "content": docs[d]},
-                    {"role": "user", "content": text.text(text.between(p["question_min"], p["question_max"]))}]
+        question = text.text(text.between(p["question_min"], p["question_max"]))
         extra = {"cache_salt": tenant} if p["salt"] else {}
-        body = chat_body(model, messages, p["output_tokens"], **extra)
+        body = chat_body(model, _ask(docs[d], question), p["output_tokens"], **extra)
         chains.append(_single(body, f"{tenant}/doc-{d}", (("x-prefix-aware-id", tenant),)))
     return build_sessions(chains)
 
 
-def _tenants_fleet(p: Params) -> FleetSpec:
-    per_prompt = blocks(p["prefix_tokens"] + p["question_max"] + p["output_tokens"] + 48)
-    chains = p["tenants"] * p["documents"] if p["salt"] else p["documents"]
+def _shared_chains_fleet(p: Params, chains: int) -> FleetSpec:
+    """Each replica holds ``kv_share_per_replica`` of the ``chains`` shared prompts, plus 8 running."""
+    per_prompt = _prompt_blocks(p["prefix_tokens"], p["question_max"], p["output_tokens"])
     return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"],
                      num_blocks=int(chains * p["kv_share_per_replica"] + 8) * per_prompt + 1)
+
+
+def _tenants_fleet(p: Params) -> FleetSpec:
+    return _shared_chains_fleet(p, p["tenants"] * p["documents"] if p["salt"] else p["documents"])
 
 
 TENANTS = Scenario(
@@ -333,9 +347,6 @@ TENANTS = Scenario(
 
 
 # --- serialization ----------------------------------------------------------------------
-
-_SAMPLING = ("temperature", "top_p", "seed", "max_tokens", "stream", "stream_options", "ignore_eos")
-
 
 def _serialize_variant(body: dict[str, Any], rng: random.Random) -> bytes:
     """Same prompt, different bytes: key order, whitespace and sampling fields vary."""
@@ -362,10 +373,9 @@ def _serialization(p: Params, rng: random.Random, model: str):
     chains = []
     for _ in range(p["requests"]):
         i = rng.randrange(len(prompts))
-        messages = [{"role": "system", "content": prompts[i]},
-                    {"role": "user", "content": text.text(text.between(p["question_min"], p["question_max"]))}]
-        body = chat_body(model, messages, p["output_tokens"])
-        chains.append([(_serialize_variant(body, rng), f"prompt-{i}", p["output_tokens"], ())])
+        question = text.text(text.between(p["question_min"], p["question_max"]))
+        body = chat_body(model, _ask(prompts[i], question), p["output_tokens"])
+        chains.append(_single(body, f"prompt-{i}", encoded=_serialize_variant(body, rng)))
     return build_sessions(chains)
 
 
@@ -376,10 +386,7 @@ SERIALIZATION = Scenario(
     params=dict(requests=480, prefixes=24, prefix_tokens=2000, question_min=16, question_max=64,
                 output_tokens=32, replicas=4, time_scale=4.0, kv_share_per_replica=0.35),
     generate=_serialization,
-    fleet=lambda p: FleetSpec(
-        replicas=p["replicas"], time_scale=p["time_scale"],
-        num_blocks=int(p["prefixes"] * p["kv_share_per_replica"] + 8)
-        * blocks(p["prefix_tokens"] + p["question_max"] + p["output_tokens"] + 48) + 1),
+    fleet=lambda p: _shared_chains_fleet(p, p["prefixes"]),
     load=LoadSpec(concurrency=16, rate=40.0),
     quick=dict(requests=60, prefixes=6, prefix_tokens=1100, replicas=3, time_scale=20.0, output_tokens=8),
 )
