@@ -86,6 +86,9 @@ class Process:
         except TimeoutError:
             self.stop()
             raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s:\n{self.output()}") from None
+        except BaseException:  # exited early, or Ctrl-C while waiting: leave nothing running
+            self.stop()
+            raise
         return self
 
     def wait_for_line(self, text: str, timeout: float = 30.0) -> "Process":
