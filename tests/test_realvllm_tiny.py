@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from extproc.realvllm import promtext
-from extproc.realvllm.fidelity import Row, format_row, summarize
+from extproc.realvllm.fidelity import Row, SimProcess, format_row, markdown_table, summarize
 from extproc.realvllm.launcher import VllmFleet, VllmStartError, _port_free
 from extproc.realvllm.trace import ReferenceCache, build_trace
 
@@ -314,3 +314,27 @@ def test_summary_and_row_format():
     assert s["fit"]["real_hits"] == 8 and s["evict"]["sim_hits"] == 0
     line = format_row(rows[2])
     assert "10/8" in line and "10/0" in line and "NO" in line
+
+
+def test_markdown_table_collapses_fill_rows():
+    rows = [
+        Row(0, "evict", "victim V", 10, None, 10, 0, 10, 0, 10, 0, 5.0, 1.0, 10, True, True),
+        Row(1, "evict", "fill 1 (fresh)", 20, None, 20, 0, 20, 0, 20, 0, 5.0, 1.0, 20, True, True),
+        Row(2, "evict", "fill 2 (fresh)", 20, None, 20, 4, 20, 4, 20, 4, 5.0, 1.0, 20, True, True),
+        Row(3, "evict", "V again", 10, "s", 10, 8, 10, 0, 10, 8, 5.0, 1.0, 10, False, True),
+    ]
+    lines = markdown_table(rows).splitlines()
+    assert len(lines) == 2 + 3  # header, rule, V, the two fills in one line, V again
+    assert lines[3].startswith("| 1-2 | evict | 20 each |")
+    assert "40/4 | 40/4 | 40/4 | yes" in lines[3]
+    assert "hits per request: [0, 4]" in lines[3]
+    assert lines[4].startswith("| 3 | evict | 10 | s | 10/8 | 10/0 | 10/8 | **NO** |")
+
+
+def test_sim_process_does_not_leak_its_log_fd():
+    before = len(os.listdir("/proc/self/fd"))
+    procs = [SimProcess(sys.executable, 1, 32, 64, 2048, 1.0) for _ in range(5)]
+    assert len(os.listdir("/proc/self/fd")) == before
+    for sp in procs:
+        assert sp.logfile.exists()
+        sp.logfile.unlink()

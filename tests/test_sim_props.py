@@ -7,8 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.sim.kv_cache import KVCache
-from extproc.sim.kv_cache import extra_keys
+from extproc.sim.kv_cache import KVCache, block_hashes, extra_keys, root_hash
 from extproc.sim.profiles import get_profile
 from extproc.sim.scheduler import Scheduler, Sequence
 
@@ -94,11 +93,10 @@ def test_scheduler_invariants_and_termination(reqs, num_blocks, block_size, max_
 def test_kv_cache_random_alloc_free(ops) -> None:
     kv = KVCache(num_blocks=16, block_size=4)
     live: set[str] = set()
-    for k, (alloc, who, ntok) in enumerate(ops):
+    for alloc, who, ntok in ops:
         rid = f"r{who}"
         if alloc and rid not in live:
             toks = list(range(who * 7, who * 7 + ntok))
-            from extproc.sim.kv_cache import block_hashes, root_hash
             hs = block_hashes(toks, 4, root_hash(b"m"))
             hits = kv.longest_hit(hs, len(toks))
             free_before = kv.num_free

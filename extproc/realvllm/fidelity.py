@@ -91,7 +91,11 @@ class SimProcess:
                     "--max-num-batched-tokens", str(max_num_batched_tokens),
                     "--max-model-len", str(max_model_len),
                     "--time-scale", str(time_scale)]
-        self.logfile = logfile or Path(tempfile.mkstemp(prefix="sim-", suffix=".log")[1])
+        if logfile is None:
+            fd, name = tempfile.mkstemp(prefix="sim-", suffix=".log")
+            os.close(fd)  # only the name is needed: start() opens it for the child
+            logfile = Path(name)
+        self.logfile = logfile
         self.proc: subprocess.Popen | None = None
 
     @property

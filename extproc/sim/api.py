@@ -18,6 +18,10 @@ from extproc.sim import chat_template, tokenizer
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKEN_ID = 2**31 - 1
+# vLLM's defaults for VLLM_MAX_N_SEQUENCES and VLLM_MAX_COMPLETION_PROMPTS: they bound
+# the fan-out of one request into engine sequences.
+MAX_N = 16384
+MAX_PROMPTS = 1024
 _BAD_SALT_CHARS = ("@", "/", "\\", "\x00")
 
 
@@ -112,12 +116,15 @@ def completion_prompts(prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]
     if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [_token_list(prompt)]
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(f"prompt list length {len(prompt)} exceeds the maximum allowed count "
+                           f"of {MAX_PROMPTS}.", param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return [tokenizer.encode(p) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return [_token_list(p) for p in prompt]
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return [_token_list(prompt)]
     raise ApiError(
         "'prompt' must be a string, a list of strings, a list of token ids or a list of "
         "token id lists", param="prompt")
@@ -158,6 +165,11 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     n = _int_field(body, "n", 1) or 1
+    if n > MAX_N:
+        raise ApiError(f"n must be at most {MAX_N}, got {n}.", param="n")
+    if n * len(prompts) > MAX_N:  # the simulator's own bound on one request's fan-out
+        raise ApiError(f"n x prompts must be at most {MAX_N}, got {n * len(prompts)}.",
+                       param="n")
     min_tokens = _int_field(body, "min_tokens", 0) or 0
     if min_tokens > max_tokens:
         raise ApiError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
@@ -184,6 +196,7 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
         if not isinstance(opts, dict):
             raise ApiError("'stream_options' must be an object", param="stream_options")
     opts = opts or {}
+    include_usage = bool(opts.get("include_usage", False))
     return ParsedRequest(
         kind=kind,
         model=model,
@@ -191,8 +204,9 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
         n=n,
         max_tokens=max_tokens,
         stream=stream,
-        include_usage=bool(opts.get("include_usage", False)),
-        continuous_usage=bool(opts.get("continuous_usage_stats", False)),
+        include_usage=include_usage,
+        # as vLLM's should_include_usage: per-chunk usage only together with include_usage
+        continuous_usage=include_usage and bool(opts.get("continuous_usage_stats", False)),
         cache_salt=salt,
         request_id=prefix + uuid.uuid4().hex,
         created=int(time.time()),
@@ -201,13 +215,18 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
 
 # ---- response shapes ---------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM's usage object; ``cached_tokens=None`` leaves out ``prompt_tokens_details``
+    (vLLM's per-chunk continuous usage has none)."""
+    u: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
 
 
 def text_of(count: int, start: int = 0) -> str:

@@ -6,11 +6,16 @@ import argparse
 import asyncio
 import signal
 import sys
+import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
 
 import orjson
 
 from extproc.sim.profiles import DEFAULT_PROFILE, PROFILES
+
+if TYPE_CHECKING:  # fleet pulls in aiohttp: imported only when serving
+    from extproc.sim.fleet import SimConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,18 +69,14 @@ def _control(url: str, settings: list[str]) -> int:
     except urllib.error.HTTPError as e:
         print(e.read().decode(), file=sys.stderr)
         return 1
+    except OSError as e:  # refused, unreachable, timed out
+        print(f"sim --control: {base}: {e}", file=sys.stderr)
+        return 1
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    from extproc.sim.fleet import SimConfig, start_fleet
+async def _serve(config: SimConfig) -> int:
+    from extproc.sim.fleet import start_fleet
 
-    config = SimConfig(
-        replicas=args.replicas, base_port=args.base_port, host=args.host, profile=args.profile,
-        time_scale=args.time_scale, model=args.model, block_size=args.block_size,
-        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -106,6 +107,20 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale <= 0:
         print("--time-scale must be > 0", file=sys.stderr)
         return 2
+    from extproc.sim.fleet import SimConfig
+
+    config = SimConfig(
+        replicas=args.replicas, base_port=args.base_port, host=args.host, profile=args.profile,
+        time_scale=args.time_scale, model=args.model, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    try:
+        config.resolved_profile()
+    except ValueError as e:
+        print(f"sim: {e}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 
@@ -113,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover
         runner = asyncio.run
     try:
-        return runner(_serve(args))
+        return runner(_serve(config))
     except OSError as e:
         print(f"sim: cannot bind: {e}", file=sys.stderr)
         return 1

@@ -80,10 +80,7 @@ class Engine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for seq in list(self.sched.running) + list(self.sched.waiting):
-            self.sched.abort(seq)
-            if seq.listener is not None:
-                seq.listener.notify()
+        self.abort_all()
 
     # ---- requests ----------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -96,8 +93,15 @@ class Engine:
         if not seq.finished:
             self.sched.abort(seq)
             self.metrics.request_success("abort")
-            self._refresh_gauges()
+            self.refresh_gauges()
             self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every queued or running sequence and wake its handler (stop, failed step)."""
+        for seq in list(self.sched.running) + list(self.sched.waiting):
+            self.abort(seq)
+            if seq.listener is not None:
+                seq.listener.notify()
 
     def reset_cache(self) -> int:
         return self.sched.kv.reset()
@@ -108,7 +112,7 @@ class Engine:
         while True:
             try:
                 if not self.sched.has_work():
-                    self._refresh_gauges()
+                    self.refresh_gauges()
                     self._wake.clear()
                     await self._wake.wait()
                     idle = True
@@ -135,9 +139,11 @@ class Engine:
                 self._account(emitted, end)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # never let one bad step kill the replica
-                log.exception("sim engine step failed")
-                await asyncio.sleep(0.01)
+            except Exception:
+                # Keep the replica serving, but fail what was in flight: retrying the same
+                # state would fail the same way, forever.
+                log.exception("sim engine step failed; aborting in-flight requests")
+                self.abort_all()
 
     def _account(self, emitted: list[Sequence], now: float) -> None:
         m = self.metrics
@@ -154,7 +160,7 @@ class Engine:
             if seq.listener is not None:
                 seq.listener.notify()
         self._sync_counters()
-        self._refresh_gauges()
+        self.refresh_gauges()
 
     def _sync_counters(self) -> None:
         c, s, m = self.sched.counters, self._synced, self.metrics
@@ -172,7 +178,8 @@ class Engine:
         for f in fields(Counters):
             setattr(s, f.name, getattr(c, f.name))
 
-    def _refresh_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
+        """Set the queue and KV gauges from the scheduler (also before a /metrics scrape)."""
         m = self.metrics
         m.running.set(len(self.sched.running))
         m.waiting.set(len(self.sched.waiting))

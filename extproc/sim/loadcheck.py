@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     urls: list[str] = []
     model = ""
+    killer = threading.Timer(60, proc.kill)  # bounds the wait for "fleet ready"
+    killer.start()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -102,11 +105,16 @@ def main(argv: list[str] | None = None) -> int:
                 urls.append(line.rsplit(" ", 1)[1].strip())
             if line.startswith("fleet ready"):
                 break
+        killer.cancel()
+        if not urls or not model:
+            print("loadcheck: the simulator did not become ready", file=sys.stderr)
+            return 1
         cpu0 = _cpu_seconds(proc.pid)
         result = asyncio.run(_load(urls, model, args.concurrency, args.duration,
                                    args.max_requests, args.max_tokens, args.stream))
         result["sim_cpu_percent"] = 100 * (_cpu_seconds(proc.pid) - cpu0) / result["seconds"]
     finally:
+        killer.cancel()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(10)

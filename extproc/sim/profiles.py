@@ -25,6 +25,16 @@ class Profile:
     per_prefill_token_s: float
     per_decode_s: float
 
+    def __post_init__(self) -> None:
+        """Reject limits the scheduler cannot run with (a zero budget would stall it)."""
+        minimum = {"block_size": 1, "num_blocks": 2, "max_num_seqs": 1,
+                   "max_num_batched_tokens": 1, "max_model_len": 1}
+        for name, low in minimum.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if min(self.step_base_s, self.per_prefill_token_s, self.per_decode_s) < 0:
+            raise ValueError("step time coefficients must be >= 0")
+
     def step_time(self, prefill_tokens: int, decodes: int) -> float:
         """Model-time duration of one engine step."""
         return (

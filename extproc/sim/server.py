@@ -42,7 +42,6 @@ class Replica:
         self.control.apply({"seed": seed * 1000 + index})
         self.metrics = ReplicaMetrics(self.model, profile)
         self.engine = Engine(profile, time_scale, self.control, self.metrics)
-        self._extra = {None: extra_keys(self.model, None)}
         self.requests = 0
         self.failed = 0
         self.dropped = 0
@@ -110,10 +109,7 @@ class Replica:
             self.in_flight -= 1
 
     async def _run(self, request: web.Request, req: api.ParsedRequest) -> web.StreamResponse:
-        salt = req.cache_salt
-        keys = self._extra.get(salt)
-        if keys is None:
-            keys = extra_keys(self.model, salt)
+        keys = extra_keys(self.model, req.cache_salt)
         listener = Listener()
         seqs = [
             Sequence(req_id=f"{req.request_id}-{i}-{j}", prompt_ids=p,
@@ -128,8 +124,8 @@ class Replica:
             while not all(s.finished for s in seqs):
                 await listener.wait()
             if any(s.aborted for s in seqs):
-                raise api.ApiError("Request aborted (replica stopping)", status=503,
-                                   type_="ServiceUnavailableError")
+                raise api.ApiError("Request aborted (replica stopping or engine step failed)",
+                                   status=503, type_="ServiceUnavailableError")
             choices = [(k, api.text_of(len(s.outputs)), s.finish_reason or "length")
                        for k, s in enumerate(seqs)]
             return json_response(api.full_response(req, choices, self._usage(req, seqs)))
@@ -139,6 +135,7 @@ class Replica:
                     self.engine.abort(s)
 
     def _usage(self, req: api.ParsedRequest, seqs: list[Sequence]) -> dict[str, Any]:
+        """The whole request's usage (final chunk / body): cached tokens once per prompt."""
         prompt = sum(len(p) for p in req.prompts)
         completion = sum(len(s.outputs) for s in seqs)
         cached = sum(s.cached_tokens for s in seqs[:: req.n])
@@ -149,20 +146,25 @@ class Replica:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         sent = [0] * len(seqs)
-        chat = req.kind == "chat"
+        role_sent = req.kind != "chat"
         try:
             while True:
                 await listener.wait()
                 out: list[bytes] = []
+                if not role_sent and any(s.outputs for s in seqs):
+                    # vLLM: one role chunk per choice when the request's first output arrives
+                    use = api.usage(seqs[0].num_prompt, 0) if req.continuous_usage else None
+                    out.extend(api.chunk(req, [api.role_choice(k)], use) for k in range(len(seqs)))
+                    role_sent = True
                 for k, s in enumerate(seqs):
                     have = len(s.outputs)
                     if have <= sent[k]:
                         continue
-                    if chat and sent[k] == 0:
-                        out.append(api.chunk(req, [api.role_choice(k)]))
                     finish = s.finish_reason if s.finished else None
-                    use = self._usage(req, seqs) if req.continuous_usage else None
-                    out.append(api.chunk(req, [api.delta_choice(req, k, api.text_of(have, sent[k]), finish)], use))
+                    # vLLM's continuous usage counts this choice's prompt and output only
+                    use = api.usage(s.num_prompt, have) if req.continuous_usage else None
+                    text = api.text_of(have, sent[k])
+                    out.append(api.chunk(req, [api.delta_choice(req, k, text, finish)], use))
                     sent[k] = have
                 if out:
                     await resp.write(b"".join(out))
@@ -193,7 +195,7 @@ class Replica:
         return json_response({"server_load": self.in_flight})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        self.engine._refresh_gauges()
+        self.engine.refresh_gauges()
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def version(self, request: web.Request) -> web.Response:

@@ -5,7 +5,7 @@ fixed-width split gives the one property routing cares about: token ``i`` depend
 on bytes ``[4i, 4i+4)``, so two texts sharing an ``L``-byte prefix share their first
 ``L // 4`` tokens. Each 4-byte chunk (the last one zero-padded) is read as a
 little-endian uint32, mixed with a Knuth multiplicative hash and reduced modulo
-``VOCAB_SIZE``. NumPy makes a 32 KB prompt cost ~0.1 ms.
+``VOCAB_SIZE``. NumPy makes a 32 KB prompt cost ~0.15 ms.
 """
 
 from __future__ import annotations
