@@ -521,6 +521,8 @@ def test_metrics_names_labels_and_counters(fleet: list[Client]) -> None:
     assert buckets == ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25",
                        "0.5", "0.75", "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0",
                        "160.0", "640.0", "2560.0", "+Inf"]
+    for reason in ("stop", "length", "abort", "error", "repetition"):  # vLLM 0.32's set
+        assert lbl("vllm:request_success_total", finished_reason=reason) in c.metrics()
     m0 = c.metrics()
     prompt = [5] * 50
     c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3})

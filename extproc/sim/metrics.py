@@ -24,6 +24,8 @@ ITL_BUCKETS = (
     20.0, 40.0, 80.0,
 )
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM 0.32's FinishReason strings: every label is exported from the start, at 0
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class ReplicaMetrics:
@@ -49,7 +51,7 @@ class ReplicaMetrics:
             "vllm:request_success", "Count of successfully processed requests.",
             names + ["finished_reason"], registry=r)
         self._success_lv = lv
-        for reason in ("stop", "length", "abort"):
+        for reason in FINISH_REASONS:
             self._success.labels(finished_reason=reason, **lv)
 
         def gauge(name: str, doc: str) -> Gauge:
