@@ -32,7 +32,7 @@ class FleetSpec:
 
     replicas: int = 4
     profile: str = "llama-3.1-70b-h100-tp8"
-    time_scale: float = 4.0
+    time_scale: float = 1.0
     block_size: int = 16
     num_blocks: int | None = None
     max_num_seqs: int | None = None
@@ -145,7 +145,7 @@ SAGEMAKER_8K = Scenario(
     summary="7 replicas, 8000-token shared prefixes + short questions, sustained load "
             "(SageMaker's benchmark shape); 70 prefixes, each replica caches 16",
     params=dict(requests=700, prefixes=70, prefix_tokens=8000, question_min=20, question_max=100,
-                output_tokens=24, kv_prefixes_per_replica=16, replicas=7, time_scale=4.0, max_num_seqs=64),
+                output_tokens=24, kv_prefixes_per_replica=16, replicas=7, time_scale=1.0, max_num_seqs=64),
     generate=_shared_prefix_requests,
     fleet=_sagemaker_fleet,
     load=LoadSpec(concurrency=14, rate=40.0),
@@ -184,7 +184,7 @@ SHORT_CHAT = Scenario(
     summary="ShareGPT-like: 48 Zipf-popular system prompts of 256-1024 tokens, short questions "
             "and answers; router PrefixLength 1024 bytes (covers the system prompt only)",
     params=dict(requests=800, groups=48, system_min=256, system_max=1024, question_min=16, question_max=256,
-                output_min=16, output_max=64, zipf=0.8, replicas=4, time_scale=4.0, kv_share_per_replica=0.35),
+                output_min=16, output_max=64, zipf=0.8, replicas=4, time_scale=1.0, kv_share_per_replica=0.35),
     generate=_short_chat,
     fleet=_short_chat_fleet,
     load=LoadSpec(concurrency=16, rate=60.0),
@@ -232,7 +232,7 @@ MULTI_TURN = Scenario(
     summary="40 conversations x 6 turns; each starts from its own 1200-token context and the "
             "history grows turn by turn (8 conversations in flight)",
     params=dict(requests=240, turns=6, context_tokens=1200, user_min=32, user_max=128, output_tokens=48,
-                replicas=4, time_scale=4.0, kv_conversations_per_replica=4),
+                replicas=4, time_scale=1.0, kv_conversations_per_replica=4),
     generate=_multi_turn,
     fleet=_multi_turn_fleet,
     load=LoadSpec(concurrency=8, rate=4.0),
@@ -266,7 +266,7 @@ GSP = Scenario(
     summary="SGLang generated-shared-prefix: 64 groups x 16 prompts, 2048-token system prompt, "
             "128-token question, 256 output tokens, shuffled",
     params=dict(requests=1024, groups=64, prompts_per_group=16, system_tokens=2048, question_tokens=128,
-                output_tokens=256, replicas=4, time_scale=4.0, kv_share_per_replica=0.35),
+                output_tokens=256, replicas=4, time_scale=1.0, kv_share_per_replica=0.35),
     generate=_gsp,
     fleet=_gsp_fleet,
     load=LoadSpec(concurrency=16, rate=20.0),
@@ -295,7 +295,7 @@ HOT_PREFIX = Scenario(
     summary="one prefix carries 70 % of the load, 15 others share the rest; replicas run at most "
             "8 sequences, so a replica that takes the whole hot key queues (spill-over must help)",
     params=dict(requests=600, prefixes=16, hot_share=0.7, prefix_tokens=2000, question_min=32, question_max=128,
-                output_tokens=32, replicas=4, time_scale=4.0, max_num_seqs=8),
+                output_tokens=32, replicas=4, time_scale=1.0, max_num_seqs=8),
     generate=_hot_prefix,
     fleet=_hot_prefix_fleet,
     load=LoadSpec(concurrency=24, rate=80.0),
@@ -337,7 +337,7 @@ TENANTS = Scenario(
     summary="8 tenants send the same 6 documents (2000 tokens) with their tenant header and "
             "cache_salt: identical text, isolated caches",
     params=dict(requests=480, tenants=8, documents=6, salt=True, prefix_tokens=2000, question_min=32,
-                question_max=96, output_tokens=32, replicas=4, time_scale=4.0, kv_share_per_replica=0.35),
+                question_max=96, output_tokens=32, replicas=4, time_scale=1.0, kv_share_per_replica=0.35),
     generate=_tenants,
     fleet=_tenants_fleet,
     load=LoadSpec(concurrency=16, rate=40.0),
@@ -384,7 +384,7 @@ SERIALIZATION = Scenario(
     summary="24 shared 2000-token prompts, each request serialised differently (key order, "
             "whitespace, temperature/top_p/seed): raw-byte keys scatter, prompt keys do not",
     params=dict(requests=480, prefixes=24, prefix_tokens=2000, question_min=16, question_max=64,
-                output_tokens=32, replicas=4, time_scale=4.0, kv_share_per_replica=0.35),
+                output_tokens=32, replicas=4, time_scale=1.0, kv_share_per_replica=0.35),
     generate=_serialization,
     fleet=lambda p: _shared_chains_fleet(p, p["prefixes"]),
     load=LoadSpec(concurrency=16, rate=40.0),
@@ -407,7 +407,7 @@ def _no_sharing(p: Params, rng: random.Random, model: str):
 NO_SHARING = Scenario(
     name="no-sharing",
     summary="control: every prompt distinct (500-2000 tokens); prefix routing must not be worse",
-    params=dict(requests=400, prompt_min=500, prompt_max=2000, output_tokens=32, replicas=4, time_scale=4.0),
+    params=dict(requests=400, prompt_min=500, prompt_max=2000, output_tokens=32, replicas=4, time_scale=1.0),
     generate=_no_sharing,
     fleet=lambda p: FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"]),
     load=LoadSpec(concurrency=16, rate=40.0),
