@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -24,8 +25,7 @@ def envoy_binary() -> str:
 
 
 def validate(path: str | Path) -> tuple[bool, str]:
-    import subprocess
-
+    """``envoy --mode validate``: (ok, Envoy's output)."""
     done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
                           capture_output=True, text=True, timeout=60)
     return done.returncode == 0, done.stdout + done.stderr
