@@ -25,7 +25,7 @@ from extproc.envoy_proc import Envoy
 from extproc.procs import Process, free_ports, port_open, python_module, wait_until
 
 UPSTREAM_HEADER = "x-upstream-host"
-DEFAULT_BALANCE_FACTOR = 150
+DEFAULT_BALANCE_FACTOR = 110  # as shipped in envoy/envoy.yaml
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     routing = parser.add_argument_group("routing")
     routing.add_argument("--prefix-length", type=int, help="router PrefixLength in bytes (default: the scenario's)")
     routing.add_argument("--balance-factor", type=int, default=DEFAULT_BALANCE_FACTOR,
-                         help="hash_balance_factor of the prefix-bounded arm (default 150)")
+                         help=f"hash_balance_factor of the prefix-bounded arm (default {DEFAULT_BALANCE_FACTOR}, as shipped)")
     backend = parser.add_argument_group("backend")
     backend.add_argument("--backend", choices=("sim", "vllm-cpu"), default="sim",
                          help="sim (default) or real vLLM on CPU (extproc.realvllm)")
