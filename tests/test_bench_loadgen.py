@@ -131,6 +131,14 @@ def test_load_stops_at_its_duration_and_counts_what_it_never_sent(mode: str) -> 
     assert load.timed_out and load.unsent > 150
     assert len(load.results) + load.cancelled + load.unsent == len(sessions)
     assert load.client.wall_s < 5  # the bound, not the trace, ended it
+    # A bound is not a routing failure: success is over finished requests, coverage apart.
+    from extproc.bench.report import summarize
+
+    summary = summarize(load, None, oracle_hit_rate=0.0, total_requests=len(sessions), backend_urls=[],
+                        cpu={}, envoy={})
+    assert summary["success_rate"] == 1.0
+    assert summary["trace_completed"] == round(len(load.results) / len(sessions), 4) < 0.25
+    assert summary["errors"]["unsent"] == load.unsent
 
 
 def test_requests_still_running_after_the_grace_period_are_cancelled() -> None:

@@ -67,7 +67,10 @@ def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: fl
         "requests": total_requests,
         "attempted": attempted,
         "ok": len(ok),
-        "success_rate": round(len(ok) / total_requests, 4) if total_requests else 0.0,
+        # Of the requests that finished; requests the duration bound left unsent or cut off
+        # are not the routing's failures, and show in trace_completed and errors instead.
+        "success_rate": round(len(ok) / len(results), 4) if results else 0.0,
+        "trace_completed": round(len(ok) / total_requests, 4) if total_requests else 0.0,
         "errors": dict(Counter(r.error for r in results if not r.ok)) | (
             {"cancelled": load.cancelled} if load.cancelled else {}) | (
             {"unsent": load.unsent} if load.unsent else {}),

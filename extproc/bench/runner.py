@@ -222,3 +222,6 @@ def _add_notes(report: report_mod.Report) -> None:
             report.notes.append(f"{name}: {unkeyed} requests went on unkeyed (ext_proc failure_mode_allow).")
         if a["success_rate"] < 1:
             report.notes.append(f"{name}: success rate {a['success_rate']:.1%} ({a['errors']}).")
+        if a["trace_completed"] < 1 and a["success_rate"] == 1:
+            report.notes.append(f"{name}: the duration bound stopped the arm with {a['trace_completed']:.1%} of the "
+                                f"trace completed ({a['errors']}); rates are over the requests that finished.")
