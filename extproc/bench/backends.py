@@ -7,31 +7,15 @@ servers cannot be restarted, so between arms their prefix cache is reset with vL
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.bench.scenarios import FleetSpec
+from extproc.realvllm.promtext import reset_prefix_cache
 from extproc.procs import Process, free_ports, python_module
 
 _READY = re.compile(r"replica (\d+) ready on (http://\S+)")
-
-
-def served_model(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
-        return json.loads(resp.read())["data"][0]["id"]
-
-
-def reset_prefix_cache(url: str) -> bool:
-    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", method="POST", data=b"")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 class Backend(Protocol):

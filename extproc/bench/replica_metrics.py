@@ -7,11 +7,10 @@ works the same for the simulator and real vLLM.
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
+from extproc.realvllm.promtext import fetch_metrics, metric_sum, parse_prometheus
 
 COUNTERS = {
     "queries": "vllm:prefix_cache_queries_total",
@@ -39,19 +38,15 @@ class ReplicaCounters:
 
 def parse(text: str) -> ReplicaCounters:
     """Sum each counter over its label sets (engines, finish reasons)."""
-    wanted = {v: k for k, v in COUNTERS.items()}
-    sums = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = wanted.get(sample.name)
-            if key:
-                sums[key] += sample.value
-    return ReplicaCounters(**sums)
+    return _counters(parse_prometheus(text))
+
+
+def _counters(samples: list) -> ReplicaCounters:
+    return ReplicaCounters(**{key: metric_sum(samples, name) for key, name in COUNTERS.items()})
 
 
 def scrape(url: str, timeout: float = 10.0) -> ReplicaCounters:
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
-        return parse(resp.read().decode())
+    return _counters(fetch_metrics(url, timeout))
 
 
 def scrape_all(urls: Sequence[str]) -> list[ReplicaCounters]:

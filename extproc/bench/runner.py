@@ -22,6 +22,7 @@ from extproc.bench.oracle import oracle
 from extproc.bench.proc_cpu import CpuMeter
 from extproc.bench.scenarios import FleetSpec, LoadSpec, Scenario, get as get_scenario
 from extproc.bench.trace import Trace
+from extproc.realvllm.promtext import served_model
 
 T = TypeVar("T")
 
@@ -85,7 +86,7 @@ def _backend(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> backends.
 
 def _model(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> str:
     if cfg.backend_urls:
-        return backends.served_model(cfg.backend_urls[0])
+        return served_model(cfg.backend_urls[0])
     if scenario.backend == "zero":
         return "zero"
     from extproc.sim.profiles import get_profile

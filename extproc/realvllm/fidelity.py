@@ -139,13 +139,6 @@ class SimProcess:
         self.proc = None
 
 
-def served_model(url: str) -> str:
-    status, body = promtext.http_get(url + "/v1/models", timeout=5.0)
-    if status != 200:
-        raise RuntimeError(f"GET {url}/v1/models -> {status}")
-    return json.loads(body)["data"][0]["id"]
-
-
 def send_and_count(url: str, model: str, req: TraceRequest,
                    settle_timeout: float = 5.0) -> tuple[int, int, float, dict | str]:
     """Send one request; returns (queries delta, hits delta, latency ms, response body).
@@ -298,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.vllm_url:
             real_url = a.vllm_url.rstrip("/")
-            status, _ = promtext.http_post_json(real_url + "/reset_prefix_cache", {}, timeout=30)
-            if status != 200:
-                log(f"[fidelity] WARNING: POST {real_url}/reset_prefix_cache -> {status} "
+            if not promtext.reset_prefix_cache(real_url):
+                log(f"[fidelity] WARNING: POST {real_url}/reset_prefix_cache failed "
                     "(start vLLM with VLLM_SERVER_DEV_MODE=1); its cache is not fresh")
         else:
             model_dir = Path(a.model)
@@ -313,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             info["reset_prefix_cache_ok"] = fleet.reset_prefix_cache()[0]
             info["vllm_startup_s"] = round(fleet.startup_seconds[0], 1)
             info["vllm_rss_mb_ready"] = round(fleet.rss_mb(0))
-        real_model = served_model(real_url)
+        real_model = promtext.served_model(real_url)
         cc = promtext.cache_config(real_url)
         if not cc or "block_size" not in cc or "num_gpu_blocks" not in cc:
             raise RuntimeError(f"no vllm:cache_config_info with block_size/num_gpu_blocks: {cc}")
@@ -345,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                 sim = SimProcess(sim_python, a.sim_port, block_size, num_blocks,
                                  a.max_num_batched_tokens, a.sim_time_scale)
                 sim_url = sim.start()
-            sim_model = served_model(sim_url)
+            sim_model = promtext.served_model(sim_url)
             if a.sim_url:
-                promtext.http_post_json(sim_url + "/reset_prefix_cache", {}, timeout=30)
+                promtext.reset_prefix_cache(sim_url)
             scc = promtext.cache_config(sim_url)
             info["sim_cache_config_info"] = scc
             log(f"[fidelity] simulator {sim_url}: cache_config_info {scc}")

@@ -383,14 +383,7 @@ class VllmFleet:
         A reset leaves every block free and without a hash, which for prefix-cache purposes
         is the same as a fresh server (counters keep counting: use deltas).
         """
-        ok = []
-        for u in self.urls:
-            try:
-                status, _ = promtext.http_post_json(u + "/reset_prefix_cache", {}, timeout=30)
-            except OSError:
-                status = 0
-            ok.append(status == 200)
-        return ok
+        return [promtext.reset_prefix_cache(u) for u in self.urls]
 
     def rss_mb(self, i: int = 0) -> float:
         """Resident memory of replica i (API server + engine core), MB."""

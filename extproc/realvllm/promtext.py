@@ -1,20 +1,17 @@
-"""Stdlib-only HTTP and Prometheus-text helpers shared by the launcher and the fidelity check.
+"""HTTP and Prometheus-text helpers for talking to vLLM-style servers.
 
-They work in any Python (the project venv or vLLM's), so the launcher can be driven from either.
+Shared by the launcher, the fidelity check and the benchmark. Only the stdlib and
+prometheus-client (a dependency of vLLM too), so the launcher runs in either venv.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-_SAMPLE_RE = re.compile(
-    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$"
-)
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass(frozen=True)
@@ -26,24 +23,8 @@ class Sample:
 
 def parse_prometheus(text: str) -> list[Sample]:
     """Parse the Prometheus text exposition format into samples (comments skipped)."""
-    out: list[Sample] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if not m:
-            continue
-        labels = {}
-        if m.group("labels"):
-            for k, v in _LABEL_RE.findall(m.group("labels")):
-                labels[k] = v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-        try:
-            value = float(m.group("value"))
-        except ValueError:
-            continue
-        out.append(Sample(m.group("name"), labels, value))
-    return out
+    return [Sample(sample.name, dict(sample.labels), sample.value)
+            for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
 def metric_sum(samples: list[Sample], name: str) -> float:
@@ -96,6 +77,23 @@ def fetch_metrics(base_url: str, timeout: float = 5.0) -> list[Sample]:
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
+
+
+def served_model(base_url: str, timeout: float = 10.0) -> str:
+    """The first model id a server lists at /v1/models."""
+    status, body = http_get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
+    if status != 200:
+        raise RuntimeError(f"GET {base_url}/v1/models -> {status}")
+    return json.loads(body)["data"][0]["id"]
+
+
+def reset_prefix_cache(base_url: str, timeout: float = 30.0) -> bool:
+    """POST /reset_prefix_cache (vLLM needs VLLM_SERVER_DEV_MODE=1); whether it worked."""
+    try:
+        status, _ = http_post_json(base_url.rstrip("/") + "/reset_prefix_cache", {}, timeout=timeout)
+    except OSError:
+        return False
+    return status == 200
 
 
 def prefix_counters(base_url: str, timeout: float = 5.0) -> tuple[float, float]:
