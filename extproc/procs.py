@@ -28,6 +28,26 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def free_port_run(n: int, attempts: int = 50) -> int:
+    """A port ``p`` with ``p .. p+n-1`` all free on 127.0.0.1, for servers that take a base port."""
+    for _ in range(attempts):
+        base = free_ports(1)[0]
+        if base + n > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise OSError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)

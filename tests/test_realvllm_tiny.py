@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.procs import free_port_run
 from extproc.realvllm import promtext
 from extproc.realvllm.fidelity import Row, SimProcess, format_row, markdown_table, summarize
 from extproc.realvllm.launcher import VllmFleet, VllmStartError, _port_free
@@ -216,13 +217,6 @@ def fake_vllm(tmp_path):
     return tmp_path
 
 
-def _free_base_port(n: int) -> int:
-    for base in range(18600, 19600, 10):
-        if all(_port_free("127.0.0.1", base + i) for i in range(n)):
-            return base
-    pytest.fail("no free ports")
-
-
 def test_launcher_command_and_environment(tmp_path):
     f = VllmFleet(tmp_path, replicas=3, base_port=9100, python=sys.executable, block_size=64,
                   num_gpu_blocks=64, max_num_batched_tokens=2048, workdir=tmp_path / "w",
@@ -249,7 +243,7 @@ def test_launcher_command_and_environment(tmp_path):
 
 
 def test_launcher_starts_waits_and_stops_by_pid(fake_vllm):
-    base = _free_base_port(2)
+    base = free_port_run(2)
     lines: list[str] = []
     fleet = VllmFleet(
         fake_vllm, replicas=2, base_port=base, python=sys.executable, block_size=32,
@@ -278,7 +272,7 @@ def test_launcher_starts_waits_and_stops_by_pid(fake_vllm):
 
 
 def test_launcher_reports_a_crashed_server(fake_vllm):
-    base = _free_base_port(1)
+    base = free_port_run(1)
     fleet = VllmFleet(
         fake_vllm, replicas=1, base_port=base, python=sys.executable, startup_timeout=20,
         progress=lambda s: None,

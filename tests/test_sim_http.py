@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from extproc.sim import tokenizer
+from extproc.procs import free_port_run
 from extproc.sim.fleet import FleetThread, SimConfig
 
 MODEL = "sim-tiny"
@@ -570,30 +571,8 @@ def test_cached_prompt_ttft_much_lower_over_http() -> None:
 
 # ---- CLI in a subprocess -------------------------------------------------------------------
 
-def _free_base_port(count: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(count):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-    raise RuntimeError("no free port range")
-
-
 def test_cli_three_replicas_subprocess() -> None:
-    base = _free_base_port(3)
+    base = free_port_run(3)
     proc = subprocess.Popen(
         [sys.executable, "-m", "extproc", "sim", "--replicas", "3", "--base-port", str(base),
          "--profile", "tiny", "--time-scale", "20", "--num-blocks", "512"],

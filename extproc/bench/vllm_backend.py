@@ -17,6 +17,7 @@ from pathlib import Path
 
 from extproc.bench.runner import BenchConfig, run_bench
 from extproc.bench.report import Report
+from extproc.procs import free_port_run
 
 # Real-model sizes: prompts well under max_model_len (8192 real tokens) whatever the
 # tiny tokenizer's bytes per token, and small enough for a CPU to prefill quickly.
@@ -67,7 +68,7 @@ def run_with_vllm_cpu(cfg: BenchConfig, *, model: str | None = None, python: str
     # 12 prefixes, 7 per replica: more than one replica holds, less than the fleet does.
     blocks = cfg.num_blocks or num_blocks_for(params, kv_prefixes_per_replica,
                                               measured_bytes_per_token(python, model_dir))
-    base = _free_base(2)
+    base = free_port_run(2)
     fleet = VllmFleet(model_dir, replicas=2, base_port=base, python=python, dev_mode=True,
                       num_gpu_blocks=blocks, max_model_len=8192)
     fleet.start()
@@ -84,27 +85,4 @@ def run_with_vllm_cpu(cfg: BenchConfig, *, model: str | None = None, python: str
         return report
     finally:
         fleet.stop()
-
-
-def _free_base(n: int) -> int:
-    """A port p with p..p+n-1 free (the launcher wants consecutive ports)."""
-    import socket
-
-    for _ in range(50):
-        from extproc.procs import free_ports
-
-        base = free_ports(1)[0]
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise OSError(f"no {n} consecutive free ports")
 
