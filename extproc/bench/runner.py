@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from extproc.bench import arms as arms_mod
 from extproc.bench import backends, loadgen, progress as progress_mod, replica_metrics, report as report_mod
 from extproc.bench.oracle import oracle
-from extproc.bench.proc_cpu import CpuMeter
+from extproc.proc_cpu import CpuMeter
 from extproc.bench.scenarios import FleetSpec, LoadSpec, Scenario, get as get_scenario
 from extproc.bench.trace import Trace
 from extproc.realvllm.promtext import served_model

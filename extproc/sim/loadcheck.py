@@ -22,6 +22,8 @@ import time
 import aiohttp
 import orjson
 
+from extproc.proc_cpu import process_cpu_s
+
 
 async def _load(urls: list[str], model: str, concurrency: int, duration: float,
                 max_requests: int, max_tokens: int, stream: bool) -> dict[str, float]:
@@ -109,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if not urls or not model:
             print("loadcheck: the simulator did not become ready", file=sys.stderr)
             return 1
-        cpu0 = _cpu_seconds(proc.pid)
+        cpu0 = process_cpu_s(proc.pid) or 0.0
         result = asyncio.run(_load(urls, model, args.concurrency, args.duration,
                                    args.max_requests, args.max_tokens, args.stream))
-        result["sim_cpu_percent"] = 100 * (_cpu_seconds(proc.pid) - cpu0) / result["seconds"]
+        result["sim_cpu_percent"] = 100 * ((process_cpu_s(proc.pid) or 0.0) - cpu0) / result["seconds"]
     finally:
         killer.cancel()
         proc.send_signal(signal.SIGTERM)
@@ -122,12 +124,6 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return 0
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
