@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc import envoy_config
-from extproc.procs import Process
+from extproc.procs import Process, wait_until
 
 
 def envoy_binary() -> str:
@@ -79,6 +79,11 @@ class Envoy:
                 bad = health.get("failed_active_health_check") or health.get("eds_health_status") == "UNHEALTHY"
                 out[f"{addr['address']}:{addr['port_value']}"] = not bad
         return out
+
+    def wait_healthy(self, cluster: str, count: int, timeout: float = 30.0) -> None:
+        """Block until ``count`` hosts of ``cluster`` pass health checks (first checks take a moment)."""
+        wait_until(lambda: sum(self.healthy_hosts(cluster).values()) >= count, timeout,
+                   f"{count} healthy hosts in {cluster}", interval=0.1)
 
     def stop(self) -> None:
         self.process.stop()

@@ -11,7 +11,7 @@ from extproc.envoy_proc import Envoy
 from extproc.procs import Process, free_ports
 
 from backends import BackendFleet
-from support import envoy_ready_hosts, start_router
+from support import start_router
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +53,7 @@ def make_envoy(router: tuple[Process, int, int]) -> Iterator[EnvoyFactory]:
             edit(cfg)
         envoy = Envoy(cfg).start()
         started.append(envoy)
-        envoy_ready_hosts(envoy, "vllm", len(backends.addresses))
+        envoy.wait_healthy("vllm", len(backends.addresses), timeout=15)
         return envoy, listener
 
     yield make

@@ -7,8 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.envoy_proc import Envoy
-from extproc.procs import Process, free_ports, python_module, wait_until
+from extproc.procs import Process, free_ports, python_module
 
 
 @dataclass
@@ -39,8 +38,3 @@ def start_router(*flags: str, env: dict[str, str] | None = None) -> tuple[Proces
                    name="prefix-router", env=env)
     proc.wait_for_line("ready on", timeout=30)
     return proc, port, metrics_port
-
-
-def envoy_ready_hosts(envoy: Envoy, cluster: str, n: int, timeout: float = 15.0) -> None:
-    """Wait until ``n`` hosts of ``cluster`` pass health checks (first checks take a moment)."""
-    wait_until(lambda: sum(envoy.healthy_hosts(cluster).values()) == n, timeout, f"{n} healthy hosts in {cluster}")

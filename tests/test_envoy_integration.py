@@ -198,8 +198,7 @@ def test_large_and_unparseable_bodies_are_routed(backends: BackendFleet, make_en
 
 def test_ab_split_follows_runtime_share(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
     envoy, port = make_envoy(backends, name="ab.yaml")
-    envoy_ready_hosts_stock = lambda: sum(envoy.healthy_hosts("vllm_stock").values()) == 4  # noqa: E731
-    wait_until(envoy_ready_hosts_stock, 15, "stock cluster healthy")
+    envoy.wait_healthy("vllm_stock", 4, timeout=15)
     arms = Counter(send(port, body=chat(SYSTEM, f"q{i}")).headers["x-ab-arm"] for i in range(200))
     assert 60 <= arms["prefix"] <= 140, arms  # default share 50 %
     envoy.admin("/runtime_modify?ab.prefix_share=100", method="POST")

@@ -22,7 +22,7 @@ from typing import Any
 
 from extproc import envoy_config
 from extproc.envoy_proc import Envoy
-from extproc.procs import Process, free_ports, port_open, python_module, wait_until
+from extproc.procs import Process, free_ports, port_open, python_module
 
 UPSTREAM_HEADER = "x-upstream-host"
 DEFAULT_BALANCE_FACTOR = 110  # as shipped in envoy/envoy.yaml
@@ -153,12 +153,9 @@ class RunningArm:
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor)
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
         self.envoy.start()
-        wanted = {f"{h}:{p}" for h, p in self._backends()}
-        wait_until(lambda: {h for h, ok in self.envoy.healthy_hosts("vllm").items() if ok} >= wanted,
-                   30, "envoy health checks to pass on every replica", interval=0.1)
+        self.envoy.wait_healthy("vllm", len(self.backend_urls))
         if self.arm.prefix:
-            wait_until(lambda: any(self.envoy.healthy_hosts("prefix_router").values()), 30,
-                       "envoy to see the prefix router healthy", interval=0.1)
+            self.envoy.wait_healthy("prefix_router", 1)
         self.url = f"http://127.0.0.1:{listener}"
 
     def _start_peer(self) -> None:
