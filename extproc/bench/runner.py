@@ -50,6 +50,7 @@ class BenchConfig:
     prefix_length: int | None = None
     balance_factor: int = arms_mod.DEFAULT_BALANCE_FACTOR
     backend_urls: Sequence[str] = ()
+    backend_info: Mapping[str, Any] = field(default_factory=dict)  # what the URLs are, for the report
     plots: bool = True
     progress: progress_mod.Progress | None = None
 
@@ -119,7 +120,8 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     names = _arm_names(scenario, cfg, prog.note)
     report = report_mod.Report(
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
-        fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else scenario.backend},
+        fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else scenario.backend,
+               **cfg.backend_info},
         load={**dataclasses.asdict(load), "prefix_length": prefix_length,
               **({"phases": list(scenario.phases)} if scenario.phases else {})},
         oracle_hit_rate=best,

@@ -70,16 +70,10 @@ def run_with_vllm_cpu(cfg: BenchConfig, *, model: str | None = None, python: str
                       num_gpu_blocks=blocks, max_model_len=8192)
     fleet.start()
     try:
-        run_cfg = dataclasses.replace(cfg, backend_urls=fleet.urls, params={**params, "replicas": 2},
-                                      replicas=2, block_size=BLOCK_SIZE, num_blocks=blocks)
-        report = run_bench(run_cfg)
-        report.fleet.update({"backend": "vllm-cpu", "model": str(model_dir), "num_gpu_blocks": blocks,
-                             "block_size": BLOCK_SIZE})
-        if cfg.out is not None:
-            from extproc.bench import report as report_mod
-
-            report_mod.write(report, Path(cfg.out))
-        return report
+        info = {"backend": "vllm-cpu", "model": str(model_dir), "num_gpu_blocks": blocks, "block_size": BLOCK_SIZE}
+        return run_bench(dataclasses.replace(
+            cfg, backend_urls=fleet.urls, backend_info=info, params={**params, "replicas": 2},
+            replicas=2, block_size=BLOCK_SIZE, num_blocks=blocks))
     finally:
         fleet.stop()
 
