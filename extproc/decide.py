@@ -7,7 +7,7 @@ tests all share it and it is testable in microseconds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
@@ -32,6 +32,7 @@ class Decision:
     prefix_bytes: int  # how many bytes of the normalised form were hashed
     normalized_bytes: int  # length of the whole normalised form
     preview: bytes  # the start of the hashed bytes, for `explain`
+    normalized: bytes = field(default=b"", repr=False)  # the whole normalised form (pick mode chunks it)
 
 
 def prefix_key(tenant: str | None, prefix: bytes) -> str:
@@ -87,4 +88,5 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
         prefix_bytes=len(prefix),
         normalized_bytes=len(norm.data),
         preview=prefix[:preview_bytes],
+        normalized=norm.data,
     )

@@ -9,13 +9,17 @@ normalised forms part (inside the hashed prefix or not).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import urllib.request
 
 import orjson
 
 from extproc.decide import Decision, decide
 from extproc.normalize import normalize
+from extproc.pick.choose import Choice
+from extproc.pick.picker import PickCore
 from extproc.settings import ROUTE_FIELDS, RouteSettings, SettingError, add_flags, route_settings
 
 
@@ -26,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-H", "--header", action="append", default=[], metavar="'NAME: VALUE'",
                         help="a request header, as curl takes it (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--state", default=None, metavar="FILE|URL",
+                        help="pick mode: the router's state (a saved /debug/state, or its URL, e.g. "
+                             "http://127.0.0.1:9464/debug/state): print each replica's cached prefix, load and cost")
     add_flags(parser, ROUTE_FIELDS)
 
 
@@ -94,6 +101,30 @@ def compare(a: bytes, b: bytes, headers: dict[str, str], settings: RouteSettings
     }
 
 
+def pick_dict(choice: Choice) -> dict[str, object]:
+    return {"address": choice.address, "reason": choice.reason, "prompt_tokens": choice.prompt_tokens,
+            "candidates": [dataclasses.asdict(c) for c in choice.candidates]}
+
+
+def render_pick(info: dict[str, object]) -> str:
+    lines = [f"pick:       {info['address'] or '(none: Envoy load balancer chooses)'} ({info['reason']}), "
+             f"prompt ~{info['prompt_tokens']} tokens",
+             f"  {'replica':24s} {'cached tokens':>13s} {'in flight':>9s} {'cost':>9s}"]
+    for c in info["candidates"]:  # type: ignore[attr-defined]
+        mark = " <- chosen" if c["address"] == info["address"] else (" (at threshold)" if c["capped"] else "")
+        lines.append(f"  {c['address']:24s} {c['cached_tokens']:>13d} {c['in_flight']:>9d} {c['cost']:>9d}{mark}")
+    return "\n".join(lines)
+
+
+def read_state(source: str) -> dict[str, object]:
+    """A pick-mode state from a file or the live server's /debug/state URL."""
+    if source.startswith(("http://", "https://")):
+        with urllib.request.urlopen(source, timeout=10) as resp:
+            return orjson.loads(resp.read())
+    with open(source, "rb") as f:
+        return orjson.loads(f.read())
+
+
 def read_body(path: str) -> bytes:
     return sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
 
@@ -112,8 +143,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefix-router explain: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
     if other is None:
-        info = as_dict(decide(body, headers, settings), settings)
-        print(orjson.dumps(info).decode() if args.json else render(info))
+        decision = decide(body, headers, settings)
+        info = as_dict(decision, settings)
+        text = render(info)
+        if settings.mode == "pick":
+            if not args.state:
+                print("prefix-router explain: --mode pick needs --state FILE|URL (the router's /debug/state)",
+                      file=sys.stderr)
+                return 2
+            try:
+                core = PickCore.from_state(read_state(args.state))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                print(f"prefix-router explain: cannot read the state {args.state}: {exc}", file=sys.stderr)
+                return 2
+            info["pick"] = pick_dict(core.evaluate(decision, settings)[0])
+            text += "\n" + render_pick(info["pick"])  # type: ignore[arg-type]
+        print(orjson.dumps(info).decode() if args.json else text)
         return 0
     result = compare(body, other, headers, settings)
     if args.json:

@@ -38,3 +38,31 @@ ERRORS = Counter(
 STREAMS_ACTIVE = Gauge(
     "prefix_router_streams_active", "ext_proc streams currently open", registry=REGISTRY
 )
+
+# --- pick mode ----------------------------------------------------------------------------
+PICKS = Counter(
+    "prefix_router_pick_decisions_total",
+    "Pick-mode choices by reason: cheapest, cold, threshold_spill, all_busy, no_replica",
+    ["reason"],
+    registry=REGISTRY,
+)
+INDEX_ENTRIES = Gauge(
+    "prefix_router_index_entries", "Learned prefix index: (chunk, replica) entries held", registry=REGISTRY
+)
+INDEX_BYTES = Gauge(
+    "prefix_router_index_bytes", "Learned prefix index: estimated memory in bytes", registry=REGISTRY
+)
+REPLICA_LOAD = Gauge(
+    "prefix_router_replica_load",
+    "Per replica: in_flight (the estimate the choice uses), own (this router's open requests), "
+    "running, waiting and kv_usage (last scrape)",
+    ["replica", "kind"],
+    registry=REGISTRY,
+)
+REPLICA_UP = Gauge(
+    "prefix_router_replica_up", "1 if the replica answered its last metrics scrape", ["replica"], registry=REGISTRY
+)
+SCRAPE_ERRORS = Counter(
+    "prefix_router_scrape_errors_total", "Failed /metrics scrapes per replica", ["replica"], registry=REGISTRY
+)
+ENDPOINTS = Gauge("prefix_router_endpoints", "Replicas pick mode chooses among", registry=REGISTRY)

@@ -13,11 +13,15 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from prometheus_client import start_http_server
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import metrics
+from extproc.pick.picker import Picker
 from extproc.server import PrefixRouter
-from extproc.settings import ROUTE_FIELDS, SERVER_FIELDS, RouteSettings, ServerSettings, SettingError, add_flags, route_settings, server_settings
+from extproc.settings import (ROUTE_FIELDS, SERVER_FIELDS, RouteSettings, ServerSettings, SettingError, add_flags,
+                              has_endpoints, route_settings, server_settings)
 
 log = logging.getLogger("extproc.serve")
 
@@ -33,15 +37,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ROUTE_FIELDS)
 
 
+async def start_http(server_cfg: ServerSettings, picker: Picker | None) -> web.AppRunner:
+    """Prometheus metrics on /metrics and, in pick mode, what the choice sees on /debug/state."""
+    async def metrics_page(_: web.Request) -> web.Response:
+        if picker is not None:
+            picker.publish_metrics()
+        return web.Response(body=generate_latest(metrics.REGISTRY), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def state_page(_: web.Request) -> web.Response:
+        if picker is None:
+            return web.Response(status=404, text="pick mode is not configured (no endpoints)\n")
+        return web.Response(body=orjson.dumps(picker.state()), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/debug/state", state_page)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, server_cfg.host, server_cfg.metrics_port).start()
+    return runner
+
+
 async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop``), then drain open streams and return."""
+    picker = Picker(server_cfg) if has_endpoints(server_cfg) else None
+    if picker is not None:
+        await picker.start()
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        PrefixRouter(route_cfg, server_cfg.metadata_namespace), server
+        PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker), server
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -49,15 +77,15 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the gRPC port {address}")
-    if server_cfg.metrics_port:
-        start_http_server(server_cfg.metrics_port, addr=server_cfg.host, registry=metrics.REGISTRY)
+    http = await start_http(server_cfg, picker) if server_cfg.metrics_port else None
     await server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "serving ext_proc on %s:%d (metrics on %s), normalize=%s prefix_length=%d key_header=%s",
-        server_cfg.host, port, server_cfg.metrics_port or "off", route_cfg.normalize,
+        "serving ext_proc on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s%s",
+        server_cfg.host, port, server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
         route_cfg.prefix_length, route_cfg.key_header,
+        f" endpoints={len(picker.load.addresses())}" if picker else "",
     )
     print(f"prefix-router ready on {server_cfg.host}:{port}", flush=True)
     stop = stop or asyncio.Event()
@@ -69,6 +97,10 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=server_cfg.drain_seconds)
+    if picker is not None:
+        await picker.stop()
+    if http is not None:
+        await http.cleanup()
     log.info("stopped")
 
 
@@ -78,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
         route_cfg = route_settings(args, os.environ)
     except SettingError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 2
+    if route_cfg.mode == "pick" and not has_endpoints(server_cfg):
+        print("prefix-router serve: --mode pick needs the replicas: set --endpoints, --endpoints-file or "
+              "--endpoints-dns", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -9,6 +9,7 @@ streams open until the response ends would cost memory per in-flight request.
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -21,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import metrics
 from extproc.decide import Decision, decide
+from extproc.pick.picker import PickCore
 from extproc.settings import METADATA_PREFIX, RouteSettings, with_metadata
 
 log = logging.getLogger("extproc.server")
@@ -28,6 +30,8 @@ log = logging.getLogger("extproc.server")
 _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _ATTR_HEADER_PREFIX: Final = "request.headers['"
 _MAX_CACHED_METADATA: Final = 1024
+LB_NAMESPACE: Final = "envoy.lb"
+DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"  # Gateway API Inference Extension
 
 
 def read_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
@@ -51,12 +55,20 @@ def read_attribute_headers(request: pb.ProcessingRequest) -> dict[str, str]:
 
 
 class PrefixRouter(pb_grpc.ExternalProcessorServicer):
-    """ExternalProcessor service; one instance serves every stream."""
+    """ExternalProcessor service; one instance serves every stream.
 
-    def __init__(self, settings: RouteSettings, metadata_namespace: str = "prefix_router") -> None:
+    With a ``picker`` (pick mode configured for the process), a stream whose settings say
+    ``mode: pick`` also names the replica, and stays open until Envoy ends it (when the
+    HTTP response ends), so the picker counts the request as in flight until then.
+    """
+
+    def __init__(self, settings: RouteSettings, metadata_namespace: str = "prefix_router",
+                 picker: PickCore | None = None) -> None:
         self.settings = settings
         self.namespace = metadata_namespace
+        self.picker = picker
         self._by_metadata: dict[tuple[tuple[str, str], ...], RouteSettings] = {}
+        self._warned_no_picker = False
 
     def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> RouteSettings:
         """Process settings overridden by this stream's x-prefix-router-* metadata.
@@ -109,12 +121,37 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     if not headers:
                         headers = read_attribute_headers(request)
                     body = request.request_body
-                    yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
+                    if settings.mode != "pick" or not self._can_pick():
+                        yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
+                        return
+                    reply, picked = self.pick_reply(body.body, headers, settings, complete=body.end_of_stream)
+                    yield reply
+                    if picked is not None:
+                        async for _ in self._until_stream_ends(request_iterator, picked):
+                            yield _
                     return
                 else:
                     yield _pass_through(phase)
         finally:
             metrics.STREAMS_ACTIVE.dec()
+
+    def _can_pick(self) -> bool:
+        if self.picker is None and not self._warned_no_picker:
+            self._warned_no_picker = True
+            metrics.METADATA_ERRORS.inc()
+            log.warning("a route asks for pick mode but the router has no endpoints "
+                        "(--endpoints, --endpoints-file or --endpoints-dns): using hash mode")
+        return self.picker is not None
+
+    async def _until_stream_ends(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                                 picked: str) -> AsyncIterator[pb.ProcessingResponse]:
+        """Hold the picked replica's in-flight count until Envoy closes the stream (or it breaks)."""
+        assert self.picker is not None
+        try:
+            async for request in request_iterator:
+                yield _pass_through(request.WhichOneof("request"))
+        finally:
+            self.picker.release(picked)
 
     @staticmethod
     def safe_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
@@ -128,23 +165,60 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
     @staticmethod
     def headers_reply(settings: RouteSettings) -> pb.ProcessingResponse:
         reply = pb.ProcessingResponse()
-        # A client-sent key header must never choose the host.
-        reply.request_headers.response.header_mutation.remove_headers.append(settings.key_header)
+        # A client-sent key or pick header must never choose the host.
+        removed = reply.request_headers.response.header_mutation.remove_headers
+        removed.append(settings.key_header)
+        removed.append(settings.pick_header)
         return reply
 
-    def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
-                   complete: bool = True) -> pb.ProcessingResponse:
+    def _decide(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
+                complete: bool) -> Decision | None:
         started = time.perf_counter()
         try:
             decision = decide(body, headers, settings, complete=complete)
         except Exception:
             log.exception("deciding a prefix key failed; passing the request on without one")
             metrics.ERRORS.labels("decide").inc()
-            return _empty_body_reply()
+            return None
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         metrics.BODY_BYTES.observe(len(body))
         metrics.DECISIONS.labels(decision.normalize, decision.fallback or "none").inc()
-        return self.decision_reply(decision, settings)
+        return decision
+
+    def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
+                   complete: bool = True) -> pb.ProcessingResponse:
+        decision = self._decide(body, headers, settings, complete)
+        return _empty_body_reply() if decision is None else self.decision_reply(decision, settings)
+
+    def pick_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
+                   complete: bool = True) -> tuple[pb.ProcessingResponse, str | None]:
+        """The hash-mode reply plus the picked replica: Envoy's stateful_session reads the
+        pick header (and sends the request there only if that host is healthy, else its
+        own LB hashes the key header); ``envoy.lb`` metadata carries the same host for
+        override_host configs (the Gateway API Inference Extension convention)."""
+        decision = self._decide(body, headers, settings, complete)
+        if decision is None:
+            return _empty_body_reply(), None
+        reply = self.decision_reply(decision, settings)
+        assert self.picker is not None
+        try:
+            choice = self.picker.pick(decision, settings)
+        except Exception:
+            log.exception("picking a replica failed; Envoy's load balancer chooses")
+            metrics.ERRORS.labels("pick").inc()
+            return reply, None
+        if choice.address is None:
+            return reply, None
+        option = reply.request_body.response.header_mutation.set_headers.add()
+        option.header.key = settings.pick_header
+        option.header.raw_value = base64.b64encode(choice.address.encode())
+        option.append_action = _OVERWRITE
+        fields = reply.dynamic_metadata.fields
+        ours = fields[self.namespace].struct_value.fields
+        ours["picked"].string_value = choice.address
+        ours["pick_reason"].string_value = choice.reason
+        fields[LB_NAMESPACE].struct_value.fields[DESTINATION_ENDPOINT].string_value = choice.address
+        return reply, choice.address
 
     def decision_reply(self, decision: Decision, settings: RouteSettings) -> pb.ProcessingResponse:
         reply = pb.ProcessingResponse()

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from extproc.normalize import MODES
+
+ROUTING_MODES: Final = ("hash", "pick")
 
 ENV_PREFIX: Final = "PREFIX_ROUTER_"
 METADATA_PREFIX: Final = "x-prefix-router-"
@@ -37,6 +40,10 @@ class RouteSettings:
     normalize: str = "prompt"
     key_header: str = "x-prefix-key"
     tenant_headers: tuple[str, ...] = DEFAULT_TENANT_HEADERS
+    mode: str = "hash"  # hash: Envoy hashes the key; pick: the router names the replica
+    pick_header: str = "x-prefix-pick"  # pick mode: base64(ip:port) for Envoy's stateful_session
+    concurrency_threshold: int = 0  # pick mode: SageMaker's per-replica cap on requests in flight; 0 = none
+    load_tokens: int = 1024  # pick mode: prefill tokens one request in flight is worth in the cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,17 @@ class ServerSettings:
     drain_seconds: float = 10.0
     log_level: str = "INFO"
     metadata_namespace: str = "prefix_router"
+    # Pick mode: where the replicas are (the same ip:port hosts as Envoy's cluster) and how
+    # the router learns their state. Exactly one endpoint source may be set.
+    endpoints: tuple[str, ...] = ()
+    endpoints_file: str = ""
+    endpoints_dns: str = ""  # name:port, e.g. a Kubernetes headless service
+    dns_interval: float = 5.0
+    scrape_interval: float = 1.0
+    chunk_bytes: int = 256  # the learned index cuts the normalised prompt into chunks of this size
+    bytes_per_token: float = 4.0  # normalised prompt bytes per model token, to size chunks in tokens
+    kv_capacity_tokens: int = 0  # per replica; 0 = read vllm:cache_config_info (num_gpu_blocks x block_size)
+    index_max_chunks: int = 2_000_000  # memory bound of the learned index over all replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +107,33 @@ def _header_list(raw: str) -> tuple[str, ...]:
     return names
 
 
+def _address(raw: str) -> str:
+    """``ip:port`` (IPv6 as ``[ip]:port``), the way Envoy names a cluster host."""
+    host, sep, port = raw.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ValueError from None
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _address_list(raw: str) -> tuple[str, ...]:
+    return tuple(_address(part) for part in raw.replace("\n", ",").split(",") if part.strip())
+
+
+def _dns_target(raw: str) -> str:
+    host, sep, port = raw.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or " " in host:
+        raise ValueError
+    return f"{host}:{port}"
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    return lambda raw: parse(raw) if raw.strip() else ""
+
+
 def _non_empty(raw: str) -> str:
     if not raw.strip():
         raise ValueError
@@ -106,6 +151,19 @@ SPECS: Final[dict[str, _Spec]] = {
     "drain_seconds": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),
     "log_level": _Spec(_choice("debug", "info", "warning", "error"), "one of debug, info, warning, error"),
     "metadata_namespace": _Spec(_non_empty, "a non-empty dynamic metadata namespace"),
+    "mode": _Spec(_choice(*ROUTING_MODES), "one of " + ", ".join(ROUTING_MODES)),
+    "pick_header": _Spec(_header_name, "a lower-case HTTP header name"),
+    "concurrency_threshold": _Spec(_number_in(int, 0, 1024), "an integer in 1..1024 (requests in flight), or 0 for none"),
+    "load_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens per request in flight)"),
+    "endpoints": _Spec(_address_list, "a comma-separated list of ip:port"),
+    "endpoints_file": _Spec(_optional(str.strip), "a file path"),
+    "endpoints_dns": _Spec(_optional(_dns_target), "name:port"),
+    "dns_interval": _Spec(_number_in(float, 0.1, 3600.0), "seconds in 0.1..3600"),
+    "scrape_interval": _Spec(_number_in(float, 0.05, 60.0), "seconds in 0.05..60"),
+    "chunk_bytes": _Spec(_number_in(int, 16, 65536), "an integer in 16..65536 (bytes)"),
+    "bytes_per_token": _Spec(_number_in(float, 0.5, 64.0), "a number in 0.5..64"),
+    "kv_capacity_tokens": _Spec(_number_in(int, 0, 10**10), "tokens per replica (0: read from vLLM's metrics)"),
+    "index_max_chunks": _Spec(_number_in(int, 1, 10**9), "an integer in 1..1000000000"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))
 SERVER_FIELDS: Final = tuple(f.name for f in dataclasses.fields(ServerSettings))
@@ -159,7 +217,16 @@ def route_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> R
 
 
 def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> ServerSettings:
-    return _resolve(ServerSettings, args, env)
+    """Like route_settings; also refuses more than one pick-mode endpoint source."""
+    cfg: ServerSettings = _resolve(ServerSettings, args, env)
+    sources = [flag(n) for n in ("endpoints", "endpoints_file", "endpoints_dns") if getattr(cfg, n)]
+    if len(sources) > 1:
+        raise SettingError(f"{' and '.join(sources)} both set: give pick mode one endpoint source")
+    return cfg
+
+
+def has_endpoints(cfg: ServerSettings) -> bool:
+    return bool(cfg.endpoints or cfg.endpoints_file or cfg.endpoints_dns)
 
 
 _METADATA_FIELDS: Final = {metadata_key(name): name for name in ROUTE_FIELDS}

@@ -2,7 +2,10 @@
 
 Each answers with its own index and the x-prefix-key it received, so a test can see
 which replica Envoy chose; /health can be switched to 503; `"stream": true` bodies get
-an SSE stream shaped like vLLM's. They run on an asyncio loop in a background thread.
+an SSE stream shaped like vLLM's; `"hold": true` bodies wait until the fleet's gate opens
+(requests in flight on demand); /metrics serves vLLM's load gauges with the values a test
+sets (`reported_running`, `reported_waiting`). They run on an asyncio loop in a
+background thread.
 """
 
 from __future__ import annotations
@@ -29,19 +32,38 @@ class Backend:
     port: int = 0
     healthy: bool = True
     seen_keys: list[str | None] = field(default_factory=list)
+    reported_running: int = 0
+    reported_waiting: int = 0
+    gate: asyncio.Event | None = None
+    held: int = 0
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        labels = 'engine="0",model_name="m"'
+        text = (f"vllm:num_requests_running{{{labels}}} {self.reported_running}\n"
+                f"vllm:num_requests_waiting{{{labels}}} {self.reported_waiting}\n"
+                f"vllm:kv_cache_usage_perc{{{labels}}} 0.25\n"
+                'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
+        return web.Response(text=text)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         key = request.headers.get("x-prefix-key")
         self.seen_keys.append(key)
-        stream = False
+        stream = hold = False
         try:
-            stream = bool(orjson.loads(body).get("stream")) if body else False
+            doc = orjson.loads(body) if body else {}
+            stream, hold = bool(doc.get("stream")), bool(doc.get("hold"))
         except (orjson.JSONDecodeError, AttributeError):
             pass
+        if hold and self.gate is not None:
+            self.held += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.held -= 1
         if not stream:
             return web.json_response({"backend": self.index, "prefix_key": key, "body_bytes": len(body)})
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-backend": str(self.index)})
@@ -66,6 +88,7 @@ class BackendFleet:
         for b in self.backends:
             app = web.Application(client_max_size=16 * 1024 * 1024)
             app.router.add_get("/health", b.health)
+            app.router.add_get("/metrics", b.metrics)
             app.router.add_route("*", "/{tail:.*}", b.handle)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -99,3 +122,21 @@ class BackendFleet:
         for b in self.backends:
             b.healthy = True
             b.seen_keys.clear()
+            b.reported_running = b.reported_waiting = 0
+        self.open_gate()
+
+    def close_gate(self) -> None:
+        """From now on, `"hold": true` requests wait until ``open_gate``."""
+        async def close() -> None:
+            gate = asyncio.Event()
+            for b in self.backends:
+                b.gate = gate
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
+
+    def open_gate(self) -> None:
+        async def release() -> None:
+            for b in self.backends:
+                if b.gate is not None:
+                    b.gate.set()
+                b.gate = None
+        asyncio.run_coroutine_threadsafe(release(), self.loop).result(5)

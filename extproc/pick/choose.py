@@ -1,0 +1,87 @@
+"""Choose the replica that can serve a request soonest (pure: snapshot + request in, choice out).
+
+Estimated cost of serving the request on replica r, in prefill-token units:
+
+    cost(r) = max(prompt_tokens - cached_tokens(r), 1) + load_tokens x in_flight(r)
+
+The first term is the prefill r would have to compute (the prompt minus what r most likely
+holds); the second the work already queued on it, each request in flight counted as
+``load_tokens`` prefill tokens (Dynamo's KV router weighs prefill blocks against active
+blocks the same way). ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
+many in flight is not chosen while another is below it. Equal costs (a cold prompt on an
+idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
+replicas with the same view agree without talking to each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import xxhash
+
+from extproc.pick.state import Snapshot
+from extproc.settings import RouteSettings
+
+CHEAPEST: Final = "cheapest"  # a replica holding part of the prompt, or the cheapest despite it
+COLD: Final = "cold"  # no replica holds any of it: the least busy one
+THRESHOLD_SPILL: Final = "threshold_spill"  # the cheapest was at the concurrency threshold
+ALL_BUSY: Final = "all_busy"  # every replica at the threshold: the cheapest anyway
+NO_REPLICA: Final = "no_replica"  # no healthy replica known: Envoy's own LB decides
+REASONS: Final = (CHEAPEST, COLD, THRESHOLD_SPILL, ALL_BUSY, NO_REPLICA)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    address: str
+    cached_tokens: int
+    in_flight: int
+    cost: int
+    capped: bool  # at or over the concurrency threshold
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    address: str | None  # None: leave the choice to Envoy's load balancer
+    reason: str
+    prompt_tokens: int
+    candidates: tuple[Candidate, ...]  # the healthy replicas, best first
+
+
+def rendezvous(key: str | None, address: str) -> int:
+    """Highest-random-weight score of a replica for a key (same on every router replica)."""
+    return xxhash.xxh3_64_intdigest(address.encode(), int(key, 16) if key else 0)
+
+
+def cost(prompt_tokens: int, cached_tokens: int, in_flight: int, load_tokens: int) -> int:
+    return max(prompt_tokens - cached_tokens, 1) + load_tokens * in_flight
+
+
+def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
+           settings: RouteSettings) -> Choice:
+    """The replica with the lowest cost, honouring the concurrency threshold."""
+    cap = settings.concurrency_threshold
+    ranked = []
+    for r in snapshot.replicas:
+        if not r.healthy:
+            continue
+        held = cached.get(r.address, 0)
+        c = Candidate(r.address, held, r.in_flight, cost(prompt_tokens, held, r.in_flight, settings.load_tokens),
+                      bool(cap) and r.in_flight >= cap)
+        ranked.append((c.cost, -rendezvous(key, r.address), c))
+    if not ranked:
+        return Choice(None, NO_REPLICA, prompt_tokens, ())
+    ranked.sort(key=lambda t: t[:2])
+    candidates = tuple(t[2] for t in ranked)
+    best = candidates[0]
+    chosen = next((c for c in candidates if not c.capped), None)
+    if chosen is None:
+        return Choice(best.address, ALL_BUSY, prompt_tokens, candidates)
+    if chosen is not best:
+        reason = THRESHOLD_SPILL
+    elif any(c.cached_tokens for c in candidates):
+        reason = CHEAPEST
+    else:
+        reason = COLD
+    return Choice(chosen.address, reason, prompt_tokens, candidates)

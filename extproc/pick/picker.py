@@ -1,0 +1,157 @@
+"""Pick mode as one object: endpoints, load and the learned index around the pure choice.
+
+The gRPC adapter calls ``pick`` with the hash-mode decision (the normalised prompt and
+its key) and ``release`` when the request's ext_proc stream ends. Everything that gathers
+state runs in the background tasks ``start`` launches; ``pick`` itself does no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from extproc import metrics
+from extproc.decide import Decision
+from extproc.pick.choose import Choice, choose
+from extproc.pick.chunks import chunk_hashes
+from extproc.pick.endpoints import EndpointWatcher
+from extproc.pick.index import LearnedIndex
+from extproc.pick.load import LoadTracker, Sample
+from extproc.pick.scrape import Scraper
+from extproc.pick.state import Snapshot
+from extproc.settings import RouteSettings, ServerSettings
+
+# A request's prompt is indexed up to this many chunks (1 MiB at 256-byte chunks): past it
+# hashing would cost more than any cache it could find is worth.
+MAX_REQUEST_CHUNKS: Final = 4096
+LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage")
+
+
+class PickCore:
+    """The index + load view + choice, without background tasks (``explain`` uses it alone)."""
+
+    def __init__(self, chunk_bytes: int = 256, bytes_per_token: float = 4.0, kv_capacity_tokens: int = 0,
+                 index_max_chunks: int = 2_000_000) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.bytes_per_token = bytes_per_token
+        self.chunk_tokens = chunk_bytes / bytes_per_token
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.index = LearnedIndex(index_max_chunks, self.chunks_for(kv_capacity_tokens))
+        self.load = LoadTracker()
+
+    def chunks_for(self, tokens: int) -> int:
+        return int(tokens // self.chunk_tokens) if tokens else 0
+
+    def tokens(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.bytes_per_token)
+
+    # --- state updates -----------------------------------------------------------------
+    def set_endpoints(self, addresses: Sequence[str]) -> None:
+        _, removed = self.load.set_addresses(addresses)
+        for address in removed:
+            self.index.remove(address)
+            for kind in LOAD_KINDS:
+                _forget_series(metrics.REPLICA_LOAD, address, kind)
+            _forget_series(metrics.REPLICA_UP, address)
+        metrics.ENDPOINTS.set(len(self.load.addresses()))
+
+    def on_sample(self, address: str, sample: Sample | None) -> None:
+        metrics.REPLICA_UP.labels(address).set(0 if sample is None else 1)
+        if sample is not None and sample.capacity_tokens and not self.kv_capacity_tokens:
+            self.index.set_capacity(address, self.chunks_for(sample.capacity_tokens))
+
+    # --- the request path --------------------------------------------------------------
+    def evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int]]:
+        """The choice for a request, without recording it (``explain`` stops here)."""
+        chunks = chunk_hashes(decision.tenant, decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
+        held = self.index.match(chunks) if chunks else {}
+        cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
+        choice = choose(decision.key, self.tokens(len(decision.normalized)), cached, self.load.snapshot(), settings)
+        return choice, chunks
+
+    def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
+        choice, chunks = self.evaluate(decision, settings)
+        metrics.PICKS.labels(choice.reason).inc()
+        if choice.address is not None:
+            if chunks:
+                self.index.record(choice.address, chunks)
+            self.load.assign(choice.address)
+        return choice
+
+    def release(self, address: str) -> None:
+        self.load.release(address)
+
+    # --- observation -------------------------------------------------------------------
+    def publish_metrics(self) -> None:
+        stats = self.index.stats()
+        metrics.INDEX_ENTRIES.set(stats.entries)
+        metrics.INDEX_BYTES.set(stats.bytes)
+        for r in self.load.snapshot().replicas:
+            values = (r.in_flight, self.load.own(r.address), r.running, r.waiting, r.kv_usage)
+            for kind, value in zip(LOAD_KINDS, values):
+                metrics.REPLICA_LOAD.labels(r.address, kind).set(value)
+
+    def state(self) -> dict[str, Any]:
+        """Everything the choice reads, as JSON (``/debug/state``, ``explain --state``)."""
+        stats = self.index.stats()
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "bytes_per_token": self.bytes_per_token,
+            "index": {"entries": stats.entries, "chunks": stats.chunks, "bytes": stats.bytes},
+            "replicas": [
+                {"address": r.address, "healthy": r.healthy, "in_flight": r.in_flight, "running": r.running,
+                 "waiting": r.waiting, "kv_usage": r.kv_usage, "capacity_tokens": r.capacity_tokens,
+                 "index_capacity_chunks": self.index.capacity(r.address),
+                 "chunks": [f"{h:016x}" for h in self.index.holds(r.address)]}
+                for r in self.load.snapshot().replicas
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "PickCore":
+        """A core that sees what a saved ``state()`` saw (loads frozen as they were)."""
+        core = cls(int(state.get("chunk_bytes", 256)), float(state.get("bytes_per_token", 4.0)))
+        replicas = state.get("replicas", [])
+        core.load.set_addresses([r["address"] for r in replicas])
+        for r in replicas:
+            core.index.set_capacity(r["address"], int(r.get("index_capacity_chunks") or core.index.max_chunks))
+            # The saved in-flight estimate, as if a scrape had seen all of it as running.
+            sample = Sample(float(r.get("in_flight", 0)), 0.0, float(r.get("kv_usage", 0)),
+                            int(r.get("capacity_tokens", 0)))
+            core.load.scraped(r["address"], sample if r.get("healthy", True) else None, 0)
+        core.index.load({r["address"]: [int(h, 16) for h in r.get("chunks", [])] for r in replicas})
+        return core
+
+    def snapshot(self) -> Snapshot:
+        return self.load.snapshot()
+
+
+def _forget_series(gauge: Any, *labels: str) -> None:
+    try:
+        gauge.remove(*labels)
+    except KeyError:
+        pass
+
+
+class Picker(PickCore):
+    """PickCore plus its background tasks: endpoint discovery and metric scraping."""
+
+    def __init__(self, cfg: ServerSettings) -> None:
+        super().__init__(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks)
+        self.watcher = EndpointWatcher(cfg, self.set_endpoints)
+        self.scraper = Scraper(self.load, cfg.scrape_interval, self._sampled)
+
+    def _sampled(self, address: str, sample: Sample | None) -> None:
+        self.on_sample(address, sample)
+        self.publish_metrics()
+
+    async def start(self) -> None:
+        await self.watcher.start()
+        if self.load.addresses():
+            await self.scraper.scrape_once()  # first loads and capacities before serving
+        self.scraper.start()
+
+    async def stop(self) -> None:
+        await self.watcher.stop()
+        await self.scraper.stop()

@@ -1,0 +1,115 @@
+"""Scrape each replica's vLLM /metrics in the background (never on the request path).
+
+Only four families matter here, so the text is scanned line by line for them instead of
+parsed whole: a vLLM /metrics page is tens of kilobytes of histograms, and a full parse
+per replica per interval would take event-loop time from the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from typing import Final
+
+import aiohttp
+
+from extproc import metrics
+from extproc.pick.load import LoadTracker, Sample
+
+log = logging.getLogger("extproc.pick.scrape")
+
+RUNNING: Final = "vllm:num_requests_running"
+WAITING: Final = "vllm:num_requests_waiting"
+KV_USAGE: Final = "vllm:kv_cache_usage_perc"
+CACHE_INFO: Final = "vllm:cache_config_info"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _value(line: str) -> float:
+    try:
+        return float(line.rsplit(" ", 1)[1])
+    except (IndexError, ValueError):
+        return 0.0
+
+
+def parse_metrics(text: str) -> Sample:
+    """Sum over engines of the load gauges; KV usage is the mean; capacity from cache_config_info.
+
+    ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
+    running = waiting = usage = 0.0
+    engines = capacity = 0
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        seen = seen or name in (RUNNING, WAITING)
+        if name == RUNNING:
+            running += _value(line)
+        elif name == WAITING:
+            waiting += _value(line)
+        elif name == KV_USAGE:
+            usage += _value(line)
+            engines += 1
+        elif name == CACHE_INFO:
+            labels = dict(_LABEL.findall(line))
+            try:
+                capacity += int(labels.get("num_gpu_blocks", "0")) * int(labels.get("block_size", "0"))
+            except ValueError:
+                pass
+    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen)
+
+
+class Scraper:
+    """Every ``interval`` seconds, GET http://ADDRESS/metrics of every replica at once."""
+
+    def __init__(self, tracker: LoadTracker, interval: float,
+                 on_sample: Callable[[str, Sample | None], None] | None = None) -> None:
+        self.tracker = tracker
+        self.interval = interval
+        self.timeout = max(0.25, min(interval, 2.0))
+        self.on_sample = on_sample
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def scrape_once(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        await asyncio.gather(*(self._one(a) for a in self.tracker.addresses()))
+
+    async def _one(self, address: str) -> None:
+        own = self.tracker.own(address)
+        sample: Sample | None = None
+        try:
+            assert self._session is not None
+            async with self._session.get(f"http://{address}/metrics") as resp:
+                # A server that answers without vLLM metrics is up but its load unknown.
+                text = await resp.text() if resp.status == 200 else ""
+                sample = parse_metrics(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeError) as exc:
+            log.debug("scrape of %s failed: %r", address, exc)
+        if sample is None or not sample.seen:
+            metrics.SCRAPE_ERRORS.labels(address).inc()
+        self.tracker.scraped(address, sample, own)
+        if self.on_sample:
+            self.on_sample(address, sample)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.scrape_once()
+            except Exception:  # the loop must outlive any one bad scrape
+                log.exception("scrape round failed")
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session:
+            await self._session.close()

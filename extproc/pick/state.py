@@ -1,0 +1,26 @@
+"""A frozen snapshot of the replicas, the only replica state the choice reads (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica as the router last saw it."""
+
+    address: str  # ip:port, exactly as the Envoy cluster lists the host
+    healthy: bool = True  # answered its last metrics scrape (Envoy's health checks gate too)
+    in_flight: int = 0  # estimated requests running + waiting on it now
+    running: float = 0.0  # vllm:num_requests_running at the last scrape
+    waiting: float = 0.0  # vllm:num_requests_waiting at the last scrape
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1) at the last scrape
+    capacity_tokens: int = 0  # KV capacity (num_gpu_blocks x block_size), 0 if unknown
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    replicas: tuple[ReplicaState, ...] = ()
+
+    def by_address(self) -> dict[str, ReplicaState]:
+        return {r.address: r for r in self.replicas}

@@ -1,0 +1,248 @@
+"""Pick mode end to end: real Envoy 1.40 (envoy/pick.yaml) + the router in pick mode + loopback backends."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from backends import BackendFleet
+from conftest import EnvoyFactory
+from support import send, start_router
+
+from extproc import envoy_config
+from extproc.procs import python_module, wait_until
+
+SYSTEM = "You are the on-call assistant of the ACME platform team; answer with runbook steps. " * 200  # 17 KB
+
+
+def chat(question: str, system: str = SYSTEM, **extra: object) -> bytes:
+    return json.dumps({"model": "llama", "messages": [{"role": "system", "content": system},
+                                                      {"role": "user", "content": question}], **extra}).encode()
+
+
+def served_by(port: int, body: bytes, headers: dict[str, str] | None = None) -> int:
+    reply = send(port, body=body, headers=headers)
+    assert reply.status == 200, reply.body
+    return reply.json()["backend"]
+
+
+def state(metrics_port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/debug/state", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def in_flight(metrics_port: int) -> dict[str, int]:
+    return {r["address"]: r["in_flight"] for r in state(metrics_port)["replicas"]}
+
+
+def write_endpoints(path: Path, fleet: BackendFleet, indexes: list[int]) -> None:
+    path.write_text("# replicas pick mode chooses among\n" +
+                    "".join(f"127.0.0.1:{fleet.backends[i].port}\n" for i in indexes))
+
+
+class PickRouter:
+    def __init__(self, path: Path, *flags: str) -> None:
+        self.path = path
+        self.proc, self.grpc_port, self.metrics_port = start_router(
+            "--mode", "pick", "--endpoints-file", str(path), "--scrape-interval", "0.2", *flags)
+
+    def wait_endpoints(self, count: int) -> None:
+        wait_until(lambda: len(state(self.metrics_port)["replicas"]) == count, 10, f"{count} endpoints")
+
+    def wait_idle(self) -> None:
+        wait_until(lambda: not any(in_flight(self.metrics_port).values()), 10, "no request in flight")
+
+
+@pytest.fixture()
+def pick_router(backends: BackendFleet, tmp_path: Path) -> Iterator[PickRouter]:
+    path = tmp_path / "endpoints"
+    write_endpoints(path, backends, [0, 1, 2, 3])
+    router = PickRouter(path)
+    router.wait_endpoints(4)
+    yield router
+    router.proc.stop()
+
+
+def pick_envoy(make_envoy: EnvoyFactory, backends: BackendFleet, router: PickRouter,
+               **metadata: str) -> tuple[object, int]:
+    def edit(cfg: envoy_config.Config) -> None:
+        envoy_config.set_stream_metadata(cfg, {"x-prefix-router-mode": "pick", **metadata})
+    return make_envoy(backends, "pick.yaml", extproc_port=router.grpc_port, edit=edit)
+
+
+def test_pick_yaml_validates() -> None:
+    from extproc.envoy_proc import validate
+
+    ok, out = validate(envoy_config.ENVOY_DIR / "pick.yaml")
+    assert ok, out
+
+
+def test_overflow_exactly_at_the_threshold_and_back_home(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    _, port = pick_envoy(make_envoy, backends, pick_router, **{"x-prefix-router-concurrency-threshold": "2"})
+    home = served_by(port, chat("where do I start?"))
+    assert served_by(port, chat("where do I start?")) == home  # cached there, nothing in flight
+    backends.close_gate()
+    with ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(served_by, port, chat("where do I start?", hold=True)) for _ in range(2)]
+        wait_until(lambda: backends.backends[home].held == 2, 10, "two requests held at home")
+        spilled = served_by(port, chat("where do I start?"))  # home is at the threshold (2 in flight)
+        assert spilled != home
+        backends.open_gate()
+        assert [f.result(10) for f in held] == [home, home]  # below the threshold it stayed home
+    pick_router.wait_idle()  # Envoy closed the streams when the responses ended
+    assert served_by(port, chat("where do I start?")) == home
+
+
+def test_a_replica_failing_health_checks_gets_nothing_until_it_recovers(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    envoy, port = pick_envoy(make_envoy, backends, pick_router)
+    home = served_by(port, chat("deploy steps?"))
+    victim = backends.backends[home]
+    victim.healthy = False  # /health 503; its /metrics still answers, so the router still picks it
+    wait_until(lambda: not envoy.healthy_hosts("vllm")[f"127.0.0.1:{victim.port}"], 10, "Envoy to eject it")
+    victim.seen_keys.clear()
+    served = [served_by(port, chat("deploy steps?")) for _ in range(10)]
+    assert home not in served and not victim.seen_keys  # Envoy overruled the pick: Maglev on the key
+    assert len(set(served)) == 1  # ... which keeps the prefix together on one fallback replica
+    victim.healthy = True
+    wait_until(lambda: envoy.healthy_hosts("vllm")[f"127.0.0.1:{victim.port}"], 10, "Envoy to readmit it")
+    assert served_by(port, chat("deploy steps?")) == home
+
+
+def test_a_conversation_far_past_prefix_length_stays_on_its_replica(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    _, port = pick_envoy(make_envoy, backends, pick_router, **{"x-prefix-router-prefix-length": "256"})
+    system = {"role": "system", "content": "short shared system prompt " * 12}  # 324 bytes: one key for all
+    messages = [system, {"role": "user", "content": "turn 0: " + "tell me more about the incident " * 250}]
+    home = served_by(port, json.dumps({"model": "llama", "messages": messages}).encode())
+    backends.backends[home].reported_running = 1  # home is busier than the rest from now on
+    address = f"127.0.0.1:{backends.backends[home].port}"
+    wait_until(lambda: in_flight(pick_router.metrics_port)[address] == 1, 10, "the scraped load")
+    homes, others = [], []
+    for turn in range(1, 12):
+        messages.append({"role": "assistant", "content": "here is more detail " * 30})
+        messages.append({"role": "user", "content": f"turn {turn}: " + "and then what happened " * 60})
+        body = json.dumps({"model": "llama", "messages": messages}).encode()
+        homes.append(served_by(port, body))
+        # A new conversation shares the key (the first 256 bytes) but only the system prompt.
+        others.append(served_by(port, json.dumps({"model": "llama", "messages": [
+            system, {"role": "user", "content": f"unrelated {turn} " * 80}]}).encode()))
+    assert len(body) > 30_000 and set(homes) == {home}, homes  # its history outweighs home's load
+    assert home not in others, others  # the same key without the history goes to a less busy replica
+
+
+def test_added_replica_takes_cold_prompts_at_once_and_a_removed_one_gets_nothing(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    write_endpoints(pick_router.path, backends, [0, 1, 2])
+    pick_router.wait_endpoints(3)
+    _, port = pick_envoy(make_envoy, backends, pick_router)
+    first = Counter(served_by(port, chat(f"cold question {i}", system=f"tenant system prompt {i}")) for i in range(40))
+    assert 3 not in first and len(first) == 3, first
+    write_endpoints(pick_router.path, backends, [1, 2, 3])  # 3 joins, 0 leaves
+    pick_router.wait_endpoints(3)
+    wait_until(lambda: any(r["address"].endswith(f":{backends.backends[3].port}")
+                           for r in state(pick_router.metrics_port)["replicas"]), 10, "replica 3 listed")
+    after = Counter(served_by(port, chat(f"new question {i}", system=f"other system prompt {i}")) for i in range(40))
+    assert after[3] >= 5 and 0 not in after, after  # the newcomer is not starved; the leaver gets nothing
+    # Prompts cached on the removed replica now go to the remaining ones.
+    assert served_by(port, chat("cold question 0", system="tenant system prompt 0")) in (1, 2, 3)
+
+
+def _pick_via_grpc(port: int, body: bytes) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        messages = [pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
+                    pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+        replies = list(pb_grpc.ExternalProcessorStub(channel).Process(
+            iter(messages), metadata=(("x-prefix-router-mode", "pick"),), timeout=10))
+    headers = {h.header.key: h.header.raw_value for h in replies[1].request_body.response.header_mutation.set_headers}
+    return base64.b64decode(headers["x-prefix-pick"]).decode()
+
+
+def test_two_routers_with_the_same_view_agree_on_cold_requests(backends: BackendFleet, tmp_path: Path) -> None:
+    for b, load in zip(backends.backends, (3, 1, 1, 4)):
+        b.reported_running = load
+    path = tmp_path / "endpoints"
+    write_endpoints(path, backends, [0, 1, 2, 3])
+    # One scrape each, at start-up: a later one taken while a pick's stream is open would see
+    # these static test gauges without that request and legitimately shift the estimate.
+    routers = [PickRouter(path, "--scrape-interval", "60"), PickRouter(path, "--scrape-interval", "60")]
+    try:
+        for r in routers:
+            wait_until(lambda r=r: sorted(in_flight(r.metrics_port).values()) == [1, 1, 3, 4], 10, "scraped loads")
+        bodies = [chat(f"cold {i}", system=f"distinct system {i}") for i in range(30)]
+        picks = [[_pick_via_grpc(r.grpc_port, b) for b in bodies] for r in routers]
+        assert picks[0] == picks[1]
+        least = {f"127.0.0.1:{backends.backends[i].port}" for i in (1, 2)}
+        assert set(picks[0]) == least  # cold goes to the least busy; the tie splits by rendezvous hash
+    finally:
+        for r in routers:
+            r.proc.stop()
+
+
+def test_a_client_sent_pick_never_chooses_the_host_router_up_or_down(
+        backends: BackendFleet, make_envoy: EnvoyFactory, tmp_path: Path) -> None:
+    path = tmp_path / "endpoints"
+    write_endpoints(path, backends, [0, 1, 2, 3])
+    router = PickRouter(path)
+    try:
+        envoy, port = pick_envoy(make_envoy, backends, router)
+        honest = served_by(port, chat("which host?"))
+        target = (honest + 1) % 4
+        address = f"127.0.0.1:{backends.backends[target].port}"
+        spoof = {"x-prefix-pick": base64.b64encode(address.encode()).decode(),
+                 "x-gateway-destination-endpoint": address, "x-prefix-key": "attacker"}
+        reply = send(port, body=chat("which host?"), headers=spoof)
+        assert reply.json()["backend"] == honest and "x-prefix-pick" not in reply.headers
+    finally:
+        router.proc.stop()
+    wait_until(lambda: not envoy.healthy_hosts("prefix_router").get(f"127.0.0.1:{router.grpc_port}", True), 10,
+               "Envoy to see the router down")
+    served = Counter(served_by(port, chat("which host?"), spoof) for _ in range(40))
+    assert served[target] < 40 and len(served) > 1, served  # spread at random, not steered by the client
+    assert envoy.stats("ext_proc")["http.llm.ext_proc.failure_mode_allowed"] >= 40
+
+
+def test_a_dead_replica_is_avoided_within_one_scrape(backends: BackendFleet, tmp_path: Path) -> None:
+    from extproc.procs import free_ports
+
+    dead = free_ports(1)[0]  # nothing listens here
+    path = tmp_path / "endpoints"
+    path.write_text(f"127.0.0.1:{dead}\n127.0.0.1:{backends.backends[0].port}\n")
+    router = PickRouter(path)
+    try:
+        router.wait_endpoints(2)
+        health = {r["address"]: r["healthy"] for r in state(router.metrics_port)["replicas"]}
+        assert health == {f"127.0.0.1:{dead}": False, f"127.0.0.1:{backends.backends[0].port}": True}
+        picks = {_pick_via_grpc(router.grpc_port, chat(f"q{i}", system=f"s{i}")) for i in range(10)}
+        assert picks == {f"127.0.0.1:{backends.backends[0].port}"}
+    finally:
+        router.proc.stop()
+
+
+def test_explain_reads_the_live_state(backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter,
+                                      tmp_path: Path) -> None:
+    _, port = pick_envoy(make_envoy, backends, pick_router)
+    home = served_by(port, chat("explain me"))
+    body = tmp_path / "body.json"
+    body.write_bytes(chat("explain me again"))
+    done = subprocess.run(python_module("extproc", "explain", "--mode", "pick", "--json", "--state",
+                                        f"http://127.0.0.1:{pick_router.metrics_port}/debug/state", str(body)),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["pick"]["address"] == f"127.0.0.1:{backends.backends[home].port}"
+    assert info["pick"]["reason"] == "cheapest"
+    cached = {c["address"]: c["cached_tokens"] for c in info["pick"]["candidates"]}
+    assert cached[info["pick"]["address"]] > 4000 and sorted(cached.values())[:3] == [0, 0, 0]
