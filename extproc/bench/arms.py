@@ -7,7 +7,9 @@ benchmark measures exactly what the README ships:
   and set ``lb_policy`` (ROUND_ROBIN, LEAST_REQUEST, RANDOM);
 * prefix arms keep them and choose MAGLEV (plain or bounded with ``hash_balance_factor``)
   or RING_HASH; ``raw-bytes`` asks the router to key on raw body bytes (SageMaker's
-  native-API behaviour) through the listener's stream metadata.
+  native-API behaviour) through the listener's stream metadata;
+* ``prefix-pick`` runs envoy/pick.yaml with the router in pick mode, its endpoints in a
+  file (so a scenario can add and remove replicas mid-run).
 
 All arms add a response header naming the upstream replica, so the client can tell how a
 prefix group was spread. Peer routers front the same fleet without Envoy.
@@ -17,12 +19,16 @@ from __future__ import annotations
 
 import importlib.util
 import urllib.request
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from extproc import envoy_config
 from extproc.envoy_proc import Envoy
 from extproc.procs import Process, free_ports, port_open, python_module
+from extproc.settings import metadata_key
 
 UPSTREAM_HEADER = "x-upstream-host"
 DEFAULT_BALANCE_FACTOR = 110  # as shipped in envoy/envoy.yaml
@@ -38,6 +44,7 @@ class ArmSpec:
     bounded: bool = False
     peer: str | None = None  # python module of a peer router
     base: str = "envoy.yaml"  # the shipped config this arm starts from
+    pick: bool = False  # the router chooses the replica (pick mode)
 
     @property
     def available(self) -> bool:
@@ -54,6 +61,8 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
             "MAGLEV", prefix=True, bounded=True),
     ArmSpec("prefix-fast", "envoy-fast.yaml: one ext_proc message per request, bounded Maglev",
             "MAGLEV", prefix=True, bounded=True, base="envoy-fast.yaml"),
+    ArmSpec("prefix-pick", "pick.yaml: the router picks by cached prefix and load, Envoy gates health",
+            "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True),
     ArmSpec("raw-bytes", "key over raw body bytes + Maglev (SageMaker native API)", "MAGLEV",
             prefix=True, normalize="raw"),
     ArmSpec("sglang-router", "SGLang model gateway, cache_aware policy (no Envoy)", peer="sglang_router"),
@@ -86,6 +95,7 @@ def envoy_config_for(
     extproc_port: int | None,
     prefix_length: int = 4096,
     balance_factor: int = DEFAULT_BALANCE_FACTOR,
+    router_settings: Mapping[str, str] | None = None,
 ) -> envoy_config.Config:
     """The arm's shipped config localised to our ports and changed only where the arm differs."""
     cfg = envoy_config.localize(envoy_config.load(arm.base), listener_port=listener_port, admin_port=admin_port,
@@ -94,8 +104,10 @@ def envoy_config_for(
     vllm["lb_policy"] = arm.lb_policy
     common = vllm.setdefault("common_lb_config", {})
     if arm.prefix:
-        envoy_config.set_stream_metadata(cfg, {"x-prefix-router-prefix-length": str(prefix_length),
-                                               "x-prefix-router-normalize": arm.normalize})
+        envoy_config.set_stream_metadata(cfg, {
+            "x-prefix-router-prefix-length": str(prefix_length), "x-prefix-router-normalize": arm.normalize,
+            **({"x-prefix-router-mode": "pick"} if arm.pick else {}),
+            **{metadata_key(k): str(v) for k, v in (router_settings or {}).items()}})
         if arm.bounded:
             common["consistent_hashing_lb_config"] = {"hash_balance_factor": balance_factor}
         else:
@@ -113,11 +125,17 @@ class RunningArm:
     """The processes of one arm in front of a running backend; ``url`` takes the traffic."""
 
     def __init__(self, arm: ArmSpec, backend_urls: list[str], *, prefix_length: int = 4096,
-                 balance_factor: int = DEFAULT_BALANCE_FACTOR) -> None:
+                 balance_factor: int = DEFAULT_BALANCE_FACTOR, router_settings: Mapping[str, str] | None = None,
+                 endpoints: Sequence[int] | None = None) -> None:
         self.arm = arm
         self.backend_urls = backend_urls
         self.prefix_length = prefix_length
         self.balance_factor = balance_factor
+        self.router_settings = dict(router_settings or {})
+        # pick mode: the indexes of backend_urls the router starts with (default all)
+        self.endpoints = list(range(len(backend_urls)) if endpoints is None else endpoints)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.endpoints_file: Path | None = None
         self.envoy: Envoy | None = None
         self.router: Process | None = None
         self.peer: Process | None = None
@@ -142,23 +160,41 @@ class RunningArm:
             out.append((host, int(port)))
         return out
 
+    def set_endpoints(self, indexes: Sequence[int]) -> None:
+        """Pick mode: the replicas the router chooses among (it re-reads the file within ~1 s)."""
+        self.endpoints = list(indexes)
+        if self.endpoints_file is not None:
+            backends = self._backends()
+            tmp = self.endpoints_file.with_suffix(".tmp")
+            tmp.write_text("".join(f"{backends[i][0]}:{backends[i][1]}\n" for i in self.endpoints))
+            tmp.replace(self.endpoints_file)
+
     def _start_envoy(self) -> None:
         listener, admin, grpc_port = free_ports(3)
         if self.arm.prefix:
-            self.router = Process(python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", "0",
-                                                "--log-level", "warning", "--drain-seconds", "1"), name="prefix-router")
+            argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", "0",
+                                 "--log-level", "warning", "--drain-seconds", "1")
+            if self.arm.pick:
+                self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
+                self.endpoints_file = Path(self._tmp.name) / "endpoints"
+                self.set_endpoints(self.endpoints)
+                argv += ["--endpoints-file", str(self.endpoints_file)]
+            self.router = Process(argv, name="prefix-router")
             self.router.wait_for_line("prefix-router ready", timeout=30)
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
                                extproc_port=grpc_port if self.arm.prefix else None,
-                               prefix_length=self.prefix_length, balance_factor=self.balance_factor)
+                               prefix_length=self.prefix_length, balance_factor=self.balance_factor,
+                               router_settings=self.router_settings)
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
         self.envoy.start()
-        self.envoy.wait_healthy("vllm", len(self.backend_urls))
+        self.envoy.wait_healthy("vllm", len(self.endpoints))
         if self.arm.prefix:
             self.envoy.wait_healthy("prefix_router", 1)
         self.url = f"http://127.0.0.1:{listener}"
 
     def _start_peer(self) -> None:
+        if len(self.endpoints) != len(self.backend_urls):
+            raise RuntimeError(f"{self.arm.name}: a fleet that changes during the run needs an Envoy arm")
         if not self.arm.available:
             raise RuntimeError(f"{self.arm.name} is not installed (pip install '.[peers]')")
         port, metrics = free_ports(2)
@@ -174,6 +210,8 @@ class RunningArm:
         for part in (self.envoy, self.router, self.peer):
             if part is not None:
                 part.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def __enter__(self) -> "RunningArm":
         return self.start()

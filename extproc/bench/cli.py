@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--profile", help="simulator profile (default llama-3.1-70b-h100-tp8)")
     routing = parser.add_argument_group("routing")
     routing.add_argument("--prefix-length", type=int, help="router PrefixLength in bytes (default: the scenario's)")
+    routing.add_argument("--router-setting", action="append", default=[], metavar="NAME=VALUE",
+                         help="a router setting for the prefix arms, sent as x-prefix-router-NAME stream metadata "
+                              "(e.g. load-tokens=2048, concurrency-threshold=8; repeatable)")
     routing.add_argument("--balance-factor", type=int, default=DEFAULT_BALANCE_FACTOR,
                          help=f"hash_balance_factor of the prefix-bounded arm (default {DEFAULT_BALANCE_FACTOR}, as shipped)")
     backend = parser.add_argument_group("backend")
@@ -86,7 +89,7 @@ def config_from_args(args: argparse.Namespace):
         params=_params(args.param), replicas=args.replicas, requests=args.requests, time_scale=args.time_scale,
         load_mode=args.load_mode, concurrency=args.concurrency, rate=args.rate, duration_s=args.duration_s,
         num_blocks=args.num_blocks, profile=args.profile, prefix_length=args.prefix_length,
-        balance_factor=args.balance_factor, backend_urls=list(args.backend_url), plots=not args.no_plots,
+        balance_factor=args.balance_factor, router_settings=_params(args.router_setting), backend_urls=list(args.backend_url), plots=not args.no_plots,
         progress=progress.default(),
     )
 

@@ -138,6 +138,39 @@ def _rate(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.0f}%"
 
 
+def timeline(results: Sequence[Result], boundaries: Sequence[float], backend_urls: Sequence[str],
+             labels: Sequence[str]) -> list[dict[str, Any]]:
+    """Per phase of a run split at ``boundaries`` (seconds from its start, by send time):
+    TTFT, the hit rate the client saw (usage cached_tokens / prompt_tokens), and the split."""
+    index = _replica_index(backend_urls)
+    edges = [0.0, *boundaries, float("inf")]
+    out = []
+    for label, lo, hi in zip(labels, edges, edges[1:]):
+        ok = [r for r in results if r.ok and lo <= r.start < hi]
+        split = [0] * len(backend_urls)
+        for r in ok:
+            if r.replica in index:
+                split[index[r.replica]] += 1
+        prompt = sum(r.prompt_tokens for r in ok)
+        out.append({"phase": label, "from_s": lo, "to_s": None if hi == float("inf") else hi, "ok": len(ok),
+                    "failed": sum(1 for r in results if not r.ok and lo <= r.start < hi),
+                    "ttft_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
+                    "client_cached_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
+                    "requests_per_replica": split})
+    return out
+
+
+def timeline_table(report: Report) -> str:
+    lines = ["| arm | phase | requests | failed | TTFT p50 ms | TTFT p90 ms | hit rate (client) | requests per replica |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for name, a in report.arms.items():
+        for row in a.get("timeline", ()):
+            lines.append(f"| {name} | {row['phase']} | {row['ok']} | {row['failed']} | {_fmt(row['ttft_ms']['p50'])} "
+                         f"| {_fmt(row['ttft_ms']['p90'])} | {_rate(row['client_cached_rate'])} "
+                         f"| {' / '.join(map(str, row['requests_per_replica']))} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def markdown_table(report: Report) -> str:
     """The SageMaker-style comparison: each arm vs the baseline arm."""
     base = report.arms.get(report.baseline or "", {})
@@ -219,6 +252,8 @@ def to_markdown(report: Report) -> str:
     ]
     if report.overhead:
         parts += ["", "## Routing overhead (zero-work backend, end-to-end latency)", "", overhead_table(report)]
+    if timeline_table(report):
+        parts += ["", "## Per phase (split at the fleet changes)", "", timeline_table(report)]
     cpu = ["", "## CPU seconds per process during the run", "",
            "| arm | client | " + " | ".join(_cpu_names(report)) + " | machine busy | client saturated |",
            "|---|---:|" + "---:|" * len(_cpu_names(report)) + "---:|---|"]

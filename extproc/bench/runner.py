@@ -20,9 +20,9 @@ from extproc.bench import arms as arms_mod
 from extproc.bench import backends, loadgen, progress as progress_mod, replica_metrics, report as report_mod
 from extproc.bench.oracle import oracle
 from extproc.proc_cpu import CpuMeter
-from extproc.bench.scenarios import FleetSpec, LoadSpec, Scenario, get as get_scenario
+from extproc.bench.scenarios import FleetEvent, FleetSpec, LoadSpec, Scenario, get as get_scenario
 from extproc.bench.trace import Trace
-from extproc.realvllm.promtext import served_model
+from extproc.realvllm.promtext import http_post_json, served_model
 
 T = TypeVar("T")
 
@@ -49,6 +49,7 @@ class BenchConfig:
     block_size: int | None = None  # of the backend's KV cache (for the oracle)
     prefix_length: int | None = None
     balance_factor: int = arms_mod.DEFAULT_BALANCE_FACTOR
+    router_settings: Mapping[str, str] = field(default_factory=dict)  # x-prefix-router-* for prefix arms
     backend_urls: Sequence[str] = ()
     backend_info: Mapping[str, Any] = field(default_factory=dict)  # what the URLs are, for the report
     plots: bool = True
@@ -95,12 +96,14 @@ def _model(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> str:
     return get_profile(spec.profile).model
 
 
-def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None]) -> list[str]:
+def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None], fleet_changes: bool) -> list[str]:
     names = list(cfg.arms or scenario.arms)
     out = []
     for name in names:
         arm = arms_mod.get(name)
-        if arm.available:
+        if arm.peer and fleet_changes:
+            note(f"skipping {name}: this scenario changes the fleet mid-run, which only Envoy arms follow here")
+        elif arm.available:
             out.append(name)
         else:
             note(f"skipping {name}: not installed (pip install '.[peers]')")
@@ -117,12 +120,13 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     trace = scenario.trace(params, cfg.seed, model)
     best = oracle(trace.requests, spec.block_size).hit_rate
     prefix_length = cfg.prefix_length or scenario.prefix_length
-    names = _arm_names(scenario, cfg, prog.note)
+    names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
     report = report_mod.Report(
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
         fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else scenario.backend,
                **cfg.backend_info},
         load={**dataclasses.asdict(load), "prefix_length": prefix_length,
+              **({"router_settings": dict(cfg.router_settings)} if cfg.router_settings else {}),
               **({"phases": list(scenario.phases)} if scenario.phases else {})},
         oracle_hit_rate=best,
     )
@@ -160,21 +164,58 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     return report
 
 
+def _set_health(url: str, healthy: bool) -> None:
+    status, body = http_post_json(url.rstrip("/") + "/sim/control", {"healthy": healthy}, timeout=10)
+    if status != 200:
+        raise RuntimeError(f"cannot switch {url} healthy={healthy}: {status} {body}")
+
+
+async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningArm, urls: Sequence[str],
+                       events: Sequence[FleetEvent], members: Sequence[int], note: Callable[[str], None]) -> T:
+    """Run ``load`` while replicas join and leave at the events' times."""
+    current = list(members)
+
+    async def drive() -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for e in sorted(events, key=lambda e: e.at_s):
+            await asyncio.sleep(max(0.0, t0 + e.at_s - loop.time()))
+            if e.action == "join":
+                current.append(e.replica)
+            else:
+                current.remove(e.replica)
+            await loop.run_in_executor(None, _set_health, urls[e.replica], e.action == "join")
+            await loop.run_in_executor(None, running.set_endpoints, sorted(current))
+            note(f"t={e.at_s:.0f}s: replica {e.replica} {'joins' if e.action == 'join' else 'leaves'}")
+
+    task = asyncio.create_task(drive())
+    try:
+        return await load
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
              trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
              prog: progress_mod.Progress) -> tuple[dict[str, Any], list[float]]:
     backend = _backend(scenario, spec, cfg)
+    events = scenario.events(dict(trace.params))
+    members = [i for i in range(spec.replicas) if i not in {e.replica for e in events if e.action == "join"}]
     prog.note(f"{label}: starting fleet and arm")
     try:
         backend.start()  # inside the try: an interrupted start still stops what it started
-        with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length,
-                                 balance_factor=cfg.balance_factor) as running:
+        for i in set(range(spec.replicas)) - set(members):
+            _set_health(backend.urls[i], False)
+        with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
+                                 router_settings=cfg.router_settings, endpoints=members) as running:
             before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
-            result = _run_async(loadgen.run_load(
+            result = _run_async(_with_events(loadgen.run_load(
                 running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
-                duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance))
+                duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance),
+                running, backend.urls, events, members, prog.note))
             cpu = meter.stop()
             after = _scrape(backend.urls)
             envoy = running.envoy_stats()
@@ -183,6 +224,9 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     fleet = replica_metrics.delta(before, after) if before and after else None
     summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
                                    backend_urls=backend.urls, cpu=cpu, envoy=envoy)
+    if events:
+        labels = ["start"] + [f"after {e.action} of replica {e.replica}" for e in sorted(events, key=lambda e: e.at_s)]
+        summary["timeline"] = report_mod.timeline(result.results, [e.at_s for e in events], backend.urls, labels)
     prog.finish(f"{label}: ttft p50 {summary['ttft_ms']['p50']} ms, hit rate {summary['kv_hit_rate']}, "
                 f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}")
     ttfts = [r.ttft * 1000 for r in result.results if r.ok and r.ttft is not None]

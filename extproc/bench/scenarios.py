@@ -9,6 +9,7 @@ the demo use. See docs/benchmark.md for the reasoning behind each default.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -22,7 +23,7 @@ Params = dict[str, Any]
 TEMPLATE_TOKENS = 16  # chat-template framing per message, rounded up (a few tokens each)
 
 STOCK_ARMS = ("round-robin", "least-request", "random")
-PREFIX_ARMS = ("prefix-maglev", "prefix-ring", "prefix-bounded", "raw-bytes")
+PREFIX_ARMS = ("prefix-maglev", "prefix-ring", "prefix-bounded", "prefix-pick", "raw-bytes")
 ENVOY_ARMS = STOCK_ARMS + PREFIX_ARMS
 
 
@@ -51,6 +52,19 @@ class LoadSpec:
 
 
 @dataclass(frozen=True)
+class FleetEvent:
+    """At ``at_s`` seconds into an arm's load, replica ``replica`` joins or leaves the fleet.
+
+    A joining replica is running but failing health checks (and absent from pick mode's
+    endpoints) until then; a leaving one starts failing them (and leaves the endpoints).
+    """
+
+    at_s: float
+    action: str  # "join" or "leave"
+    replica: int
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     summary: str
@@ -63,6 +77,7 @@ class Scenario:
     backend: str = "sim"  # "sim" or "zero" (the overhead scenario's zero-work backend)
     phases: tuple[int, ...] = ()  # concurrency levels run one after the other (overhead)
     quick: Mapping[str, Any] = field(default_factory=dict)
+    events: Callable[[Params], tuple[FleetEvent, ...]] = lambda p: ()  # fleet changes during the load
 
     def resolve(self, overrides: Mapping[str, Any] | None = None, quick: bool = False) -> Params:
         """Defaults, then ``quick`` overrides, then the caller's; unknown names are errors."""
@@ -415,6 +430,86 @@ NO_SHARING = Scenario(
 )
 
 
+# --- zipf-chat --------------------------------------------------------------------------
+
+def _tenant_encoding(body: dict[str, Any], tenant: int) -> bytes:
+    """Each tenant's client serialises its own way (key order, whitespace, sampling fields)."""
+    if tenant % 4 == 0:
+        return encode(body)
+    if tenant % 4 == 1:
+        return json.dumps(body).encode()
+    if tenant % 4 == 2:
+        return json.dumps({**body, "temperature": 0.7, "top_p": 0.95}, indent=2).encode()
+    return json.dumps(dict(reversed(list(body.items()))), separators=(", ", ": ")).encode()
+
+
+def _zipf_chat(p: Params, rng: random.Random, model: str):
+    """Conversations on a few Zipf-popular long system prompts, each resending its history."""
+    text = TextSource(rng)
+    systems = [text.text(p["system_tokens"], tag=f"assistant {i}") for i in range(p["systems"])]
+    weights = _zipf_weights(len(systems), p["zipf"])
+    reply = _assistant_reply(p["output_tokens"])
+    chains = []
+    for c in range(p["conversations"]):
+        s = rng.choices(range(len(systems)), weights=weights)[0]
+        tenant = rng.randrange(p["tenants"])
+        headers = (("x-prefix-aware-id", f"tenant-{tenant}"),)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": systems[s]}]
+        chain = []
+        for _ in range(rng.randint(1, p["max_turns"])):
+            messages.append({"role": "user", "content": text.text(text.between(p["user_min"], p["user_max"]))})
+            body = chat_body(model, list(messages), p["output_tokens"])
+            chain.append((_tenant_encoding(body, tenant), f"system-{s}/conv-{c}", p["output_tokens"], headers))
+            messages.append({"role": "assistant", "content": reply})
+        chains.append(chain)
+    return build_sessions(chains)
+
+
+def _zipf_chat_fleet(p: Params) -> FleetSpec:
+    final = p["system_tokens"] + p["max_turns"] * (p["user_max"] + p["output_tokens"] + 2 * TEMPLATE_TOKENS)
+    return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"], max_num_seqs=p["max_num_seqs"],
+                     num_blocks=p["kv_conversations_per_replica"] * blocks(final) + 1)
+
+
+ZIPF_CHAT = Scenario(
+    name="zipf-chat",
+    summary="multi-turn chat at saturation: 8 Zipf-popular 2500-token system prompts, conversations of "
+            "1-12 turns resending their history, 4 tenants serialising JSON differently, 48 in flight "
+            "on 4 replicas of 8 sequences each",
+    params=dict(conversations=240, systems=8, system_tokens=2500, zipf=1.1, tenants=4, max_turns=12,
+                user_min=32, user_max=192, output_tokens=48, replicas=4, time_scale=1.0, max_num_seqs=8,
+                kv_conversations_per_replica=12),
+    generate=_zipf_chat,
+    fleet=_zipf_chat_fleet,
+    load=LoadSpec(concurrency=48, rate=20.0),
+    quick=dict(conversations=30, systems=4, system_tokens=1100, max_turns=4, replicas=3, time_scale=20.0,
+               output_tokens=8),
+)
+
+
+# --- scale-out --------------------------------------------------------------------------
+
+def _scale_out_events(p: Params) -> tuple[FleetEvent, ...]:
+    return (FleetEvent(p["join_at_s"], "join", p["replicas"]), FleetEvent(p["leave_at_s"], "leave", 0))
+
+
+SCALE_OUT = Scenario(
+    name="scale-out",
+    summary="a replica joins the fleet mid-run and later another leaves (open-loop load, 40 Zipf-popular "
+            "2000-token prefixes): hit rate and TTFT per phase, requests the newcomer gets",
+    params=dict(requests=1200, prefixes=40, prefix_tokens=2000, question_min=20, question_max=100,
+                output_tokens=32, zipf=0.9, replicas=4, time_scale=1.0, max_num_seqs=16,
+                kv_prefixes_per_replica=14, join_at_s=30.0, leave_at_s=60.0),
+    generate=lambda p, rng, model: _shared_prefix_requests(p, rng, model, _zipf_weights(p["prefixes"], p["zipf"])),
+    fleet=lambda p: dataclasses.replace(_sagemaker_fleet(p), replicas=p["replicas"] + 1),
+    load=LoadSpec(mode="open", rate=13.0, duration_s=100.0),
+    arms=("round-robin", "least-request", "prefix-bounded", "prefix-pick"),
+    events=_scale_out_events,
+    quick=dict(requests=120, prefixes=8, prefix_tokens=1100, replicas=2, time_scale=20.0, output_tokens=8,
+               join_at_s=2.0, leave_at_s=4.0),
+)
+
+
 # --- overhead ---------------------------------------------------------------------------
 
 def _overhead(p: Params, rng: random.Random, model: str):
@@ -436,7 +531,7 @@ OVERHEAD = Scenario(
     generate=_overhead,
     fleet=lambda p: FleetSpec(replicas=p["replicas"]),
     load=LoadSpec(concurrency=16, duration_s=30.0),
-    arms=("round-robin", "prefix-maglev", "prefix-fast"),
+    arms=("round-robin", "prefix-maglev", "prefix-fast", "prefix-pick"),
     backend="zero",
     phases=(1, 16),
     quick=dict(requests=150, replicas=2),
@@ -444,7 +539,8 @@ OVERHEAD = Scenario(
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    SAGEMAKER_8K, SHORT_CHAT, MULTI_TURN, GSP, HOT_PREFIX, TENANTS, SERIALIZATION, NO_SHARING, OVERHEAD)}
+    SAGEMAKER_8K, SHORT_CHAT, MULTI_TURN, GSP, HOT_PREFIX, TENANTS, SERIALIZATION, NO_SHARING, ZIPF_CHAT,
+    SCALE_OUT, OVERHEAD)}
 
 
 def get(name: str) -> Scenario:

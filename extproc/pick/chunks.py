@@ -2,9 +2,12 @@
 
 Chunk i's hash covers chunk i and, through its seed, every chunk before it (as vLLM's
 block hashes do), so one hash names a whole prefix and two prompts share chunk i's hash
-only if they agree on everything up to its end. The tenant seeds the chain: identical
-text of two tenants never shares an entry. Only full chunks are hashed; the tail is
+only if they agree on everything up to its end. Only full chunks are hashed; the tail is
 counted in tokens but never matched.
+
+The chain models what vLLM shares, not who sent it: the normalised prompt starts with the
+model and ``cache_salt`` (vLLM's own isolation), so salted tenants never share entries,
+while tenants sending the same unsalted text do share them, as their KV blocks do in vLLM.
 """
 
 from __future__ import annotations
@@ -13,17 +16,13 @@ from typing import Final
 
 import xxhash
 
-_NO_TENANT: Final = 0x9E3779B97F4A7C15  # any fixed seed; a tenant's seed is its own hash
+ROOT_SEED: Final = 0x9E3779B97F4A7C15  # any fixed seed for the first chunk
 
 
-def tenant_seed(tenant: str | None) -> int:
-    return xxhash.xxh3_64_intdigest(tenant.encode("utf-8", "surrogatepass")) if tenant else _NO_TENANT
-
-
-def chunk_hashes(tenant: str | None, data: bytes, chunk_bytes: int, max_chunks: int) -> list[int]:
+def chunk_hashes(data: bytes, chunk_bytes: int, max_chunks: int) -> list[int]:
     """Chained xxh3-64 of the first ``max_chunks`` full chunks of ``data``."""
     view = memoryview(data)
-    h = tenant_seed(tenant)
+    h = ROOT_SEED
     out: list[int] = []
     append = out.append
     digest = xxhash.xxh3_64_intdigest

@@ -109,6 +109,8 @@ class LearnedIndex:
             self._bit[address] = bit
             self._name[bit] = address
             self._lru[address] = OrderedDict()
+            for other in self._bit:  # each replica's share of max_chunks just shrank
+                self._trim(other)
         return bit
 
     def record(self, address: str, chunks: Sequence[int]) -> None:

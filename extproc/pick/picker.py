@@ -64,7 +64,7 @@ class PickCore:
     # --- the request path --------------------------------------------------------------
     def evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int]]:
         """The choice for a request, without recording it (``explain`` stops here)."""
-        chunks = chunk_hashes(decision.tenant, decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
+        chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
         held = self.index.match(chunks) if chunks else {}
         cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
         choice = choose(decision.key, self.tokens(len(decision.normalized)), cached, self.load.snapshot(), settings)

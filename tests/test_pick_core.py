@@ -1,0 +1,245 @@
+"""Pick mode's pure parts (chunks, index, choice, load view, metric parsing) and its settings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from extproc.decide import decide
+from extproc.pick import choose as choose_mod
+from extproc.pick.choose import choose, cost, rendezvous
+from extproc.pick.chunks import chunk_hashes
+from extproc.pick.endpoints import EndpointWatcher, parse_endpoint_lines
+from extproc.pick.index import BYTES_PER_ENTRY, LearnedIndex
+from extproc.pick.load import LoadTracker, Sample
+from extproc.pick.picker import PickCore
+from extproc.pick.scrape import parse_metrics
+from extproc.pick.state import ReplicaState, Snapshot
+from extproc.procs import python_module
+from extproc.settings import RouteSettings, ServerSettings, SettingError, server_settings
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+# --- chunks -------------------------------------------------------------------------------
+
+@given(st.binary(min_size=0, max_size=2000), st.binary(min_size=0, max_size=600), st.binary(min_size=0, max_size=600))
+@hsettings(max_examples=200, deadline=None)
+def test_chunks_agree_exactly_as_far_as_the_prompts_do(head: bytes, tail_a: bytes, tail_b: bytes) -> None:
+    a, b = chunk_hashes(head + tail_a, 64, 1000), chunk_hashes(head + tail_b, 64, 1000)
+    same = next((i for i, (x, y) in enumerate(zip(head + tail_a, head + tail_b)) if x != y),
+                min(len(head + tail_a), len(head + tail_b)))
+    shared_chunks = same // 64  # chunks entirely before the first differing byte
+    assert a[:shared_chunks] == b[:shared_chunks]
+    assert all(x != y for x, y in zip(a[shared_chunks:], b[shared_chunks:]))  # chained: once apart, always apart
+    assert len(a) == len(head + tail_a) // 64  # only full chunks
+
+
+def test_chunks_are_capped_and_position_dependent() -> None:
+    data = b"x" * 64 * 10
+    hashes = chunk_hashes(data, 64, 4)
+    assert len(hashes) == 4 and len(set(hashes)) == 4  # identical chunks, different positions
+
+
+# --- index --------------------------------------------------------------------------------
+
+def test_match_is_the_longest_held_run_from_the_start() -> None:
+    index = LearnedIndex()
+    prompt = list(range(1, 11))
+    index.record(A, prompt[:6])
+    index.record(B, prompt)
+    index.record(C, prompt[1:])  # holds everything but the first chunk: no usable prefix
+    assert index.match(prompt) == {A: 6, B: 10}
+    assert index.match([99] + prompt) == {}
+    assert index.match([]) == {}
+
+
+def test_capacity_ages_out_a_prompt_tail_first() -> None:
+    index = LearnedIndex()
+    index.set_capacity(A, 12)
+    first, second = list(range(100, 110)), list(range(200, 205))
+    index.record(A, first)
+    index.record(A, second)  # 15 chunks > 12: three of the first prompt go, its tail first
+    assert index.match(first) == {A: 7}
+    assert index.match(second) == {A: 5}
+    index.record(A, first[:7])  # touching a prefix keeps it the most recent
+    index.record(A, [300, 301, 302])
+    assert index.match(first) == {A: 7} and index.match(second) == {A: 2}
+    assert index.stats().entries == 12
+
+
+def test_index_memory_bound_over_all_replicas_and_removal() -> None:
+    index = LearnedIndex(max_chunks=100)
+    for i, address in enumerate((A, B)):
+        index.record(address, list(range(i * 1000, i * 1000 + 80)))
+    assert index.stats().entries <= 100 and index.capacity(A) == 50
+    index.forget(B, [1000])
+    assert index.match(list(range(1000, 1080))) == {}  # its first chunk is gone: nothing usable
+    index.remove(A)
+    assert A not in index.addresses() and index.match(list(range(0, 80))) == {}
+    index.record(C, [5, 6])  # the freed slot is reused
+    assert index.match([5, 6]) == {C: 2}
+
+
+def test_bytes_per_entry_estimate_is_close_to_measured() -> None:
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = LearnedIndex()
+    for r in range(4):
+        index.record(f"10.0.0.{r}:80", [(r << 40) + i for i in range(20_000)])
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    measured = used / index.stats().entries
+    assert 0.5 * BYTES_PER_ENTRY <= measured <= 1.5 * BYTES_PER_ENTRY, measured
+
+
+# --- choice -------------------------------------------------------------------------------
+
+def snap(*replicas: ReplicaState) -> Snapshot:
+    return Snapshot(tuple(replicas))
+
+
+def test_cost_is_uncached_prefill_plus_queued_work() -> None:
+    assert cost(5000, 4000, 2, 1024) == 1000 + 2048
+    assert cost(100, 100, 0, 1024) == 1  # vLLM always computes the last token
+
+
+def test_cached_prefix_wins_until_the_load_outweighs_it() -> None:
+    s = RouteSettings(mode="pick", load_tokens=1000)
+    cached = {A: 4000}
+    assert choose("ab", 5000, cached, snap(ReplicaState(A, in_flight=3), ReplicaState(B)), s).address == A
+    spill = choose("ab", 5000, cached, snap(ReplicaState(A, in_flight=5), ReplicaState(B)), s)
+    assert (spill.address, spill.reason) == (B, choose_mod.CHEAPEST)
+    assert [c.address for c in spill.candidates] == [B, A]
+
+
+def test_concurrency_threshold_is_a_hard_cap() -> None:
+    s = RouteSettings(mode="pick", concurrency_threshold=4, load_tokens=1)
+    cached = {A: 4000}
+    below = choose("ab", 5000, cached, snap(ReplicaState(A, in_flight=3), ReplicaState(B)), s)
+    at = choose("ab", 5000, cached, snap(ReplicaState(A, in_flight=4), ReplicaState(B, in_flight=1)), s)
+    busy = choose("ab", 5000, cached, snap(ReplicaState(A, in_flight=4), ReplicaState(B, in_flight=4)), s)
+    assert (below.address, below.reason) == (A, choose_mod.CHEAPEST)
+    assert (at.address, at.reason) == (B, choose_mod.THRESHOLD_SPILL)
+    assert (busy.address, busy.reason) == (A, choose_mod.ALL_BUSY)
+
+
+def test_cold_prompts_go_to_the_least_busy_and_ties_by_rendezvous() -> None:
+    s = RouteSettings(mode="pick")
+    loaded = choose("ab", 100, {}, snap(ReplicaState(A, in_flight=2), ReplicaState(B, in_flight=1)), s)
+    assert (loaded.address, loaded.reason) == (B, choose_mod.COLD)
+    replicas = [ReplicaState(x) for x in (A, B, C)]
+    for key in ("00ff", "1234", "beef", "cafe"):
+        forward = choose(key, 100, {}, snap(*replicas), s).address
+        assert forward == choose(key, 100, {}, snap(*reversed(replicas)), s).address  # order-free
+        assert forward == max((A, B, C), key=lambda a: rendezvous(key, a))
+    spread = {choose(f"{k:04x}", 100, {}, snap(*replicas), s).address for k in range(64)}
+    assert spread == {A, B, C}
+
+
+def test_unhealthy_replicas_are_never_chosen() -> None:
+    s = RouteSettings(mode="pick")
+    choice = choose("ab", 5000, {A: 4000}, snap(ReplicaState(A, healthy=False), ReplicaState(B, in_flight=50)), s)
+    assert choice.address == B
+    none = choose("ab", 5000, {}, snap(ReplicaState(A, healthy=False)), s)
+    assert (none.address, none.reason, none.candidates) == (None, choose_mod.NO_REPLICA, ())
+
+
+# --- load view ----------------------------------------------------------------------------
+
+def test_in_flight_is_own_requests_plus_what_the_scrape_saw_from_others() -> None:
+    t = LoadTracker()
+    t.set_addresses([A, B])
+    assert [r.in_flight for r in t.snapshot().replicas] == [0, 0] and all(r.healthy for r in t.snapshot().replicas)
+    t.assign(A)
+    t.assign(A)
+    t.scraped(A, Sample(running=5, waiting=1, kv_usage=0.5, capacity_tokens=1000), own_at_scrape=2)
+    t.assign(A)  # a burst after the scrape counts at once
+    assert t.snapshot().by_address()[A].in_flight == 3 + 4
+    t.release(A)
+    t.release(A)
+    t.release(A)
+    t.release(A)  # never below zero
+    assert t.snapshot().by_address()[A].in_flight == 4
+    t.scraped(B, None, 0)
+    assert not t.snapshot().by_address()[B].healthy
+    added, removed = t.set_addresses([B, C])
+    assert (added, removed) == ([C], [A]) and t.snapshot().by_address()[C].healthy
+
+
+def test_parse_metrics_reads_the_simulators_real_page() -> None:
+    from extproc.sim.metrics import ReplicaMetrics
+    from extproc.sim.profiles import get_profile
+
+    profile = get_profile("llama-3.1-70b-h100-tp8")
+    m = ReplicaMetrics("m", profile)
+    m.running.set(3)
+    m.waiting.set(2)
+    m.kv_usage.set(0.4)
+    sample = parse_metrics(m.render().decode())
+    assert (sample.running, sample.waiting, sample.kv_usage) == (3, 2, 0.4)
+    assert sample.capacity_tokens == profile.num_blocks * profile.block_size and sample.seen
+    two = ('vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_running{engine="1"} 2\n'
+           'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.6\n')
+    assert (parse_metrics(two).running, round(parse_metrics(two).kv_usage, 6)) == (3, 0.4)
+    assert not parse_metrics("garbage\nmore{ garbage").seen
+
+
+def test_the_picker_records_its_choice_and_explains_from_saved_state(tmp_path: Path) -> None:
+    core = PickCore(chunk_bytes=64)
+    core.set_endpoints([A, B, C])
+    s = RouteSettings(mode="pick")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world " * 200}]}).encode()
+    first = core.pick(decide(body, {}, s), s)
+    assert first.reason == choose_mod.COLD
+    core.release(first.address)
+    again = core.pick(decide(body, {}, s), s)
+    assert (again.address, again.reason) == (first.address, choose_mod.CHEAPEST)
+    held = {c.address: c.cached_tokens for c in again.candidates}
+    assert held[first.address] > 500 and sum(held.values()) == held[first.address]
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(core.state()))
+    done = subprocess.run(python_module("extproc", "explain", "--mode", "pick",
+                                        "--state", str(path), "-"),
+                          input=body, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.decode()
+    assert f"{again.address}" in out and "<- chosen" in out and "(cheapest)" in out
+    restored = PickCore.from_state(core.state()).evaluate(decide(body, {}, s), s)[0]
+    live = core.evaluate(decide(body, {}, s), s)[0]
+    assert restored == live  # the saved state reproduces the live choice, costs and all
+    assert {c.address: c.in_flight for c in live.candidates}[again.address] == 1  # still in flight
+
+
+# --- endpoints and settings ---------------------------------------------------------------
+
+def test_endpoint_file_lines_skip_comments_and_bad_entries() -> None:
+    text = "# fleet\n10.0.0.1:8000\n\nnot-an-address\n10.0.0.2:8000, [::1]:9000  # two\n10.0.0.1:8000\n"
+    assert parse_endpoint_lines(text, "f") == [A, B, "[::1]:9000"]
+
+
+def test_dns_endpoints_resolve_a_name() -> None:
+    found: list[list[str]] = []
+    watcher = EndpointWatcher(ServerSettings(endpoints_dns="localhost:8100"), lambda a: found.append(list(a)))
+    asyncio.run(watcher.resolve())
+    assert found and "127.0.0.1:8100" in found[-1]
+
+
+def test_bad_pick_settings_stop_start_up_naming_them() -> None:
+    with pytest.raises(SettingError, match="--endpoints and --endpoints-file"):
+        server_settings(None, {"PREFIX_ROUTER_ENDPOINTS": A, "PREFIX_ROUTER_ENDPOINTS_FILE": "/tmp/x"})
+    with pytest.raises(SettingError, match="PREFIX_ROUTER_ENDPOINTS"):
+        server_settings(None, {"PREFIX_ROUTER_ENDPOINTS": "10.0.0.1"})
+    for argv, needle in ((["--mode", "pick"], "--mode pick needs"),
+                         (["--mode", "pick", "--endpoints", A, "--concurrency-threshold", "2000"],
+                          "--concurrency-threshold"),
+                         (["--endpoints-dns", "no port"], "--endpoints-dns")):
+        done = subprocess.run(python_module("extproc", "serve", "--port", "0", "--metrics-port", "0", *argv),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and needle in done.stderr, done.stderr
