@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("extproc.explain", "show how a request body becomes a prefix key"),
     "sim": ("extproc.sim.cli", "run simulated vLLM replicas on loopback ports"),
     "bench": ("extproc.bench.cli", "A/B benchmark: stock Envoy routing vs prefix routing"),
+    "microbench": ("extproc.bench.microbench", "the router's own work per request (pure core, no gRPC)"),
     "demo": ("extproc.bench.demo", "short sagemaker-8k comparison (round robin vs prefix-maglev)"),
 }
 

@@ -9,7 +9,6 @@ normalised forms part (inside the hashed prefix or not).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import urllib.request
@@ -103,7 +102,7 @@ def compare(a: bytes, b: bytes, headers: dict[str, str], settings: RouteSettings
 
 def pick_dict(choice: Choice) -> dict[str, object]:
     return {"address": choice.address, "reason": choice.reason, "prompt_tokens": choice.prompt_tokens,
-            "candidates": [dataclasses.asdict(c) for c in choice.candidates]}
+            "candidates": [c._asdict() for c in choice.candidates]}
 
 
 def render_pick(info: dict[str, object]) -> str:

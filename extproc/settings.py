@@ -63,7 +63,7 @@ class ServerSettings:
     endpoints_dns: str = ""  # name:port, e.g. a Kubernetes headless service
     dns_interval: float = 5.0
     scrape_interval: float = 1.0
-    chunk_bytes: int = 256  # the learned index cuts the normalised prompt into chunks of this size
+    chunk_bytes: int = 512  # the learned index cuts the normalised prompt into chunks of this size
     bytes_per_token: float = 4.0  # normalised prompt bytes per model token, to size chunks in tokens
     kv_capacity_tokens: int = 0  # per replica; 0 = read vllm:cache_config_info (num_gpu_blocks x block_size)
     index_max_chunks: int = 2_000_000  # memory bound of the learned index over all replicas

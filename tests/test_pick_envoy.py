@@ -227,6 +227,8 @@ def test_a_dead_replica_is_avoided_within_one_scrape(backends: BackendFleet, tmp
         assert health == {f"127.0.0.1:{dead}": False, f"127.0.0.1:{backends.backends[0].port}": True}
         picks = {_pick_via_grpc(router.grpc_port, chat(f"q{i}", system=f"s{i}")) for i in range(10)}
         assert picks == {f"127.0.0.1:{backends.backends[0].port}"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5) as resp:
+            assert f'prefix_router_scrape_errors_total{{replica="127.0.0.1:{dead}"}}' in resp.read().decode()
     finally:
         router.proc.stop()
 
@@ -246,3 +248,61 @@ def test_explain_reads_the_live_state(backends: BackendFleet, make_envoy: EnvoyF
     assert info["pick"]["reason"] == "cheapest"
     cached = {c["address"]: c["cached_tokens"] for c in info["pick"]["candidates"]}
     assert cached[info["pick"]["address"]] > 4000 and sorted(cached.values())[:3] == [0, 0, 0]
+
+
+def _override_host_from_metadata(cfg: envoy_config.Config) -> None:
+    """The endpoint-picker shape (Envoy Gateway / AI Gateway): no stateful_session; the vllm
+    cluster's override_host LB reads x-gateway-destination-endpoint from envoy.lb metadata."""
+    manager = envoy_config.http_manager(cfg)
+    manager["http_filters"] = [f for f in manager["http_filters"]
+                               if f["name"] != "envoy.filters.http.stateful_session"]
+    vllm = envoy_config.cluster(cfg, "vllm")
+    vllm.pop("lb_policy", None)
+    vllm["common_lb_config"].pop("consistent_hashing_lb_config", None)
+    vllm["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"metadata": {"key": "envoy.lb",
+                                                    "path": [{"key": "x-gateway-destination-endpoint"}]}}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.maglev",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.maglev.v3.Maglev"},
+            }}]},
+        }}}]}
+
+
+def test_the_pick_also_speaks_the_inference_extension_metadata(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    def edit(cfg: envoy_config.Config) -> None:
+        envoy_config.set_stream_metadata(cfg, {"x-prefix-router-mode": "pick",
+                                               "x-prefix-router-concurrency-threshold": "1"})
+        _override_host_from_metadata(cfg)
+    _, port = make_envoy(backends, "pick.yaml", extproc_port=pick_router.grpc_port, edit=edit)
+    home = served_by(port, chat("metadata route"))
+    assert [served_by(port, chat("metadata route")) for _ in range(5)] == [home] * 5
+    backends.close_gate()
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(served_by, port, chat("metadata route", hold=True))
+        wait_until(lambda: backends.backends[home].held == 1, 10, "one request held at home")
+        assert served_by(port, chat("metadata route")) != home  # the threshold spill reached Envoy as metadata
+        backends.open_gate()
+        assert held.result(10) == home
+
+
+def test_pick_metrics_show_reasons_loads_and_the_index(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    _, port = pick_envoy(make_envoy, backends, pick_router)
+    for i in range(3):
+        served_by(port, chat(f"metrics {i}"))
+    with urllib.request.urlopen(f"http://127.0.0.1:{pick_router.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert values['prefix_router_pick_decisions_total{reason="cold"}'] >= 1
+    assert values['prefix_router_pick_decisions_total{reason="cheapest"}'] >= 2  # the shared system prompt
+    assert values["prefix_router_index_entries"] > 0 and values["prefix_router_index_bytes"] > 0
+    assert values["prefix_router_endpoints"] == 4
+    address = f"127.0.0.1:{backends.backends[0].port}"
+    assert values[f'prefix_router_replica_up{{replica="{address}"}}'] == 1
+    assert f'prefix_router_replica_load{{kind="in_flight",replica="{address}"}}' in values

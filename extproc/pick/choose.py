@@ -16,8 +16,8 @@ replicas with the same view agree without talking to each other.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Final
+from operator import itemgetter
+from typing import Final, NamedTuple
 
 import xxhash
 
@@ -30,10 +30,10 @@ THRESHOLD_SPILL: Final = "threshold_spill"  # the cheapest was at the concurrenc
 ALL_BUSY: Final = "all_busy"  # every replica at the threshold: the cheapest anyway
 NO_REPLICA: Final = "no_replica"  # no healthy replica known: Envoy's own LB decides
 REASONS: Final = (CHEAPEST, COLD, THRESHOLD_SPILL, ALL_BUSY, NO_REPLICA)
+_RANK: Final = itemgetter(0, 1)  # cost, then the highest rendezvous score
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     address: str
     cached_tokens: int
     in_flight: int
@@ -41,8 +41,7 @@ class Candidate:
     capped: bool  # at or over the concurrency threshold
 
 
-@dataclass(frozen=True, slots=True)
-class Choice:
+class Choice(NamedTuple):
     address: str | None  # None: leave the choice to Envoy's load balancer
     reason: str
     prompt_tokens: int
@@ -51,7 +50,14 @@ class Choice:
 
 def rendezvous(key: str | None, address: str) -> int:
     """Highest-random-weight score of a replica for a key (same on every router replica)."""
-    return xxhash.xxh3_64_intdigest(address.encode(), int(key, 16) if key else 0)
+    return xxhash.xxh3_64_intdigest(address.encode(), _seed(key))
+
+
+def _seed(key: str | None) -> int:
+    try:
+        return int(key, 16) if key else 0
+    except ValueError:
+        return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 
 
 def cost(prompt_tokens: int, cached_tokens: int, in_flight: int, load_tokens: int) -> int:
@@ -61,19 +67,20 @@ def cost(prompt_tokens: int, cached_tokens: int, in_flight: int, load_tokens: in
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
            settings: RouteSettings) -> Choice:
     """The replica with the lowest cost, honouring the concurrency threshold."""
-    cap = settings.concurrency_threshold
+    cap, per_request = settings.concurrency_threshold, settings.load_tokens
+    seed = _seed(key)
+    digest = xxhash.xxh3_64_intdigest
     ranked = []
     for r in snapshot.replicas:
-        if not r.healthy:
-            continue
-        held = cached.get(r.address, 0)
-        c = Candidate(r.address, held, r.in_flight, cost(prompt_tokens, held, r.in_flight, settings.load_tokens),
-                      bool(cap) and r.in_flight >= cap)
-        ranked.append((c.cost, -rendezvous(key, r.address), c))
+        if r.healthy:
+            held = cached.get(r.address, 0)
+            ranked.append((max(prompt_tokens - held, 1) + per_request * r.in_flight,
+                           -digest(r.address.encode(), seed), r, held))
     if not ranked:
         return Choice(None, NO_REPLICA, prompt_tokens, ())
-    ranked.sort(key=lambda t: t[:2])
-    candidates = tuple(t[2] for t in ranked)
+    ranked.sort(key=_RANK)
+    candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap)
+                       for c, _, r, held in ranked)
     best = candidates[0]
     chosen = next((c for c in candidates if not c.capped), None)
     if chosen is None:

@@ -1,8 +1,9 @@
 """Cut a normalised prompt into fixed-size chunks and hash them as a chain (pure).
 
-Chunk i's hash covers chunk i and, through its seed, every chunk before it (as vLLM's
-block hashes do), so one hash names a whole prefix and two prompts share chunk i's hash
-only if they agree on everything up to its end. Only full chunks are hashed; the tail is
+Chunk i's hash covers chunk i and every chunk before it (one streaming xxh3-64 over the
+prompt, read out after each chunk: chained like vLLM's block hashes, and the cheapest such
+chain measured here), so one hash names a whole prefix and two prompts share chunk i's
+hash only if they agree on everything up to its end. Only full chunks are hashed; the tail is
 counted in tokens but never matched.
 
 The chain models what vLLM shares, not who sent it: the normalised prompt starts with the
@@ -16,17 +17,17 @@ from typing import Final
 
 import xxhash
 
-ROOT_SEED: Final = 0x9E3779B97F4A7C15  # any fixed seed for the first chunk
+ROOT_SEED: Final = 0x9E3779B97F4A7C15  # any fixed seed
 
 
 def chunk_hashes(data: bytes, chunk_bytes: int, max_chunks: int) -> list[int]:
-    """Chained xxh3-64 of the first ``max_chunks`` full chunks of ``data``."""
+    """xxh3-64 of each of the first ``max_chunks`` full-chunk prefixes of ``data``."""
     view = memoryview(data)
-    h = ROOT_SEED
+    state = xxhash.xxh3_64(seed=ROOT_SEED)
+    update, digest = state.update, state.intdigest
     out: list[int] = []
     append = out.append
-    digest = xxhash.xxh3_64_intdigest
     for start in range(0, min(len(data) // chunk_bytes, max_chunks) * chunk_bytes, chunk_bytes):
-        h = digest(view[start:start + chunk_bytes], h)
-        append(h)
+        update(view[start:start + chunk_bytes])
+        append(digest())
     return out

@@ -42,6 +42,8 @@ class _Replica:
 class LoadTracker:
     def __init__(self) -> None:
         self._replicas: dict[str, _Replica] = {}
+        self._states: dict[str, ReplicaState] = {}  # kept current replica by replica (the request path
+        self._snapshot: Snapshot | None = None  # changes one at a time); None: rebuild the tuple
 
     def set_addresses(self, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
         """Replace the endpoint set; returns (added, removed). Order is kept for display."""
@@ -50,6 +52,9 @@ class LoadTracker:
         added = [a for a in wanted if a not in self._replicas]
         old = self._replicas
         self._replicas = {a: old.get(a) or _Replica() for a in wanted}
+        self._states = {}
+        for address in wanted:
+            self._refresh(address)
         return added, removed
 
     def addresses(self) -> list[str]:
@@ -63,11 +68,13 @@ class LoadTracker:
         r = self._replicas.get(address)
         if r is not None:
             r.own += 1
+            self._refresh(address)
 
     def release(self, address: str) -> None:
         r = self._replicas.get(address)
         if r is not None and r.own > 0:
             r.own -= 1
+            self._refresh(address)
 
     def scraped(self, address: str, sample: Sample | None, own_at_scrape: int) -> None:
         """A scrape result (None: it failed, so the replica is taken as down until the next)."""
@@ -77,20 +84,23 @@ class LoadTracker:
         if sample is None:
             r.failures += 1
             r.healthy = False
-            return
-        r.failures = 0
-        r.healthy = True
-        r.sample = sample
-        r.own_at_scrape = own_at_scrape
+        else:
+            r.failures = 0
+            r.healthy = True
+            r.sample = sample
+            r.own_at_scrape = own_at_scrape
+        self._refresh(address)
+
+    def _refresh(self, address: str) -> None:
+        r = self._replicas[address]
+        s = r.sample
+        others = max(0, round(s.running + s.waiting) - r.own_at_scrape) if s else 0
+        self._states[address] = ReplicaState(
+            address, r.healthy, r.own + others, s.running if s else 0.0, s.waiting if s else 0.0,
+            s.kv_usage if s else 0.0, s.capacity_tokens if s else 0)
+        self._snapshot = None
 
     def snapshot(self) -> Snapshot:
-        out = []
-        for address, r in self._replicas.items():
-            s = r.sample
-            others = max(0, round(s.running + s.waiting) - r.own_at_scrape) if s else 0
-            out.append(ReplicaState(
-                address=address, healthy=r.healthy, in_flight=r.own + others,
-                running=s.running if s else 0.0, waiting=s.waiting if s else 0.0,
-                kv_usage=s.kv_usage if s else 0.0, capacity_tokens=s.capacity_tokens if s else 0,
-            ))
-        return Snapshot(tuple(out))
+        if self._snapshot is None:
+            self._snapshot = Snapshot(tuple(self._states.values()))
+        return self._snapshot

@@ -22,7 +22,7 @@ from extproc.pick.scrape import Scraper
 from extproc.pick.state import Snapshot
 from extproc.settings import RouteSettings, ServerSettings
 
-# A request's prompt is indexed up to this many chunks (1 MiB at 256-byte chunks): past it
+# A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
 # hashing would cost more than any cache it could find is worth.
 MAX_REQUEST_CHUNKS: Final = 4096
 LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage")
@@ -31,7 +31,7 @@ LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage")
 class PickCore:
     """The index + load view + choice, without background tasks (``explain`` uses it alone)."""
 
-    def __init__(self, chunk_bytes: int = 256, bytes_per_token: float = 4.0, kv_capacity_tokens: int = 0,
+    def __init__(self, chunk_bytes: int = 512, bytes_per_token: float = 4.0, kv_capacity_tokens: int = 0,
                  index_max_chunks: int = 2_000_000) -> None:
         self.chunk_bytes = chunk_bytes
         self.bytes_per_token = bytes_per_token
@@ -111,7 +111,7 @@ class PickCore:
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> "PickCore":
         """A core that sees what a saved ``state()`` saw (loads frozen as they were)."""
-        core = cls(int(state.get("chunk_bytes", 256)), float(state.get("bytes_per_token", 4.0)))
+        core = cls(int(state.get("chunk_bytes", 512)), float(state.get("bytes_per_token", 4.0)))
         replicas = state.get("replicas", [])
         core.load.set_addresses([r["address"] for r in replicas])
         for r in replicas:

@@ -1,12 +1,15 @@
-"""A frozen snapshot of the replicas, the only replica state the choice reads (pure)."""
+"""A frozen snapshot of the replicas, the only replica state the choice reads (pure).
+
+NamedTuples rather than frozen dataclasses: the snapshot is rebuilt on the request path,
+and a NamedTuple is several times cheaper to construct.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaState:
+class ReplicaState(NamedTuple):
     """One replica as the router last saw it."""
 
     address: str  # ip:port, exactly as the Envoy cluster lists the host
@@ -18,8 +21,7 @@ class ReplicaState:
     capacity_tokens: int = 0  # KV capacity (num_gpu_blocks x block_size), 0 if unknown
 
 
-@dataclass(frozen=True, slots=True)
-class Snapshot:
+class Snapshot(NamedTuple):
     replicas: tuple[ReplicaState, ...] = ()
 
     def by_address(self) -> dict[str, ReplicaState]:

@@ -1,0 +1,92 @@
+"""`prefix-router microbench`: the router's own work per request, without gRPC or Envoy.
+
+Times the pure core on chat bodies of several sizes: hash mode's ``decide`` (parse,
+normalise, key) and pick mode's whole choice on top of it (chunk hashes, index match over
+a warm index, the cost ranking, recording the pick). Medians of repeated runs, in
+microseconds; compare the rows of one run, not runs across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+from extproc.decide import decide
+from extproc.pick.chunks import chunk_hashes
+from extproc.pick.picker import MAX_REQUEST_CHUNKS, PickCore
+from extproc.settings import RouteSettings
+
+SIZES_KB = (2, 4, 32)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES_KB)), help="body sizes in KB (comma list)")
+    parser.add_argument("--replicas", type=int, default=8, help="replicas in pick mode's warm index")
+    parser.add_argument("--warm-prompts", type=int, default=2000, help="prompts recorded into the index first")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def chat_body(size: int, seed: int) -> bytes:
+    """A chat body of about ``size`` bytes: a shared system prompt and a distinct question."""
+    rng = random.Random(seed)
+    words = "the cache token prefix route replica envoy model server request latency".split()
+    question = " ".join(rng.choices(words, k=max(8, size // 70)))
+    shell = {"model": "llama", "messages": [{"role": "system", "content": ""}, {"role": "user", "content": question}],
+             "temperature": 0.2, "stream": True}
+    filler = max(0, size - len(json.dumps(shell)))
+    shell["messages"][0]["content"] = ("You are a helpful assistant. " * (filler // 29 + 1))[:filler]
+    return json.dumps(shell).encode()
+
+
+def _median_us(fn: Callable[[], object], number: int) -> float:
+    return statistics.median(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
+
+
+def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
+    size = size_kb * 1024
+    body = chat_body(size, 0)
+    hash_settings, pick_settings = RouteSettings(), RouteSettings(mode="pick")
+    core = PickCore()
+    core.set_endpoints([f"10.0.0.{i}:8000" for i in range(replicas)])
+    for i in range(warm_prompts):  # other prompts, some sharing this system prompt
+        d = decide(chat_body(size, i + 1), {}, pick_settings)
+        core.release(core.pick(d, pick_settings).address or "")
+    decision = decide(body, {}, pick_settings)
+    chunks = chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS)
+
+    def pick_once() -> None:
+        choice = core.pick(decide(body, {}, pick_settings), pick_settings)
+        core.release(choice.address or "")
+
+    number = 2000 if size_kb <= 4 else 500
+    return {
+        "body_bytes": len(body),
+        "hash_decide_us": round(_median_us(lambda: decide(body, {}, hash_settings), number), 1),
+        "pick_total_us": round(_median_us(pick_once, number), 1),
+        "chunk_hashes_us": round(_median_us(
+            lambda: chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS), number), 1),
+        "index_match_us": round(_median_us(lambda: core.index.match(chunks), number), 1),
+        "chunks": len(chunks),
+        "index_entries": core.index.stats().entries,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = [measure(int(kb), args.replicas, args.warm_prompts) for kb in args.sizes.split(",") if kb.strip()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
+          f"{args.warm_prompts} prompts)\n")
+    print("| body | hash mode: decide() | pick mode: decide() + choice | of which chunk hashes | of which index match "
+          "| chunks |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['hash_decide_us']} | {r['pick_total_us']} | "
+              f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['chunks']} |")
+    return 0
