@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.bench import report as report_mod
 from extproc.bench.runner import BenchConfig, run_bench
 from extproc.bench.scenarios import ENVOY_ARMS
 from extproc.cli import main as cli_main
@@ -91,3 +92,24 @@ def test_open_loop_multi_turn_through_the_cli(tmp_path: Path, capsys: pytest.Cap
 def test_cli_rejects_unknown_arms_and_parameters(tmp_path: Path) -> None:
     assert cli_main(["bench", "--arms", "round-robin,nope", "--out", str(tmp_path)]) == 2
     assert cli_main(["bench", "--quick", "--param", "nope=1", "--arms", "round-robin", "--out", str(tmp_path)]) == 2
+
+
+def test_scale_out_newcomer_takes_traffic_and_the_leaver_drains_without_failures() -> None:
+    report = run_bench(BenchConfig(scenario="scale-out", quick=True, arms=["round-robin", "prefix-pick"],
+                                   params={"prefixes": 60, "requests": 150}))
+    newcomer = 2  # quick: 2 replicas, then replica 2 joins and replica 0 leaves
+    for name, arm in report.arms.items():
+        assert arm["success_rate"] == 1.0, (name, arm["errors"])
+        start, joined, left = arm["timeline"]
+        assert start["requests_per_replica"][newcomer] == 0, name  # out of the fleet until it joins
+        assert joined["requests_per_replica"][newcomer] > 0, name  # cold prompts reach it at once
+        assert left["requests_per_replica"][0] <= 0.1 * left["ok"], name  # only what was in flight
+    assert "## Per phase" in report_mod.to_markdown(report)
+
+
+def test_zipf_chat_quick_pick_keeps_hits_and_spreads_load() -> None:
+    report = run_bench(BenchConfig(scenario="zipf-chat", quick=True, arms=["prefix-maglev", "prefix-pick"]))
+    maglev, pick = report.arms["prefix-maglev"], report.arms["prefix-pick"]
+    assert pick["success_rate"] == 1.0 and pick["envoy"]["http.llm.ext_proc.failure_mode_allowed"] == 0
+    assert pick["hit_rate_of_oracle"] >= 0.85
+    assert pick["replica_max_over_mean"] < maglev["replica_max_over_mean"]
