@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import metrics
 from extproc.decide import Decision, decide
+from extproc.pick.choose import Choice
 from extproc.pick.picker import PickCore
 from extproc.settings import METADATA_PREFIX, RouteSettings, with_metadata
 
@@ -144,7 +145,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         return self.picker is not None
 
     async def _until_stream_ends(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
-                                 picked: str) -> AsyncIterator[pb.ProcessingResponse]:
+                                 picked: Choice) -> AsyncIterator[pb.ProcessingResponse]:
         """Hold the picked replica's in-flight count until Envoy closes the stream (or it breaks)."""
         assert self.picker is not None
         try:
@@ -191,7 +192,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         return _empty_body_reply() if decision is None else self.decision_reply(decision, settings)
 
     def pick_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
-                   complete: bool = True) -> tuple[pb.ProcessingResponse, str | None]:
+                   complete: bool = True) -> tuple[pb.ProcessingResponse, Choice | None]:
         """The hash-mode reply plus the picked replica: Envoy's stateful_session reads the
         pick header (and sends the request there only if that host is healthy, else its
         own LB hashes the key header); ``envoy.lb`` metadata carries the same host for
@@ -218,7 +219,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         ours["picked"].string_value = choice.address
         ours["pick_reason"].string_value = choice.reason
         fields[LB_NAMESPACE].struct_value.fields[DESTINATION_ENDPOINT].string_value = choice.address
-        return reply, choice.address
+        return reply, choice
 
     def decision_reply(self, decision: Decision, settings: RouteSettings) -> pb.ProcessingResponse:
         reply = pb.ProcessingResponse()

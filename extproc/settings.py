@@ -66,6 +66,7 @@ class ServerSettings:
     chunk_bytes: int = 512  # the learned index cuts the normalised prompt into chunks of this size
     bytes_per_token: float = 4.0  # normalised prompt bytes per model token, to size chunks in tokens
     kv_capacity_tokens: int = 0  # per replica; 0 = read vllm:cache_config_info (num_gpu_blocks x block_size)
+    prefill_tokens_per_s: float = 20000.0  # per replica, drains the queued-prefill estimate; 0 = no estimate
     index_max_chunks: int = 2_000_000  # memory bound of the learned index over all replicas
 
 
@@ -163,6 +164,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "chunk_bytes": _Spec(_number_in(int, 16, 65536), "an integer in 16..65536 (bytes)"),
     "bytes_per_token": _Spec(_number_in(float, 0.5, 64.0), "a number in 0.5..64"),
     "kv_capacity_tokens": _Spec(_number_in(int, 0, 10**10), "tokens per replica (0: read from vLLM's metrics)"),
+    "prefill_tokens_per_s": _Spec(_number_in(float, 0.0, 1e9), "tokens per second, 0 or more (0: no backlog estimate)"),
     "index_max_chunks": _Spec(_number_in(int, 1, 10**9), "an integer in 1..1000000000"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))

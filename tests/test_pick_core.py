@@ -173,6 +173,25 @@ def test_in_flight_is_own_requests_plus_what_the_scrape_saw_from_others() -> Non
     assert (added, removed) == ([C], [A]) and t.snapshot().by_address()[C].healthy
 
 
+def test_queued_prefill_drains_at_the_prefill_rate_and_never_outlives_its_requests() -> None:
+    t = LoadTracker(prefill_tokens_per_s=1000)
+    t.set_addresses([A, B])
+    t.assign(A, 5000, now=0.0)
+    assert t.snapshot(now=1.0).by_address()[A].backlog_tokens == 4000
+    assert t.snapshot(now=9.0).by_address()[A].backlog_tokens == 0
+    t.release(A, 5000)
+    t.assign(A, 5000, now=10.0)
+    t.assign(A, 100, now=10.0)
+    assert t.snapshot(now=10.0).by_address()[A].backlog_tokens == 5100
+    t.release(A, 5000)  # the big one finished early: what is left is at most what is still in flight
+    assert t.snapshot(now=10.0).by_address()[A].backlog_tokens == 100
+    s = RouteSettings(mode="pick", load_tokens=0)
+    busy = choose("ab", 2000, {A: 1500}, t.snapshot(now=10.0), s)
+    assert busy.address == A  # 500 + 100 queued beats 2000 cold
+    t.assign(A, 3000, now=10.0)
+    assert choose("ab", 2000, {A: 1500}, t.snapshot(now=10.0), s).address == B  # 500 + 3100 does not
+
+
 def test_parse_metrics_reads_the_simulators_real_page() -> None:
     from extproc.sim.metrics import ReplicaMetrics
     from extproc.sim.profiles import get_profile
@@ -198,7 +217,7 @@ def test_the_picker_records_its_choice_and_explains_from_saved_state(tmp_path: P
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world " * 200}]}).encode()
     first = core.pick(decide(body, {}, s), s)
     assert first.reason == choose_mod.COLD
-    core.release(first.address)
+    core.release(first)
     again = core.pick(decide(body, {}, s), s)
     assert (again.address, again.reason) == (first.address, choose_mod.CHEAPEST)
     held = {c.address: c.cached_tokens for c in again.candidates}

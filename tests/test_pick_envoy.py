@@ -61,7 +61,14 @@ class PickRouter:
         wait_until(lambda: len(state(self.metrics_port)["replicas"]) == count, 10, f"{count} endpoints")
 
     def wait_idle(self) -> None:
-        wait_until(lambda: not any(in_flight(self.metrics_port).values()), 10, "no request in flight")
+        """Until Envoy has closed every stream of this router's requests (their responses ended)."""
+        try:
+            wait_until(lambda: not any(r["own_in_flight"] for r in state(self.metrics_port)["replicas"]), 10,
+                       "no request of ours in flight")
+        except TimeoutError:
+            print(json.dumps([{k: v for k, v in r.items() if k != "chunks"} for r in state(self.metrics_port)["replicas"]]))
+            print(self.proc.lines if hasattr(self.proc, "lines") else "")
+            raise
 
 
 @pytest.fixture()
@@ -136,9 +143,11 @@ def test_a_conversation_far_past_prefix_length_stays_on_its_replica(
         messages.append({"role": "user", "content": f"turn {turn}: " + "and then what happened " * 60})
         body = json.dumps({"model": "llama", "messages": messages}).encode()
         homes.append(served_by(port, body))
+        pick_router.wait_idle()  # sequential traffic: the last response has ended for the router too
         # A new conversation shares the key (the first 256 bytes) but only the system prompt.
         others.append(served_by(port, json.dumps({"model": "llama", "messages": [
             system, {"role": "user", "content": f"unrelated {turn} " * 80}]}).encode()))
+        pick_router.wait_idle()
     assert len(body) > 30_000 and set(homes) == {home}, homes  # its history outweighs home's load
     assert home not in others, others  # the same key without the history goes to a less busy replica
 

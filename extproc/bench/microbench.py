@@ -55,13 +55,13 @@ def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
     core.set_endpoints([f"10.0.0.{i}:8000" for i in range(replicas)])
     for i in range(warm_prompts):  # other prompts, some sharing this system prompt
         d = decide(chat_body(size, i + 1), {}, pick_settings)
-        core.release(core.pick(d, pick_settings).address or "")
+        core.release(core.pick(d, pick_settings))
     decision = decide(body, {}, pick_settings)
     chunks = chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS)
 
     def pick_once() -> None:
         choice = core.pick(decide(body, {}, pick_settings), pick_settings)
-        core.release(choice.address or "")
+        core.release(choice)
 
     number = 2000 if size_kb <= 4 else 500
     return {

@@ -2,12 +2,13 @@
 
 Estimated cost of serving the request on replica r, in prefill-token units:
 
-    cost(r) = max(prompt_tokens - cached_tokens(r), 1) + load_tokens x in_flight(r)
+    cost(r) = max(prompt_tokens - cached_tokens(r), 1) + backlog(r) + load_tokens x in_flight(r)
 
 The first term is the prefill r would have to compute (the prompt minus what r most likely
-holds); the second the work already queued on it, each request in flight counted as
-``load_tokens`` prefill tokens (Dynamo's KV router weighs prefill blocks against active
-blocks the same way). ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
+holds); the others the work already queued on it: the prefill tokens still ahead of this
+request, and each request in flight counted as ``load_tokens`` more (decode steps and the
+wait for a free sequence slot). Dynamo's KV router weighs prefill blocks against active
+blocks the same way. ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
 many in flight is not chosen while another is below it. Equal costs (a cold prompt on an
 idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
 replicas with the same view agree without talking to each other.
@@ -39,6 +40,7 @@ class Candidate(NamedTuple):
     in_flight: int
     cost: int
     capped: bool  # at or over the concurrency threshold
+    backlog_tokens: int = 0
 
 
 class Choice(NamedTuple):
@@ -60,8 +62,8 @@ def _seed(key: str | None) -> int:
         return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 
 
-def cost(prompt_tokens: int, cached_tokens: int, in_flight: int, load_tokens: int) -> int:
-    return max(prompt_tokens - cached_tokens, 1) + load_tokens * in_flight
+def cost(prompt_tokens: int, cached_tokens: int, in_flight: int, load_tokens: int, backlog_tokens: int = 0) -> int:
+    return max(prompt_tokens - cached_tokens, 1) + backlog_tokens + load_tokens * in_flight
 
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
@@ -74,12 +76,12 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     for r in snapshot.replicas:
         if r.healthy:
             held = cached.get(r.address, 0)
-            ranked.append((max(prompt_tokens - held, 1) + per_request * r.in_flight,
+            ranked.append((max(prompt_tokens - held, 1) + r.backlog_tokens + per_request * r.in_flight,
                            -digest(r.address.encode(), seed), r, held))
     if not ranked:
         return Choice(None, NO_REPLICA, prompt_tokens, ())
     ranked.sort(key=_RANK)
-    candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap)
+    candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap, r.backlog_tokens)
                        for c, _, r, held in ranked)
     best = candidates[0]
     chosen = next((c for c in candidates if not c.capped), None)

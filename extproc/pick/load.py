@@ -8,7 +8,15 @@ the HTTP response ends) and estimates
     in_flight(r) = own(r) + max(0, running(r) + waiting(r) - own_at_scrape(r))
 
 that is: its own live count, plus whatever else (other router replicas, direct traffic)
-the last scrape saw on r. No I/O and no clock here: the scraper and the adapter call in.
+the last scrape saw on r.
+
+It also estimates the prefill work queued on each replica (``backlog``): each pick adds
+the tokens the replica must compute for it, and the backlog drains at the replica's
+prefill rate (a fluid queue, which is how vLLM's FCFS chunked prefill works off it),
+never above what this router's requests still in flight brought. A replica busy
+prefilling a cold 8k-token prompt is busy for that long, however few requests it holds.
+
+No I/O and no clock here: callers pass ``now`` (seconds, monotonic).
 """
 
 from __future__ import annotations
@@ -37,10 +45,14 @@ class _Replica:
     own: int = 0
     own_at_scrape: int = 0
     failures: int = 0
+    backlog: float = 0.0  # prefill tokens queued at ``backlog_at``
+    backlog_at: float = 0.0
+    own_prefill: int = 0  # prefill tokens this router's requests in flight brought
 
 
 class LoadTracker:
-    def __init__(self) -> None:
+    def __init__(self, prefill_tokens_per_s: float = 0.0) -> None:
+        self.prefill_rate = prefill_tokens_per_s  # 0: no backlog estimate
         self._replicas: dict[str, _Replica] = {}
         self._states: dict[str, ReplicaState] = {}  # kept current replica by replica (the request path
         self._snapshot: Snapshot | None = None  # changes one at a time); None: rebuild the tuple
@@ -64,17 +76,26 @@ class LoadTracker:
         r = self._replicas.get(address)
         return r.own if r else 0
 
-    def assign(self, address: str) -> None:
+    def assign(self, address: str, prefill_tokens: int = 0, now: float = 0.0) -> None:
         r = self._replicas.get(address)
         if r is not None:
             r.own += 1
+            if self.prefill_rate:
+                r.backlog = self._drained(r, now) + prefill_tokens
+                r.backlog_at = now
+                r.own_prefill += prefill_tokens
             self._refresh(address)
 
-    def release(self, address: str) -> None:
+    def release(self, address: str, prefill_tokens: int = 0) -> None:
         r = self._replicas.get(address)
         if r is not None and r.own > 0:
             r.own -= 1
+            r.own_prefill = max(0, r.own_prefill - prefill_tokens)
+            r.backlog = min(r.backlog, r.own_prefill)
             self._refresh(address)
+
+    def _drained(self, r: _Replica, now: float) -> float:
+        return min(max(0.0, r.backlog - self.prefill_rate * (now - r.backlog_at)), r.own_prefill)
 
     def scraped(self, address: str, sample: Sample | None, own_at_scrape: int) -> None:
         """A scrape result (None: it failed, so the replica is taken as down until the next)."""
@@ -91,16 +112,33 @@ class LoadTracker:
             r.own_at_scrape = own_at_scrape
         self._refresh(address)
 
-    def _refresh(self, address: str) -> None:
+    def restore(self, state: ReplicaState) -> None:
+        """Take a saved replica state as this router's own view (``explain --state``)."""
+        r = self._replicas.get(state.address)
+        if r is None:
+            return
+        r.healthy = state.healthy
+        r.sample = Sample(float(state.in_flight), 0.0, state.kv_usage, state.capacity_tokens)
+        r.own = r.own_at_scrape = 0
+        r.backlog = r.own_prefill = state.backlog_tokens
+        self._refresh(state.address)
+
+    def _refresh(self, address: str, now: float | None = None) -> None:
         r = self._replicas[address]
         s = r.sample
         others = max(0, round(s.running + s.waiting) - r.own_at_scrape) if s else 0
+        backlog = round(r.backlog if now is None else self._drained(r, now))
         self._states[address] = ReplicaState(
             address, r.healthy, r.own + others, s.running if s else 0.0, s.waiting if s else 0.0,
-            s.kv_usage if s else 0.0, s.capacity_tokens if s else 0)
+            s.kv_usage if s else 0.0, s.capacity_tokens if s else 0, backlog)
         self._snapshot = None
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        """The replicas as of ``now`` (backlogs drained until then; None: as last updated)."""
+        if now is not None and self.prefill_rate:
+            for address, r in self._replicas.items():
+                if r.backlog > 0:
+                    self._refresh(address, now)
         if self._snapshot is None:
             self._snapshot = Snapshot(tuple(self._states.values()))
         return self._snapshot

@@ -8,7 +8,8 @@ state runs in the background tasks ``start`` launches; ``pick`` itself does no I
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from extproc import metrics
@@ -19,7 +20,7 @@ from extproc.pick.endpoints import EndpointWatcher
 from extproc.pick.index import LearnedIndex
 from extproc.pick.load import LoadTracker, Sample
 from extproc.pick.scrape import Scraper
-from extproc.pick.state import Snapshot
+from extproc.pick.state import ReplicaState, Snapshot
 from extproc.settings import RouteSettings, ServerSettings
 
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
@@ -32,13 +33,15 @@ class PickCore:
     """The index + load view + choice, without background tasks (``explain`` uses it alone)."""
 
     def __init__(self, chunk_bytes: int = 512, bytes_per_token: float = 4.0, kv_capacity_tokens: int = 0,
-                 index_max_chunks: int = 2_000_000) -> None:
+                 index_max_chunks: int = 2_000_000, prefill_tokens_per_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.chunk_bytes = chunk_bytes
         self.bytes_per_token = bytes_per_token
         self.chunk_tokens = chunk_bytes / bytes_per_token
         self.kv_capacity_tokens = kv_capacity_tokens
         self.index = LearnedIndex(index_max_chunks, self.chunks_for(kv_capacity_tokens))
-        self.load = LoadTracker()
+        self.load = LoadTracker(prefill_tokens_per_s)
+        self.clock = clock
 
     def chunks_for(self, tokens: int) -> int:
         return int(tokens // self.chunk_tokens) if tokens else 0
@@ -67,7 +70,8 @@ class PickCore:
         chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
         held = self.index.match(chunks) if chunks else {}
         cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
-        choice = choose(decision.key, self.tokens(len(decision.normalized)), cached, self.load.snapshot(), settings)
+        choice = choose(decision.key, self.tokens(len(decision.normalized)), cached,
+                        self.load.snapshot(self.clock()), settings)
         return choice, chunks
 
     def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
@@ -76,11 +80,13 @@ class PickCore:
         if choice.address is not None:
             if chunks:
                 self.index.record(choice.address, chunks)
-            self.load.assign(choice.address)
+            self.load.assign(choice.address, _prefill(choice), self.clock())
         return choice
 
-    def release(self, address: str) -> None:
-        self.load.release(address)
+    def release(self, choice: Choice) -> None:
+        """The picked request ended (Envoy closed its stream)."""
+        if choice.address is not None:
+            self.load.release(choice.address, _prefill(choice))
 
     # --- observation -------------------------------------------------------------------
     def publish_metrics(self) -> None:
@@ -100,11 +106,13 @@ class PickCore:
             "bytes_per_token": self.bytes_per_token,
             "index": {"entries": stats.entries, "chunks": stats.chunks, "bytes": stats.bytes},
             "replicas": [
-                {"address": r.address, "healthy": r.healthy, "in_flight": r.in_flight, "running": r.running,
+                {"address": r.address, "healthy": r.healthy, "in_flight": r.in_flight,
+                 "own_in_flight": self.load.own(r.address), "running": r.running,
                  "waiting": r.waiting, "kv_usage": r.kv_usage, "capacity_tokens": r.capacity_tokens,
+                 "backlog_tokens": r.backlog_tokens,
                  "index_capacity_chunks": self.index.capacity(r.address),
                  "chunks": [f"{h:016x}" for h in self.index.holds(r.address)]}
-                for r in self.load.snapshot().replicas
+                for r in self.load.snapshot(self.clock()).replicas
             ],
         }
 
@@ -116,15 +124,21 @@ class PickCore:
         core.load.set_addresses([r["address"] for r in replicas])
         for r in replicas:
             core.index.set_capacity(r["address"], int(r.get("index_capacity_chunks") or core.index.max_chunks))
-            # The saved in-flight estimate, as if a scrape had seen all of it as running.
-            sample = Sample(float(r.get("in_flight", 0)), 0.0, float(r.get("kv_usage", 0)),
-                            int(r.get("capacity_tokens", 0)))
-            core.load.scraped(r["address"], sample if r.get("healthy", True) else None, 0)
+            core.load.restore(ReplicaState(
+                r["address"], bool(r.get("healthy", True)), int(r.get("in_flight", 0)),
+                kv_usage=float(r.get("kv_usage", 0)), capacity_tokens=int(r.get("capacity_tokens", 0)),
+                backlog_tokens=int(r.get("backlog_tokens", 0))))
         core.index.load({r["address"]: [int(h, 16) for h in r.get("chunks", [])] for r in replicas})
         return core
 
     def snapshot(self) -> Snapshot:
         return self.load.snapshot()
+
+
+def _prefill(choice: Choice) -> int:
+    """Prefill tokens the chosen replica computes for this request (its cost's first term)."""
+    held = next((c.cached_tokens for c in choice.candidates if c.address == choice.address), 0)
+    return max(choice.prompt_tokens - held, 1)
 
 
 def _forget_series(gauge: Any, *labels: str) -> None:
@@ -138,7 +152,8 @@ class Picker(PickCore):
     """PickCore plus its background tasks: endpoint discovery and metric scraping."""
 
     def __init__(self, cfg: ServerSettings) -> None:
-        super().__init__(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks)
+        super().__init__(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks,
+                         cfg.prefill_tokens_per_s)
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
         self.scraper = Scraper(self.load, cfg.scrape_interval, self._sampled)
 

@@ -19,6 +19,7 @@ class ReplicaState(NamedTuple):
     waiting: float = 0.0  # vllm:num_requests_waiting at the last scrape
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1) at the last scrape
     capacity_tokens: int = 0  # KV capacity (num_gpu_blocks x block_size), 0 if unknown
+    backlog_tokens: int = 0  # estimated prefill tokens queued on it now
 
 
 class Snapshot(NamedTuple):
