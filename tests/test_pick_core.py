@@ -167,8 +167,14 @@ def test_in_flight_is_own_requests_plus_what_the_scrape_saw_from_others() -> Non
     t.release(A)
     t.release(A)  # never below zero
     assert t.snapshot().by_address()[A].in_flight == 4
-    t.scraped(B, None, 0)
-    assert not t.snapshot().by_address()[B].healthy
+    t.scraped(B, None, 0, refused=False)
+    t.scraped(B, None, 0, refused=False)
+    assert t.snapshot().by_address()[B].healthy  # slow to answer twice: still up
+    t.scraped(B, None, 0, refused=False)
+    assert not t.snapshot().by_address()[B].healthy  # three timeouts in a row: down
+    t.scraped(B, Sample(0, 0, 0, 0), 0)
+    t.scraped(B, None, 0, refused=True)
+    assert not t.snapshot().by_address()[B].healthy  # nothing listening: down at once
     added, removed = t.set_addresses([B, C])
     assert (added, removed) == ([C], [A]) and t.snapshot().by_address()[C].healthy
 

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from extproc.pick.state import ReplicaState, Snapshot
 
 
+DOWN_AFTER_TIMEOUTS = 3
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
     """What one scrape of a replica's /metrics told."""
@@ -97,14 +100,15 @@ class LoadTracker:
     def _drained(self, r: _Replica, now: float) -> float:
         return min(max(0.0, r.backlog - self.prefill_rate * (now - r.backlog_at)), r.own_prefill)
 
-    def scraped(self, address: str, sample: Sample | None, own_at_scrape: int) -> None:
-        """A scrape result (None: it failed, so the replica is taken as down until the next)."""
+    def scraped(self, address: str, sample: Sample | None, own_at_scrape: int, refused: bool = True) -> None:
+        """A scrape result. None: it failed; the replica is down at once if it ``refused`` the
+        connection, after ``DOWN_AFTER_TIMEOUTS`` failures in a row if it only timed out."""
         r = self._replicas.get(address)
         if r is None:
             return
         if sample is None:
             r.failures += 1
-            r.healthy = False
+            r.healthy = r.healthy and not refused and r.failures < DOWN_AFTER_TIMEOUTS
         else:
             r.failures = 0
             r.healthy = True

@@ -69,7 +69,8 @@ class Scraper:
                  on_sample: Callable[[str, Sample | None], None] | None = None) -> None:
         self.tracker = tracker
         self.interval = interval
-        self.timeout = max(0.25, min(interval, 2.0))
+        # A loaded vLLM can be slow to answer /metrics; a slow answer is not a dead replica.
+        self.timeout = max(1.0, min(interval, 5.0))
         self.on_sample = on_sample
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -82,17 +83,21 @@ class Scraper:
     async def _one(self, address: str) -> None:
         own = self.tracker.own(address)
         sample: Sample | None = None
+        refused = False
         try:
             assert self._session is not None
             async with self._session.get(f"http://{address}/metrics") as resp:
                 # A server that answers without vLLM metrics is up but its load unknown.
                 text = await resp.text() if resp.status == 200 else ""
                 sample = parse_metrics(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeError) as exc:
+        except asyncio.TimeoutError:
+            log.debug("scrape of %s timed out", address)
+        except (aiohttp.ClientError, OSError, UnicodeError) as exc:
+            refused = True  # nothing listening, or the connection broke: down at once
             log.debug("scrape of %s failed: %r", address, exc)
         if sample is None or not sample.seen:
             metrics.SCRAPE_ERRORS.labels(address).inc()
-        self.tracker.scraped(address, sample, own)
+        self.tracker.scraped(address, sample, own, refused)
         if self.on_sample:
             self.on_sample(address, sample)
 
