@@ -45,6 +45,7 @@ class ArmSpec:
     peer: str | None = None  # python module of a peer router
     base: str = "envoy.yaml"  # the shipped config this arm starts from
     pick: bool = False  # the router chooses the replica (pick mode)
+    routers: int = 1  # router processes behind the prefix_router cluster (Envoy spreads streams over them)
 
     @property
     def available(self) -> bool:
@@ -63,6 +64,9 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
             "MAGLEV", prefix=True, bounded=True, base="envoy-fast.yaml"),
     ArmSpec("prefix-pick", "pick.yaml: the router picks by cached prefix and load, Envoy gates health",
             "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True),
+    ArmSpec("prefix-pick-2routers", "prefix-pick with two independent router processes (each learns from "
+            "half the picks; they share only what they scrape)", "MAGLEV", prefix=True, bounded=True,
+            base="pick.yaml", pick=True, routers=2),
     ArmSpec("raw-bytes", "key over raw body bytes + Maglev (SageMaker native API)", "MAGLEV",
             prefix=True, normalize="raw"),
     ArmSpec("sglang-router", "SGLang model gateway, cache_aware policy (no Envoy)", peer="sglang_router"),
@@ -137,7 +141,7 @@ class RunningArm:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.endpoints_file: Path | None = None
         self.envoy: Envoy | None = None
-        self.router: Process | None = None
+        self.routers: list[Process] = []
         self.peer: Process | None = None
         self.url = ""
 
@@ -170,26 +174,30 @@ class RunningArm:
             tmp.replace(self.endpoints_file)
 
     def _start_envoy(self) -> None:
-        listener, admin, grpc_port = free_ports(3)
-        if self.arm.prefix:
+        listener, admin, *grpc_ports = free_ports(2 + self.arm.routers)
+        if self.arm.pick:
+            self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
+            self.endpoints_file = Path(self._tmp.name) / "endpoints"
+            self.set_endpoints(self.endpoints)
+        for grpc_port in grpc_ports if self.arm.prefix else ():
             argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", "0",
                                  "--log-level", "warning", "--drain-seconds", "1")
-            if self.arm.pick:
-                self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
-                self.endpoints_file = Path(self._tmp.name) / "endpoints"
-                self.set_endpoints(self.endpoints)
+            if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
-            self.router = Process(argv, name="prefix-router")
-            self.router.wait_for_line("prefix-router ready", timeout=30)
+            router = Process(argv, name="prefix-router")
+            self.routers.append(router)  # before the wait, so stop() reaches it
+            router.wait_for_line("prefix-router ready", timeout=30)
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
-                               extproc_port=grpc_port if self.arm.prefix else None,
+                               extproc_port=grpc_ports[0] if self.arm.prefix else None,
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor,
                                router_settings=self.router_settings)
+        if self.arm.prefix:
+            envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in grpc_ports])
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
         self.envoy.start()
         self.envoy.wait_healthy("vllm", len(self.endpoints))
         if self.arm.prefix:
-            self.envoy.wait_healthy("prefix_router", 1)
+            self.envoy.wait_healthy("prefix_router", len(self.routers))
         self.url = f"http://127.0.0.1:{listener}"
 
     def _start_peer(self) -> None:
@@ -207,7 +215,7 @@ class RunningArm:
         self.url = f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
-        for part in (self.envoy, self.router, self.peer):
+        for part in (self.envoy, *self.routers, self.peer):
             if part is not None:
                 part.stop()
         if self._tmp is not None:
@@ -225,8 +233,8 @@ class RunningArm:
         out = {}
         if self.envoy:
             out["envoy"] = self.envoy.process.pid
-        if self.router:
-            out["prefix_router"] = self.router.pid
+        for i, router in enumerate(self.routers):
+            out["prefix_router" + (f"_{i}" if i else "")] = router.pid
         if self.peer:
             out[self.arm.name] = self.peer.pid
         return out
