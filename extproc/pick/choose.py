@@ -2,13 +2,18 @@
 
 Estimated cost of serving the request on replica r, in prefill-token units:
 
-    cost(r) = max(prompt_tokens - cached_tokens(r), 1) + backlog(r) + load_tokens x in_flight(r)
+    cost(r) = max(prompt_tokens - cached_tokens(r), 1)          prefill it must compute
+            + backlog(r)                                      prefill queued ahead of it
+            + load_tokens x in_flight(r)                      every request it runs
+            + queue_tokens x max(0, in_flight(r) - slots(r))  requests waiting for a slot
 
 The first term is the prefill r would have to compute (the prompt minus what r most likely
-holds); the others the work already queued on it: the prefill tokens still ahead of this
-request, and each request in flight counted as ``load_tokens`` more (decode steps and the
-wait for a free sequence slot). Dynamo's KV router weighs prefill blocks against active
-blocks the same way. ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
+holds); the others the work already on r: the prefill tokens still queued, a small charge
+per request in flight (its decode steps slow every step a little), and a large one per
+request beyond what r runs at once (``slots``, learned from its metrics; such a request
+waits for a running one to finish). Dynamo's KV router weighs prefill blocks against
+active blocks the same way; the weights were chosen by the sweep in
+docs/results/pick-sweep. ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
 many in flight is not chosen while another is below it. Equal costs (a cold prompt on an
 idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
 replicas with the same view agree without talking to each other.
@@ -22,7 +27,7 @@ from typing import Final, NamedTuple
 
 import xxhash
 
-from extproc.pick.state import Snapshot
+from extproc.pick.state import ReplicaState, Snapshot
 from extproc.settings import RouteSettings
 
 CHEAPEST: Final = "cheapest"  # a replica holding part of the prompt, or the cheapest despite it
@@ -62,22 +67,23 @@ def _seed(key: str | None) -> int:
         return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 
 
-def cost(prompt_tokens: int, cached_tokens: int, in_flight: int, load_tokens: int, backlog_tokens: int = 0) -> int:
-    return max(prompt_tokens - cached_tokens, 1) + backlog_tokens + load_tokens * in_flight
+def cost(prompt_tokens: int, cached_tokens: int, r: ReplicaState, settings: RouteSettings) -> int:
+    queued = max(0, r.in_flight - r.slots) if r.slots else 0
+    return (max(prompt_tokens - cached_tokens, 1) + r.backlog_tokens + settings.load_tokens * r.in_flight
+            + settings.queue_tokens * queued)
 
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
            settings: RouteSettings) -> Choice:
     """The replica with the lowest cost, honouring the concurrency threshold."""
-    cap, per_request = settings.concurrency_threshold, settings.load_tokens
+    cap = settings.concurrency_threshold
     seed = _seed(key)
     digest = xxhash.xxh3_64_intdigest
     ranked = []
     for r in snapshot.replicas:
         if r.healthy:
             held = cached.get(r.address, 0)
-            ranked.append((max(prompt_tokens - held, 1) + r.backlog_tokens + per_request * r.in_flight,
-                           -digest(r.address.encode(), seed), r, held))
+            ranked.append((cost(prompt_tokens, held, r, settings), -digest(r.address.encode(), seed), r, held))
     if not ranked:
         return Choice(None, NO_REPLICA, prompt_tokens, ())
     ranked.sort(key=_RANK)
