@@ -46,6 +46,7 @@ class Candidate(NamedTuple):
     cost: int
     capped: bool  # at or over the concurrency threshold
     backlog_tokens: int = 0
+    slots: int = 0
 
 
 class Choice(NamedTuple):
@@ -57,7 +58,11 @@ class Choice(NamedTuple):
 
 def rendezvous(key: str | None, address: str) -> int:
     """Highest-random-weight score of a replica for a key (same on every router replica)."""
-    return xxhash.xxh3_64_intdigest(address.encode(), _seed(key))
+    return _score(_seed(key), address)
+
+
+def _score(seed: int, address: str) -> int:
+    return xxhash.xxh3_64_intdigest(address.encode(), seed)
 
 
 def _seed(key: str | None) -> int:
@@ -78,17 +83,16 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     """The replica with the lowest cost, honouring the concurrency threshold."""
     cap = settings.concurrency_threshold
     seed = _seed(key)
-    digest = xxhash.xxh3_64_intdigest
     ranked = []
     for r in snapshot.replicas:
         if r.healthy:
             held = cached.get(r.address, 0)
-            ranked.append((cost(prompt_tokens, held, r, settings), -digest(r.address.encode(), seed), r, held))
+            ranked.append((cost(prompt_tokens, held, r, settings), -_score(seed, r.address), r, held))
     if not ranked:
         return Choice(None, NO_REPLICA, prompt_tokens, ())
     ranked.sort(key=_RANK)
-    candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap, r.backlog_tokens)
-                       for c, _, r, held in ranked)
+    candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap,
+                                 r.backlog_tokens, r.slots) for c, _, r, held in ranked)
     best = candidates[0]
     chosen = next((c for c in candidates if not c.capped), None)
     if chosen is None:

@@ -132,6 +132,7 @@ class LoadTracker:
         r.sample = Sample(float(state.in_flight), 0.0, state.kv_usage, state.capacity_tokens)
         r.own = r.own_at_scrape = 0
         r.backlog = r.own_prefill = state.backlog_tokens
+        r.slots = state.slots
         self._refresh(state.address)
 
     def _refresh(self, address: str, now: float | None = None) -> None:
