@@ -74,8 +74,8 @@ def _seed(key: str | None) -> int:
 
 def cost(prompt_tokens: int, cached_tokens: int, r: ReplicaState, settings: RouteSettings) -> int:
     queued = max(0, r.in_flight - r.slots) if r.slots else 0
-    return (max(prompt_tokens - cached_tokens, 1) + r.backlog_tokens + settings.load_tokens * r.in_flight
-            + settings.queue_tokens * queued)
+    return (max(prompt_tokens - cached_tokens, 1) + round(settings.backlog_weight * r.backlog_tokens)
+            + settings.load_tokens * r.in_flight + settings.queue_tokens * queued)
 
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
