@@ -108,12 +108,11 @@ def pick_dict(choice: Choice) -> dict[str, object]:
 def render_pick(info: dict[str, object]) -> str:
     lines = [f"pick:       {info['address'] or '(none: Envoy load balancer chooses)'} ({info['reason']}), "
              f"prompt ~{info['prompt_tokens']} tokens",
-             f"  {'replica':24s} {'cached tokens':>13s} {'queued prefill':>14s} {'in flight':>9s} {'slots':>5s} "
-             f"{'cost':>9s}"]
+             f"  {'replica':24s} {'cached tokens':>13s} {'queued prefill':>14s} {'in flight':>9s} {'cost':>9s}"]
     for c in info["candidates"]:  # type: ignore[attr-defined]
         mark = " <- chosen" if c["address"] == info["address"] else (" (at threshold)" if c["capped"] else "")
         lines.append(f"  {c['address']:24s} {c['cached_tokens']:>13d} {c['backlog_tokens']:>14d} {c['in_flight']:>9d} "
-                     f"{c['slots'] or '-':>5} {c['cost']:>9d}{mark}")
+                     f"{c['cost']:>9d}{mark}")
     return "\n".join(lines)
 
 

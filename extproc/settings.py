@@ -44,7 +44,6 @@ class RouteSettings:
     pick_header: str = "x-prefix-pick"  # pick mode: base64(ip:port) for Envoy's stateful_session
     concurrency_threshold: int = 0  # pick mode: SageMaker's per-replica cap on requests in flight; 0 = none
     load_tokens: int = 1024  # pick mode: prefill tokens one request in flight is worth in the cost
-    queue_tokens: int = 0  # pick mode: ... and one waiting for a slot on a full replica
     backlog_weight: float = 1.0  # pick mode: weight of the prefill already queued on a replica
 
 
@@ -158,7 +157,6 @@ SPECS: Final[dict[str, _Spec]] = {
     "pick_header": _Spec(_header_name, "a lower-case HTTP header name"),
     "concurrency_threshold": _Spec(_number_in(int, 0, 1024), "an integer in 1..1024 (requests in flight), or 0 for none"),
     "load_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens per request in flight)"),
-    "queue_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens per request waiting for a slot)"),
     "backlog_weight": _Spec(_number_in(float, 0.0, 4.0), "a number in 0..4"),
     "endpoints": _Spec(_address_list, "a comma-separated list of ip:port"),
     "endpoints_file": _Spec(_optional(str.strip), "a file path"),

@@ -106,22 +106,10 @@ def snap(*replicas: ReplicaState) -> Snapshot:
 
 
 def test_cost_is_uncached_prefill_plus_queued_work() -> None:
-    s = RouteSettings(mode="pick", load_tokens=100, queue_tokens=1000)
+    s = RouteSettings(mode="pick", load_tokens=100, backlog_weight=0.5)
     assert cost(5000, 4000, ReplicaState(A, in_flight=2), s) == 1000 + 200
     assert cost(100, 100, ReplicaState(A), s) == 1  # vLLM always computes the last token
-    assert cost(5000, 4000, ReplicaState(A, in_flight=2, backlog_tokens=300), s) == 1000 + 300 + 200
-    full = ReplicaState(A, in_flight=11, slots=8)  # 3 wait for a slot
-    assert cost(5000, 4000, full, s) == 1000 + 1100 + 3000
-
-
-def test_slots_are_learned_from_a_scrape_that_shows_a_queue() -> None:
-    t = LoadTracker()
-    t.set_addresses([A])
-    t.scraped(A, Sample(running=5, waiting=0, kv_usage=0.5, capacity_tokens=0), 0)
-    assert t.snapshot().by_address()[A].slots == 0  # never seen full
-    t.scraped(A, Sample(running=8, waiting=3, kv_usage=0.9, capacity_tokens=0), 0)
-    t.scraped(A, Sample(running=2, waiting=0, kv_usage=0.2, capacity_tokens=0), 0)
-    assert t.snapshot().by_address()[A].slots == 8  # kept until it is seen full again
+    assert cost(5000, 4000, ReplicaState(A, in_flight=2, backlog_tokens=300), s) == 1000 + 150 + 200
 
 
 def test_cached_prefix_wins_until_the_load_outweighs_it() -> None:

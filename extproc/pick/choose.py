@@ -2,18 +2,15 @@
 
 Estimated cost of serving the request on replica r, in prefill-token units:
 
-    cost(r) = max(prompt_tokens - cached_tokens(r), 1)          prefill it must compute
-            + backlog(r)                                      prefill queued ahead of it
-            + load_tokens x in_flight(r)                      every request it runs
-            + queue_tokens x max(0, in_flight(r) - slots(r))  requests waiting for a slot
+    cost(r) = max(prompt_tokens - cached_tokens(r), 1)     prefill it must compute
+            + backlog_weight x backlog(r)                prefill queued ahead of it
+            + load_tokens x in_flight(r)                 every request it runs
 
 The first term is the prefill r would have to compute (the prompt minus what r most likely
-holds); the others the work already on r: the prefill tokens still queued, a small charge
-per request in flight (its decode steps slow every step a little), and a large one per
-request beyond what r runs at once (``slots``, learned from its metrics; such a request
-waits for a running one to finish). Dynamo's KV router weighs prefill blocks against
-active blocks the same way; the weights were chosen by the sweep in
-docs/results/pick-sweep. ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
+holds); the others the work already on r: the prefill tokens still queued (this
+request waits for them), and a charge per request in flight (decode steps, and the wait
+for a sequence slot on a full replica). Dynamo's KV router weighs prefill blocks against
+active blocks the same way; the weights were chosen by the sweep in docs/results/pick-sweep. ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
 many in flight is not chosen while another is below it. Equal costs (a cold prompt on an
 idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
 replicas with the same view agree without talking to each other.
@@ -46,7 +43,6 @@ class Candidate(NamedTuple):
     cost: int
     capped: bool  # at or over the concurrency threshold
     backlog_tokens: int = 0
-    slots: int = 0
 
 
 class Choice(NamedTuple):
@@ -73,9 +69,8 @@ def _seed(key: str | None) -> int:
 
 
 def cost(prompt_tokens: int, cached_tokens: int, r: ReplicaState, settings: RouteSettings) -> int:
-    queued = max(0, r.in_flight - r.slots) if r.slots else 0
     return (max(prompt_tokens - cached_tokens, 1) + round(settings.backlog_weight * r.backlog_tokens)
-            + settings.load_tokens * r.in_flight + settings.queue_tokens * queued)
+            + settings.load_tokens * r.in_flight)
 
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
@@ -92,7 +87,7 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
         return Choice(None, NO_REPLICA, prompt_tokens, ())
     ranked.sort(key=_RANK)
     candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap,
-                                 r.backlog_tokens, r.slots) for c, _, r, held in ranked)
+                                 r.backlog_tokens) for c, _, r, held in ranked)
     best = candidates[0]
     chosen = next((c for c in candidates if not c.capped), None)
     if chosen is None:

@@ -16,10 +16,6 @@ prefill rate (a fluid queue, which is how vLLM's FCFS chunked prefill works off 
 never above what this router's requests still in flight brought. A replica busy
 prefilling a cold 8k-token prompt is busy for that long, however few requests it holds.
 
-And it learns how many requests a replica runs at once (``slots``: vLLM's max_num_seqs or
-its KV limit): the running count of the last scrape that also showed requests waiting.
-Past that, a new request waits for a running one to finish.
-
 No I/O and no clock here: callers pass ``now`` (seconds, monotonic).
 """
 
@@ -52,7 +48,6 @@ class _Replica:
     own: int = 0
     own_at_scrape: int = 0
     failures: int = 0
-    slots: int = 0  # running count at the last scrape that showed requests waiting
     backlog: float = 0.0  # prefill tokens queued at ``backlog_at``
     backlog_at: float = 0.0
     own_prefill: int = 0  # prefill tokens this router's requests in flight brought
@@ -119,8 +114,6 @@ class LoadTracker:
             r.healthy = True
             r.sample = sample
             r.own_at_scrape = own_at_scrape
-            if sample.waiting >= 1 and sample.running >= 1:  # full: this is how many it runs at once
-                r.slots = round(sample.running)
         self._refresh(address)
 
     def restore(self, state: ReplicaState) -> None:
@@ -132,7 +125,6 @@ class LoadTracker:
         r.sample = Sample(float(state.in_flight), 0.0, state.kv_usage, state.capacity_tokens)
         r.own = r.own_at_scrape = 0
         r.backlog = r.own_prefill = state.backlog_tokens
-        r.slots = state.slots
         self._refresh(state.address)
 
     def _refresh(self, address: str, now: float | None = None) -> None:
@@ -142,7 +134,7 @@ class LoadTracker:
         backlog = round(r.backlog if now is None else self._drained(r, now))
         self._states[address] = ReplicaState(
             address, r.healthy, r.own + others, s.running if s else 0.0, s.waiting if s else 0.0,
-            s.kv_usage if s else 0.0, s.capacity_tokens if s else 0, backlog, r.slots)
+            s.kv_usage if s else 0.0, s.capacity_tokens if s else 0, backlog)
         self._snapshot = None
 
     def snapshot(self, now: float | None = None) -> Snapshot:

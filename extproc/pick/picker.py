@@ -109,7 +109,7 @@ class PickCore:
                 {"address": r.address, "healthy": r.healthy, "in_flight": r.in_flight,
                  "own_in_flight": self.load.own(r.address), "running": r.running,
                  "waiting": r.waiting, "kv_usage": r.kv_usage, "capacity_tokens": r.capacity_tokens,
-                 "backlog_tokens": r.backlog_tokens, "slots": r.slots,
+                 "backlog_tokens": r.backlog_tokens,
                  "index_capacity_chunks": self.index.capacity(r.address),
                  "chunks": [f"{h:016x}" for h in self.index.holds(r.address)]}
                 for r in self.load.snapshot(self.clock()).replicas
@@ -127,7 +127,7 @@ class PickCore:
             core.load.restore(ReplicaState(
                 r["address"], bool(r.get("healthy", True)), int(r.get("in_flight", 0)),
                 kv_usage=float(r.get("kv_usage", 0)), capacity_tokens=int(r.get("capacity_tokens", 0)),
-                backlog_tokens=int(r.get("backlog_tokens", 0)), slots=int(r.get("slots", 0))))
+                backlog_tokens=int(r.get("backlog_tokens", 0))))
         core.index.load({r["address"]: [int(h, 16) for h in r.get("chunks", [])] for r in replicas})
         return core
 

@@ -20,7 +20,6 @@ class ReplicaState(NamedTuple):
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1) at the last scrape
     capacity_tokens: int = 0  # KV capacity (num_gpu_blocks x block_size), 0 if unknown
     backlog_tokens: int = 0  # estimated prefill tokens queued on it now
-    slots: int = 0  # requests it runs at once, seen when it last had a waiting queue (0: never full)
 
 
 class Snapshot(NamedTuple):
