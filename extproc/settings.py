@@ -43,8 +43,8 @@ class RouteSettings:
     mode: str = "hash"  # hash: Envoy hashes the key; pick: the router names the replica
     pick_header: str = "x-prefix-pick"  # pick mode: base64(ip:port) for Envoy's stateful_session
     concurrency_threshold: int = 0  # pick mode: SageMaker's per-replica cap on requests in flight; 0 = none
-    load_tokens: int = 1024  # pick mode: prefill tokens one request in flight is worth in the cost
-    backlog_weight: float = 1.0  # pick mode: weight of the prefill already queued on a replica
+    load_tokens: int = 512  # pick mode: prefill tokens one request in flight is worth in the cost
+    backlog_weight: float = 0.5  # pick mode: weight of the prefill already queued on a replica
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,9 +70,9 @@ def test_overhead_measures_both_phases_against_the_zero_backend() -> None:
         assert set(arm["phases"]) == {"c1", "c16"}
         assert all(p["success_rate"] == 1.0 for p in arm["phases"].values())
     assert report.arms["prefix-maglev"]["envoy"]["http.llm.ext_proc.streams_started"] >= 150
-    assert set(report.overhead["arms"]) == {"prefix-maglev", "prefix-fast"}
-    # envoy.yaml sends headers + body per request; envoy-fast.yaml only the body.
-    for name, per_request in (("prefix-maglev", 2), ("prefix-fast", 1)):
+    assert set(report.overhead["arms"]) == {"prefix-maglev", "prefix-fast", "prefix-pick"}
+    # envoy.yaml and pick.yaml send headers + body per request; envoy-fast.yaml only the body.
+    for name, per_request in (("prefix-maglev", 2), ("prefix-fast", 1), ("prefix-pick", 2)):
         stats = report.arms[name]["envoy"]
         assert stats["http.llm.ext_proc.stream_msgs_sent"] == per_request * stats["http.llm.ext_proc.streams_started"]
     assert "http.llm.ext_proc.streams_started" not in report.arms["round-robin"]["envoy"]

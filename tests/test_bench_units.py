@@ -28,7 +28,10 @@ def test_every_scenario_is_seeded_and_sized(name: str) -> None:
     other = sc.trace(params, 2, MODEL)
     assert [r.body for r in a.requests] == [r.body for r in b.requests]
     assert [r.body for r in a.requests] != [r.body for r in other.requests]
-    assert len(a) == params["requests"] or name == "multi-turn" and len(a) >= params["requests"]
+    if "requests" in params:
+        assert len(a) == params["requests"] or name == "multi-turn" and len(a) >= params["requests"]
+    else:  # zipf-chat: conversations of 1..max_turns requests
+        assert params["conversations"] <= len(a) <= params["conversations"] * params["max_turns"]
     assert all(orjson.loads(r.body)["stream"] is True for r in a.requests)
 
 
@@ -120,7 +123,9 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
             assert all(r["hash_policy"] == [{"header": {"header_name": "x-prefix-key"}}] for r in routes)
             meta = {m["key"]: m["value"] for m in envoy_config.http_filter(cfg, envoy_config.EXT_PROC)
                     ["grpc_service"]["initial_metadata"]}
-            assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize}
+            assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize,
+                            **({"x-prefix-router-mode": "pick"} if spec.pick else {})}
+            assert ("envoy.filters.http.stateful_session" in names) == spec.pick
             assert all("typed_per_filter_config" not in r for r in envoy_config.routes(cfg))  # nothing overrides it
         else:
             assert envoy_config.EXT_PROC not in names and "prefix_router" not in clusters
@@ -169,7 +174,7 @@ def test_report_table_compares_every_arm_with_round_robin() -> None:
 def test_requests_of_a_group_share_the_bytes_the_router_hashes(name: str, quick: bool) -> None:
     """PrefixLength must cover only the shared part, or the key would differ per question."""
     sc = scenarios.get(name)
-    params = sc.resolve({"requests": 60}, quick=quick)
+    params = sc.resolve({"requests": 60} if "requests" in sc.params else {"conversations": 20}, quick=quick)
     keys: dict[str, set[bytes]] = {}
     for r in sc.trace(params, 0, MODEL).requests:
         tenant = dict(r.headers).get("x-prefix-aware-id", "")
