@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("extproc.sim.cli", "run simulated vLLM replicas on loopback ports"),
     "bench": ("extproc.bench.cli", "A/B benchmark: stock Envoy routing vs prefix routing"),
     "microbench": ("extproc.bench.microbench", "the router's own work per request (pure core, no gRPC)"),
-    "demo": ("extproc.bench.demo", "short sagemaker-8k comparison (round robin vs prefix-maglev)"),
+    "demo": ("extproc.bench.demo", "short sagemaker-8k comparison (round robin vs pick mode)"),
 }
 
 

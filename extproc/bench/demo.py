@@ -1,4 +1,4 @@
-"""`prefix-router demo` (`make demo`): a short sagemaker-8k A/B, round robin vs prefix-maglev.
+"""`prefix-router demo` (`make demo`): a short sagemaker-8k A/B, round robin vs pick mode.
 
 Sized to finish in about a minute on a 2-core machine, and bounded by ``--duration`` (75 s)
 per arm: 7 simulated Llama-3.1-70B replicas (time-scaled), 35 shared 8000-token prefixes
@@ -27,10 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from extproc.bench.runner import BenchConfig, run_bench
 
     out = Path(args.out)
-    print("prefix-router demo: sagemaker-8k, stock Envoy round robin vs prefix-aware Maglev "
+    print("prefix-router demo: sagemaker-8k, stock Envoy round robin vs prefix-aware pick mode "
           "(real Envoy, real ext_proc server, 7 simulated vLLM replicas on loopback)\n", flush=True)
     report = run_bench(BenchConfig(
-        scenario="sagemaker-8k", arms=("round-robin", "prefix-maglev"), seed=args.seed, out=out,
+        scenario="sagemaker-8k", arms=("round-robin", "prefix-pick"), seed=args.seed, out=out,
         params={**DEMO_PARAMS, "requests": args.requests}, duration_s=args.duration, progress=progress.default(),
     ))
     print()

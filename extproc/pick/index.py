@@ -70,13 +70,15 @@ class LearnedIndex:
         owners, name = self._owners, self._name
         out: dict[str, int] = {}
         alive = 0  # replicas holding every chunk so far, as bits
+        get = owners.get
         for depth, h in enumerate(chunks):
-            now = owners.get(h, 0) & alive if depth else owners.get(h, 0)
-            for bit in _bits(alive & ~now):
-                out[name[bit]] = depth
-            alive = now
-            if not alive:
-                break
+            now = get(h, 0) & alive if depth else get(h, 0)
+            if now != alive:
+                for bit in _bits(alive & ~now):
+                    out[name[bit]] = depth
+                if not now:
+                    break
+                alive = now
         else:
             for bit in _bits(alive):
                 out[name[bit]] = len(chunks)
@@ -117,9 +119,10 @@ class LearnedIndex:
         bit = self._slot(address)
         lru = self._lru[address]
         owners = self._owners
+        touch = lru.move_to_end
         for h in reversed(chunks):  # the head ends most recent: vLLM evicts a prompt tail first
             if h in lru:
-                lru.move_to_end(h)
+                touch(h)
             else:
                 lru[h] = None
                 owners[h] = owners.get(h, 0) | bit

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from extproc import metrics
 from extproc.decide import Decision
-from extproc.pick.choose import Choice, choose
+from extproc.pick.choose import REASONS, Choice, choose
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.endpoints import EndpointWatcher
 from extproc.pick.index import LearnedIndex
@@ -27,6 +27,7 @@ from extproc.settings import RouteSettings, ServerSettings
 # hashing would cost more than any cache it could find is worth.
 MAX_REQUEST_CHUNKS: Final = 4096
 LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage")
+_PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in REASONS}  # every series from 0
 
 
 class PickCore:
@@ -76,7 +77,7 @@ class PickCore:
 
     def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
         choice, chunks = self.evaluate(decision, settings)
-        metrics.PICKS.labels(choice.reason).inc()
+        _PICKS[choice.reason].inc()
         if choice.address is not None:
             if chunks:
                 self.index.record(choice.address, chunks)
