@@ -4,8 +4,8 @@ Each answers with its own index and the x-prefix-key it received, so a test can 
 which replica Envoy chose; /health can be switched to 503; `"stream": true` bodies get
 an SSE stream shaped like vLLM's; `"hold": true` bodies wait until the fleet's gate opens
 (requests in flight on demand); /metrics serves vLLM's load gauges with the values a test
-sets (`reported_running`, `reported_waiting`). They run on an asyncio loop in a
-background thread.
+sets (`reported_running`, `reported_waiting`), plus, as vLLM does, the requests it is
+serving right now. They run on an asyncio loop in a background thread.
 """
 
 from __future__ import annotations
@@ -36,19 +36,27 @@ class Backend:
     reported_waiting: int = 0
     gate: asyncio.Event | None = None
     held: int = 0
+    active: int = 0
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
 
     async def metrics(self, _: web.Request) -> web.Response:
         labels = 'engine="0",model_name="m"'
-        text = (f"vllm:num_requests_running{{{labels}}} {self.reported_running}\n"
+        text = (f"vllm:num_requests_running{{{labels}}} {self.reported_running + self.active}\n"
                 f"vllm:num_requests_waiting{{{labels}}} {self.reported_waiting}\n"
                 f"vllm:kv_cache_usage_perc{{{labels}}} 0.25\n"
                 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
         return web.Response(text=text)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._serve(request)
+        finally:
+            self.active -= 1
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         key = request.headers.get("x-prefix-key")
         self.seen_keys.append(key)

@@ -134,9 +134,10 @@ def test_a_conversation_far_past_prefix_length_stays_on_its_replica(
     system = {"role": "system", "content": "short shared system prompt " * 12}  # 324 bytes: one key for all
     messages = [system, {"role": "user", "content": "turn 0: " + "tell me more about the incident " * 250}]
     home = served_by(port, json.dumps({"model": "llama", "messages": messages}).encode())
-    backends.backends[home].reported_running = 1  # home is busier than the rest from now on
+    # Home is busier than the rest from now on, by more than a scrape racing a request can hide.
+    backends.backends[home].reported_running = 3
     address = f"127.0.0.1:{backends.backends[home].port}"
-    wait_until(lambda: in_flight(pick_router.metrics_port)[address] == 1, 10, "the scraped load")
+    wait_until(lambda: in_flight(pick_router.metrics_port)[address] == 3, 10, "the scraped load")
     homes, others = [], []
     for turn in range(1, 12):
         messages.append({"role": "assistant", "content": "here is more detail " * 30})

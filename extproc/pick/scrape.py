@@ -97,7 +97,9 @@ class Scraper:
             log.debug("scrape of %s failed: %r", address, exc)
         if sample is None or not sample.seen:
             metrics.SCRAPE_ERRORS.labels(address).inc()
-        self.tracker.scraped(address, sample, own, refused)
+        # Requests of ours that ended while the scrape was under way may or may not be in it;
+        # assume they are not (the smaller own count), so a replica never looks idler than it is.
+        self.tracker.scraped(address, sample, min(own, self.tracker.own(address)), refused)
         if self.on_sample:
             self.on_sample(address, sample)
 
