@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -316,3 +317,22 @@ def test_pick_metrics_show_reasons_loads_and_the_index(
     address = f"127.0.0.1:{backends.backends[0].port}"
     assert values[f'prefix_router_replica_up{{replica="{address}"}}'] == 1
     assert f'prefix_router_replica_load{{kind="in_flight",replica="{address}"}}' in values
+
+
+def test_a_request_counts_as_in_flight_until_its_response_ends(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    """Generations outlast the ext_proc gRPC timeout; the stream (and the count) must not end early."""
+    def edit(cfg: envoy_config.Config) -> None:
+        envoy_config.set_stream_metadata(cfg, {"x-prefix-router-mode": "pick"})
+        envoy_config.http_filter(cfg, envoy_config.EXT_PROC)["grpc_service"]["timeout"] = "1s"
+    _, port = make_envoy(backends, "pick.yaml", extproc_port=pick_router.grpc_port, edit=edit)
+    backends.close_gate()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(served_by, port, chat("a long generation", hold=True))
+        wait_until(lambda: sum(b.held for b in backends.backends) == 1, 10, "the request held")
+        time.sleep(2.5)  # well past the 1 s gRPC timeout
+        owns = [r["own_in_flight"] for r in state(pick_router.metrics_port)["replicas"]]
+        backends.open_gate()
+        held.result(10)
+    assert sum(owns) == 1
+    pick_router.wait_idle()
