@@ -45,6 +45,7 @@ class RouteSettings:
     concurrency_threshold: int = 0  # pick mode: SageMaker's per-replica cap on requests in flight; 0 = none
     load_tokens: int = 512  # pick mode: prefill tokens one request in flight is worth in the cost
     backlog_weight: float = 0.5  # pick mode: weight of the prefill already queued on a replica
+    tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "concurrency_threshold": _Spec(_number_in(int, 0, 1024), "an integer in 1..1024 (requests in flight), or 0 for none"),
     "load_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens per request in flight)"),
     "backlog_weight": _Spec(_number_in(float, 0.0, 4.0), "a number in 0..4"),
+    "tie_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),
     "endpoints": _Spec(_address_list, "a comma-separated list of ip:port"),
     "endpoints_file": _Spec(_optional(str.strip), "a file path"),
     "endpoints_dns": _Spec(_optional(_dns_target), "name:port"),

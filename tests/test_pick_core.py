@@ -270,3 +270,16 @@ def test_bad_pick_settings_stop_start_up_naming_them() -> None:
         done = subprocess.run(python_module("extproc", "serve", "--port", "0", "--metrics-port", "0", *argv),
                               capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and needle in done.stderr, done.stderr
+
+
+def test_near_ties_go_by_rendezvous_so_routers_with_slightly_different_loads_agree() -> None:
+    key = "00ff"
+    first, second = sorted((A, B), key=lambda a: -rendezvous(key, a))
+    exact = RouteSettings(mode="pick", load_tokens=100)
+    loose = RouteSettings(mode="pick", load_tokens=100, tie_tokens=250)
+    view_1 = snap(ReplicaState(first, in_flight=2), ReplicaState(second, in_flight=0))  # router 1's view
+    view_2 = snap(ReplicaState(first, in_flight=0), ReplicaState(second, in_flight=1))  # router 2's view
+    assert [choose(key, 1000, {}, v, exact).address for v in (view_1, view_2)] == [second, first]  # disagree
+    assert [choose(key, 1000, {}, v, loose).address for v in (view_1, view_2)] == [first, first]  # agree
+    far = snap(ReplicaState(first, in_flight=4), ReplicaState(second))
+    assert choose(key, 1000, {}, far, loose).address == second  # beyond the margin, cost decides

@@ -73,6 +73,17 @@ def cost(prompt_tokens: int, cached_tokens: int, r: ReplicaState, settings: Rout
             + settings.load_tokens * r.in_flight)
 
 
+def _ties_by_rendezvous(ranked: list[tuple[int, int, ReplicaState, int]], candidates: tuple[Candidate, ...],
+                        tie_tokens: int) -> tuple[Candidate, ...]:
+    """Candidates within ``tie_tokens`` of the cheapest, reordered by rendezvous score alone.
+
+    Two router replicas see loads that differ by the requests each placed since the last
+    scrape; treating near-equal costs as equal lets them make the same choice anyway."""
+    near = [i for i, t in enumerate(ranked) if t[0] <= ranked[0][0] + tie_tokens]
+    order = sorted(near, key=lambda i: ranked[i][1]) + list(range(len(near), len(ranked)))
+    return tuple(candidates[i] for i in order)
+
+
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
            settings: RouteSettings) -> Choice:
     """The replica with the lowest cost, honouring the concurrency threshold."""
@@ -88,6 +99,8 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     ranked.sort(key=_RANK)
     candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap,
                                  r.backlog_tokens) for c, _, r, held in ranked)
+    if settings.tie_tokens:
+        candidates = _ties_by_rendezvous(ranked, candidates, settings.tie_tokens)
     best = candidates[0]
     chosen = next((c for c in candidates if not c.capped), None)
     if chosen is None:
