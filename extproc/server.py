@@ -3,8 +3,10 @@
 Per stream: the request-headers message gives the tenant headers (reply at once, removing
 any client-sent key header); the request-body message gives the body, the core decides,
 and the reply sets the key header (and the same key as dynamic metadata, for configs that
-skip the header phase). The RPC then ends: Envoy needs nothing more from us, and holding
-streams open until the response ends would cost memory per in-flight request.
+skip the header phase). In hash mode the RPC then ends: Envoy needs nothing more from us.
+In pick mode the reply also names the replica, and the RPC stays open until Envoy ends it
+with the HTTP response: that end is how the picker learns the request is no longer in
+flight (one open stream per request in flight is the price).
 """
 
 from __future__ import annotations
@@ -128,8 +130,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     reply, picked = self.pick_reply(body.body, headers, settings, complete=body.end_of_stream)
                     yield reply
                     if picked is not None:
-                        async for _ in self._until_stream_ends(request_iterator, picked):
-                            yield _
+                        async for pass_through in self._until_stream_ends(request_iterator, picked):
+                            yield pass_through
                     return
                 else:
                     yield _pass_through(phase)

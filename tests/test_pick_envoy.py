@@ -66,10 +66,9 @@ class PickRouter:
         try:
             wait_until(lambda: not any(r["own_in_flight"] for r in state(self.metrics_port)["replicas"]), 10,
                        "no request of ours in flight")
-        except TimeoutError:
-            print(json.dumps([{k: v for k, v in r.items() if k != "chunks"} for r in state(self.metrics_port)["replicas"]]))
-            print(self.proc.lines if hasattr(self.proc, "lines") else "")
-            raise
+        except TimeoutError as exc:
+            seen = [{k: v for k, v in r.items() if k != "chunks"} for r in state(self.metrics_port)["replicas"]]
+            raise TimeoutError(f"{exc}; the router sees {seen}") from None
 
 
 @pytest.fixture()
