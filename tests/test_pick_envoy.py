@@ -335,3 +335,25 @@ def test_a_request_counts_as_in_flight_until_its_response_ends(
         held.result(10)
     assert sum(owns) == 1
     pick_router.wait_idle()
+
+
+def test_requests_in_flight_survive_the_router_draining_and_stopping(
+        backends: BackendFleet, make_envoy: EnvoyFactory, tmp_path: Path) -> None:
+    """SIGTERM ends the open pick-mode streams after --drain-seconds; the requests they belong
+    to are already on their replica and must complete."""
+    path = tmp_path / "endpoints"
+    write_endpoints(path, backends, [0, 1, 2, 3])
+    router = PickRouter(path, "--drain-seconds", "0.5")
+    try:
+        _, port = pick_envoy(make_envoy, backends, router)
+        backends.close_gate()
+        with ThreadPoolExecutor(3) as pool:
+            held = [pool.submit(send, port, "/v1/chat/completions", chat(f"draining {i}", hold=True))
+                    for i in range(3)]
+            wait_until(lambda: sum(b.held for b in backends.backends) == 3, 10, "three requests held")
+            assert router.proc.stop(grace=10) == 0  # drained (streams cut after 0.5 s) and exited cleanly
+            backends.open_gate()
+            replies = [f.result(10) for f in held]
+        assert [r.status for r in replies] == [200, 200, 200]
+    finally:
+        router.proc.stop()
