@@ -57,8 +57,10 @@ class LoadTracker:
     def __init__(self, prefill_tokens_per_s: float = 0.0) -> None:
         self.prefill_rate = prefill_tokens_per_s  # 0: no backlog estimate
         self._replicas: dict[str, _Replica] = {}
-        self._states: dict[str, ReplicaState] = {}  # kept current replica by replica (the request path
-        self._snapshot: Snapshot | None = None  # changes one at a time); None: rebuild the tuple
+        # The request path changes one replica at a time: keep each one's state current and
+        # rebuild only the tuple (None: stale).
+        self._states: dict[str, ReplicaState] = {}
+        self._snapshot: Snapshot | None = None
 
     def set_addresses(self, addresses: Iterable[str]) -> tuple[list[str], list[str]]:
         """Replace the endpoint set; returns (added, removed). Order is kept for display."""
