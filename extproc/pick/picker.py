@@ -17,7 +17,7 @@ from extproc.decide import Decision
 from extproc.pick.choose import REASONS, Choice, choose
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.endpoints import EndpointWatcher
-from extproc.pick.index import LearnedIndex
+from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
 from extproc.pick.scrape import Scraper
 from extproc.pick.state import ReplicaState, Snapshot
@@ -40,7 +40,7 @@ class PickCore:
         self.bytes_per_token = bytes_per_token
         self.chunk_tokens = chunk_bytes / bytes_per_token
         self.kv_capacity_tokens = kv_capacity_tokens
-        self.index = LearnedIndex(index_max_chunks, self.chunks_for(kv_capacity_tokens))
+        self.index: PrefixIndex = LearnedIndex(index_max_chunks, self.chunks_for(kv_capacity_tokens))
         self.load = LoadTracker(prefill_tokens_per_s)
         self.clock = clock
 
@@ -124,7 +124,7 @@ class PickCore:
         replicas = state.get("replicas", [])
         core.load.set_addresses([r["address"] for r in replicas])
         for r in replicas:
-            core.index.set_capacity(r["address"], int(r.get("index_capacity_chunks") or core.index.max_chunks))
+            core.index.set_capacity(r["address"], int(r.get("index_capacity_chunks", 0)))  # 0: unknown
             core.load.restore(ReplicaState(
                 r["address"], bool(r.get("healthy", True)), int(r.get("in_flight", 0)),
                 kv_usage=float(r.get("kv_usage", 0)), capacity_tokens=int(r.get("capacity_tokens", 0)),
