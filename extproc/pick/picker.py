@@ -20,7 +20,7 @@ from extproc.pick.endpoints import EndpointWatcher
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
 from extproc.pick.scrape import Scraper
-from extproc.pick.state import ReplicaState, Snapshot
+from extproc.pick.state import ReplicaState
 from extproc.settings import RouteSettings, ServerSettings
 
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
@@ -91,6 +91,7 @@ class PickCore:
 
     # --- observation -------------------------------------------------------------------
     def publish_metrics(self) -> None:
+        """Index and per-replica load gauges, set when /metrics is read (not on every scrape)."""
         stats = self.index.stats()
         metrics.INDEX_ENTRIES.set(stats.entries)
         metrics.INDEX_BYTES.set(stats.bytes)
@@ -132,9 +133,6 @@ class PickCore:
         core.index.load({r["address"]: [int(h, 16) for h in r.get("chunks", [])] for r in replicas})
         return core
 
-    def snapshot(self) -> Snapshot:
-        return self.load.snapshot()
-
 
 def _prefill(choice: Choice) -> int:
     """Prefill tokens the chosen replica computes for this request (its cost's first term)."""
@@ -156,11 +154,7 @@ class Picker(PickCore):
         super().__init__(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks,
                          cfg.prefill_tokens_per_s)
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
-        self.scraper = Scraper(self.load, cfg.scrape_interval, self._sampled)
-
-    def _sampled(self, address: str, sample: Sample | None) -> None:
-        self.on_sample(address, sample)
-        self.publish_metrics()
+        self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
 
     async def start(self) -> None:
         await self.watcher.start()
