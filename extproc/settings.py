@@ -20,6 +20,7 @@ from typing import Any, Final
 from extproc.normalize import MODES
 
 ROUTING_MODES: Final = ("hash", "pick")
+ENDPOINT_SOURCES: Final = ("endpoints", "endpoints_file", "endpoints_dns")  # ServerSettings fields; one at most
 
 ENV_PREFIX: Final = "PREFIX_ROUTER_"
 METADATA_PREFIX: Final = "x-prefix-router-"
@@ -110,16 +111,25 @@ def _header_list(raw: str) -> tuple[str, ...]:
     return names
 
 
-def _address(raw: str) -> str:
-    """``ip:port`` (IPv6 as ``[ip]:port``), the way Envoy names a cluster host."""
+def _host_and_port(raw: str) -> tuple[str, int]:
     host, sep, port = raw.strip().rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError
+    return host, int(port)
+
+
+def host_address(ip: str, port: int) -> str:
+    """``ip:port`` (IPv6 as ``[ip]:port``), the way Envoy names a cluster host."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _address(raw: str) -> str:
+    host, port = _host_and_port(raw)
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         raise ValueError from None
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    return host_address(str(ip), port)
 
 
 def _address_list(raw: str) -> tuple[str, ...]:
@@ -127,8 +137,8 @@ def _address_list(raw: str) -> tuple[str, ...]:
 
 
 def _dns_target(raw: str) -> str:
-    host, sep, port = raw.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or " " in host:
+    host, port = _host_and_port(raw)
+    if " " in host:
         raise ValueError
     return f"{host}:{port}"
 
@@ -225,14 +235,14 @@ def route_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> R
 def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> ServerSettings:
     """Like route_settings; also refuses more than one pick-mode endpoint source."""
     cfg: ServerSettings = _resolve(ServerSettings, args, env)
-    sources = [flag(n) for n in ("endpoints", "endpoints_file", "endpoints_dns") if getattr(cfg, n)]
+    sources = [flag(n) for n in ENDPOINT_SOURCES if getattr(cfg, n)]
     if len(sources) > 1:
         raise SettingError(f"{' and '.join(sources)} both set: give pick mode one endpoint source")
     return cfg
 
 
 def has_endpoints(cfg: ServerSettings) -> bool:
-    return bool(cfg.endpoints or cfg.endpoints_file or cfg.endpoints_dns)
+    return any(getattr(cfg, n) for n in ENDPOINT_SOURCES)
 
 
 _METADATA_FIELDS: Final = {metadata_key(name): name for name in ROUTE_FIELDS}

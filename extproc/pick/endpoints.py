@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 
-from extproc.settings import ServerSettings, SettingError, parse_value
+from extproc.settings import ServerSettings, SettingError, host_address, parse_value
 
 log = logging.getLogger("extproc.pick.endpoints")
 
@@ -34,10 +34,6 @@ def parse_endpoint_lines(text: str, source: str) -> list[str]:
             except SettingError as exc:
                 log.warning("ignoring endpoint: %s", exc)
     return list(dict.fromkeys(out))
-
-
-def format_address(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 class EndpointWatcher:
@@ -84,7 +80,7 @@ class EndpointWatcher:
             log.warning("cannot resolve %s: %s (keeping %d endpoints)", self.cfg.endpoints_dns, exc,
                         len(self.current))
             return
-        self._publish(sorted({format_address(info[4][0], int(port)) for info in infos}))
+        self._publish(sorted({host_address(info[4][0], int(port)) for info in infos}))
 
     async def start(self) -> None:
         """Load the first list now (so pick mode serves from the first request), then watch."""
