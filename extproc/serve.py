@@ -10,11 +10,11 @@ import signal
 import sys
 
 import grpc
+import orjson
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-import orjson
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import metrics

@@ -18,8 +18,8 @@ prefix group was spread. Peer routers front the same fleet without Envoy.
 from __future__ import annotations
 
 import importlib.util
-import urllib.request
 import tempfile
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path

@@ -89,7 +89,8 @@ def config_from_args(args: argparse.Namespace):
         params=_params(args.param), replicas=args.replicas, requests=args.requests, time_scale=args.time_scale,
         load_mode=args.load_mode, concurrency=args.concurrency, rate=args.rate, duration_s=args.duration_s,
         num_blocks=args.num_blocks, profile=args.profile, prefix_length=args.prefix_length,
-        balance_factor=args.balance_factor, router_settings=_params(args.router_setting), backend_urls=list(args.backend_url), plots=not args.no_plots,
+        balance_factor=args.balance_factor, router_settings=_params(args.router_setting),
+        backend_urls=list(args.backend_url), plots=not args.no_plots,
         progress=progress.default(),
     )
 

@@ -252,8 +252,9 @@ def to_markdown(report: Report) -> str:
     ]
     if report.overhead:
         parts += ["", "## Routing overhead (zero-work backend, end-to-end latency)", "", overhead_table(report)]
-    if timeline_table(report):
-        parts += ["", "## Per phase (split at the fleet changes)", "", timeline_table(report)]
+    phases = timeline_table(report)
+    if phases:
+        parts += ["", "## Per phase (split at the fleet changes)", "", phases]
     cpu = ["", "## CPU seconds per process during the run", "",
            "| arm | client | " + " | ".join(_cpu_names(report)) + " | machine busy | client saturated |",
            "|---|---:|" + "---:|" * len(_cpu_names(report)) + "---:|---|"]

@@ -178,7 +178,7 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
     async def drive() -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        for e in sorted(events, key=lambda e: e.at_s):
+        for e in events:  # in time order
             await asyncio.sleep(max(0.0, t0 + e.at_s - loop.time()))
             if e.action == "join":
                 current.append(e.replica)
@@ -200,7 +200,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
              trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
              prog: progress_mod.Progress) -> tuple[dict[str, Any], list[float]]:
     backend = _backend(scenario, spec, cfg)
-    events = scenario.events(dict(trace.params))
+    events = sorted(scenario.events(dict(trace.params)), key=lambda e: e.at_s)
     members = [i for i in range(spec.replicas) if i not in {e.replica for e in events if e.action == "join"}]
     prog.note(f"{label}: starting fleet and arm")
     try:
@@ -225,7 +225,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
                                    backend_urls=backend.urls, cpu=cpu, envoy=envoy)
     if events:
-        labels = ["start"] + [f"after {e.action} of replica {e.replica}" for e in sorted(events, key=lambda e: e.at_s)]
+        labels = ["start"] + [f"after {e.action} of replica {e.replica}" for e in events]
         summary["timeline"] = report_mod.timeline(result.results, [e.at_s for e in events], backend.urls, labels)
     prog.finish(f"{label}: ttft p50 {summary['ttft_ms']['p50']} ms, hit rate {summary['kv_hit_rate']}, "
                 f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}")
