@@ -13,11 +13,17 @@ from typing import Any, Final
 import orjson
 import xxhash
 
-from extproc.normalize import normalize
+from extproc.normalize import CONTENT_ENCODED, normalize
 from extproc.settings import RouteSettings
 
 TENANT_SEPARATOR: Final = b"\x00"
 TENANT_BODY_FIELD: Final = "prompt_cache_key"
+CONTENT_ENCODING: Final = "content-encoding"
+MAX_TENANT_CHARS: Final = 256
+# Tenant rejection reasons (metrics label values): the request is routed with no tenant.
+TENANT_TOO_LONG: Final = "too_long"
+TENANT_BAD_CHARS: Final = "bad_chars"
+_TENANT_CHARS: Final = frozenset(map(chr, range(0x20, 0x7F)))  # printable ASCII and space
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +39,7 @@ class Decision:
     normalized_bytes: int  # length of the whole normalised form
     preview: bytes  # the start of the hashed bytes, for `explain`
     normalized: bytes = field(default=b"", repr=False)  # the whole normalised form (pick mode chunks it)
+    tenant_rejected: str | None = None  # why a sent tenant id was refused (too_long, bad_chars), or None
 
 
 def prefix_key(tenant: str | None, prefix: bytes) -> str:
@@ -43,6 +50,19 @@ def prefix_key(tenant: str | None, prefix: bytes) -> str:
     h.update(TENANT_SEPARATOR)
     h.update(prefix)
     return h.hexdigest()
+
+
+def tenant_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a tenant id, or None: at most 256 printable ASCII characters.
+
+    A client can send anything in a tenant header; a refused id routes as no tenant (never
+    fails the request), so a megabyte or control characters never reach keys, logs or salts.
+    """
+    if len(value) > MAX_TENANT_CHARS:
+        return TENANT_TOO_LONG
+    if not _TENANT_CHARS.issuperset(value):
+        return TENANT_BAD_CHARS
+    return None
 
 
 def header_tenant(headers: Mapping[str, str], settings: RouteSettings) -> tuple[str | None, str | None]:
@@ -62,7 +82,7 @@ def _body_tenant(doc: dict[str, Any] | None, body: bytes) -> str | None:
             return None
         doc = parsed if isinstance(parsed, dict) else None
     value = doc.get(TENANT_BODY_FIELD) if doc else None
-    return value if isinstance(value, str) and value else None
+    return value.strip() or None if isinstance(value, str) else None
 
 
 def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, preview_bytes: int = 160,
@@ -71,13 +91,16 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
 
     ``complete=False`` when ``body`` is only the start of the request body.
     """
-    norm = normalize(body, settings.normalize, complete)
+    norm = normalize(body, settings.normalize, complete, headers.get(CONTENT_ENCODING, ""))
     tenant, source = header_tenant(headers, settings)
-    if tenant is None and body and complete:
+    if tenant is None and body and complete and norm.fallback != CONTENT_ENCODED:
         tenant = _body_tenant(norm.document, body)
         source = "body" if tenant else None
+    rejected = tenant_problem(tenant) if tenant else None
+    if rejected:
+        tenant = source = None
     if not norm.data:
-        return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"")
+        return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected)
     prefix = norm.data[: settings.prefix_length]
     return Decision(
         key=prefix_key(tenant, prefix),
@@ -89,4 +112,5 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
         normalized_bytes=len(norm.data),
         preview=prefix[:preview_bytes],
         normalized=norm.data,
+        tenant_rejected=rejected,
     )

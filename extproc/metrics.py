@@ -35,6 +35,13 @@ ERRORS = Counter(
     ["stage"],
     registry=REGISTRY,
 )
+TENANTS_REJECTED = Counter(
+    "prefix_router_tenants_rejected_total",
+    "Tenant ids refused (too_long: over 256 characters, bad_chars: not printable ASCII); "
+    "the request was routed with no tenant",
+    ["reason"],
+    registry=REGISTRY,
+)
 STREAMS_ACTIVE = Gauge(
     "prefix_router_streams_active", "ext_proc streams currently open", registry=REGISTRY
 )

@@ -31,9 +31,12 @@ NOT_JSON: Final = "not_json"
 NOT_OBJECT: Final = "not_object"
 NO_PROMPT_FIELDS: Final = "no_prompt_fields"
 TRUNCATED: Final = "truncated"  # Envoy sent only the first part of a body over its buffer limit
+CONTENT_ENCODED: Final = "content_encoded"  # gzip/deflate/...: keyed as raw bytes, never decompressed
 FALLBACK_REASONS: Final = (
     EMPTY, NOT_UTF8, TOO_DEEP, NUMBER_OUT_OF_RANGE, NOT_JSON, NOT_OBJECT, NO_PROMPT_FIELDS, TRUNCATED,
+    CONTENT_ENCODED,
 )
+IDENTITY_ENCODINGS: Final = ("", "identity")
 
 _SORTED: Final = orjson.OPT_SORT_KEYS
 # Message fields the chat template renders, in the order it renders them.
@@ -103,14 +106,19 @@ def prompt_view(doc: dict[str, Any]) -> list[Any] | None:
     return None
 
 
-def normalize(body: bytes, mode: str, complete: bool = True) -> Normalized:
+def normalize(body: bytes, mode: str, complete: bool = True, content_encoding: str = "") -> Normalized:
     """Normalise ``body`` under ``mode``; never raises.
 
     ``complete=False``: only the start of the body is known (Envoy's BUFFERED_PARTIAL mode
-    past its buffer limit), so it cannot be parsed and its raw bytes are hashed.
+    past its buffer limit), so it cannot be parsed and its raw bytes are hashed. A body with a
+    ``content_encoding`` (gzip, deflate, ...) is keyed as its raw bytes and never decompressed:
+    no decompression bomb can reach the router, the same compressed bytes still get the same
+    key, and an Envoy decompressor filter placed before ext_proc restores full normalisation.
     """
     if not body:
         return Normalized(b"", mode, EMPTY, None)
+    if content_encoding.strip().lower() not in IDENTITY_ENCODINGS:
+        return Normalized(body, "raw", CONTENT_ENCODED, None)
     if mode == "raw" or not complete:
         return Normalized(body, "raw", None if mode == "raw" else TRUNCATED, None)
     try:

@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import metrics
-from extproc.decide import Decision, decide
+from extproc.decide import CONTENT_ENCODING, Decision, decide
 from extproc.pick.choose import Choice
 from extproc.pick.picker import PickCore
 from extproc.settings import METADATA_PREFIX, RouteSettings, with_metadata
@@ -107,7 +107,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
             log.exception("reading stream metadata failed")
             metrics.ERRORS.labels("metadata").inc()
             settings = self.settings
-        wanted = settings.tenant_headers
+        wanted = (*settings.tenant_headers, CONTENT_ENCODING)
         headers: dict[str, str] = {}
         try:
             async for request in request_iterator:
@@ -186,6 +186,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         metrics.BODY_BYTES.observe(len(body))
         metrics.DECISIONS.labels(decision.normalize, decision.fallback or "none").inc()
+        if decision.tenant_rejected:
+            metrics.TENANTS_REJECTED.labels(decision.tenant_rejected).inc()
         return decision
 
     def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,

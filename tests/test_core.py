@@ -182,3 +182,30 @@ def test_any_json_object_never_raises_and_is_deterministic(doc: dict) -> None:
     body = json.dumps(doc).encode()
     first = decide(body, {}, PROMPT)
     assert first.key is not None and first == decide(body, {}, PROMPT)
+
+
+@pytest.mark.parametrize("tenant,reason", [
+    ("t" * 256, None), ("t" * 257, "too_long"), ("acme\x00corp", "bad_chars"), ("acme\ncorp", "bad_chars"),
+    ("ümlaut", "bad_chars"), ("arn:aws:iam::1234/team a", None),
+])
+def test_tenant_ids_are_limited_and_a_refused_one_routes_as_no_tenant(tenant: str, reason: str | None) -> None:
+    body = json.dumps(chat_doc()).encode()
+    d = decide(body, {"x-prefix-aware-id": tenant}, PROMPT)
+    assert d.tenant_rejected == reason
+    assert d.tenant == (None if reason else tenant)
+    assert d.key == decide(body, {} if reason else {"x-prefix-aware-id": tenant}, PROMPT).key
+    from_body = decide(json.dumps(chat_doc(prompt_cache_key=tenant)).encode(), {}, PROMPT)
+    assert from_body.tenant_rejected == reason and from_body.tenant == (None if reason else tenant)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP "])
+def test_compressed_bodies_are_keyed_raw_and_never_decompressed(encoding: str) -> None:
+    import gzip
+
+    packed = gzip.compress(json.dumps(chat_doc(prompt_cache_key="t1")).encode())
+    d = decide(packed, {"content-encoding": encoding}, PROMPT)
+    assert (d.normalize, d.fallback, d.tenant) == ("raw", "content_encoded", None)
+    assert d.key == decide(packed, {"content-encoding": encoding}, PROMPT).key
+    plain = json.dumps(chat_doc()).encode()  # a mislabelled plain body is keyed raw too
+    assert decide(plain, {"content-encoding": encoding}, PROMPT).key != decide(plain, {}, PROMPT).key
+    assert decide(plain, {"content-encoding": "identity"}, PROMPT).fallback is None
