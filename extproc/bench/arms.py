@@ -184,9 +184,8 @@ class RunningArm:
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
-            router = Process(argv, name="prefix-router")
-            self.routers.append(router)  # before the wait, so stop() reaches it
-            router.wait_for_line("prefix-router ready", timeout=30)
+            self.routers.append(Process(argv, name="prefix-router"))  # before the wait, so stop() reaches it
+            self.routers[-1].wait_for_line("prefix-router ready", timeout=30)
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
                                extproc_port=grpc_ports[0] if self.arm.prefix else None,
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor,
@@ -199,6 +198,12 @@ class RunningArm:
         if self.arm.prefix:
             self.envoy.wait_healthy("prefix_router", len(self.routers))
         self.url = f"http://127.0.0.1:{listener}"
+
+    def restart_router(self, i: int) -> None:
+        """Start router ``i`` again on its port (after a fault drill killed it)."""
+        self.routers[i].stop(grace=0)
+        self.routers[i] = Process(self.routers[i].argv, name="prefix-router")
+        self.routers[i].wait_for_line("prefix-router ready", timeout=30)
 
     def _start_peer(self) -> None:
         if len(self.endpoints) != len(self.backend_urls):

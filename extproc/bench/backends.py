@@ -72,6 +72,7 @@ class SimBackend(_ChildFleet):
     spec: FleetSpec
     urls: list[str] = field(default_factory=list)
     process: Process | None = None
+    base_port: int = 0  # 0: ephemeral ports; else replica i on base_port + i (a restart keeps the port)
     name = "sim"
 
     @property
@@ -83,7 +84,7 @@ class SimBackend(_ChildFleet):
 
     def argv(self) -> list[str]:
         s = self.spec
-        argv = python_module("extproc", "sim", "--replicas", str(s.replicas), "--base-port", "0",
+        argv = python_module("extproc", "sim", "--replicas", str(s.replicas), "--base-port", str(self.base_port),
                              "--profile", s.profile, "--time-scale", str(s.time_scale),
                              "--block-size", str(s.block_size))
         for flag, value in (("--num-blocks", s.num_blocks), ("--max-num-seqs", s.max_num_seqs),

@@ -11,6 +11,12 @@ from extproc.bench.arms import ARMS, DEFAULT_BALANCE_FACTOR
 from extproc.bench.scenarios import SCENARIOS
 
 
+DRILLS = {
+    "faults": "each fault (router killed/frozen, one of two routers killed, replica killed/hung/500s, "
+              "scale-in/out) under load, hash and pick mode; --param faults=a,b modes=hash warm_s= fault_s= after_s=",
+}
+
+
 def _scenario_help() -> str:
     return "; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values())
 
@@ -20,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "scenarios:\n" + "\n".join(
         f"  {s.name:14s} {s.summary}\n  {'':14s} params: " + ", ".join(f"{k}={v}" for k, v in s.params.items())
         for s in SCENARIOS.values()) + "\narms:\n" + "\n".join(f"  {a.name:15s} {a.summary}" for a in ARMS.values())
-    parser.add_argument("--scenario", default="sagemaker-8k", choices=sorted(SCENARIOS), help="traffic scenario")
+    parser.add_argument("--scenario", default="sagemaker-8k", choices=sorted([*SCENARIOS, *DRILLS]),
+                        help="traffic scenario, or a drill: " + "; ".join(f"{k}: {v}" for k, v in DRILLS.items()))
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms (default: the scenario's; 'all' adds installed peers)")
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out/SCENARIO)")
@@ -99,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from extproc.bench.report import markdown_table, overhead_table
     from extproc.bench.runner import run_bench
 
+    if args.scenario == "faults":
+        return _run_faults(args)
     try:
         cfg = config_from_args(args)
     except (ValueError, KeyError) as exc:
@@ -122,4 +131,32 @@ def run(args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"note: {note}")
     print(f"\nreport: {cfg.out / 'report.md'} (and report.json, PNG plots) in {cfg.out}")
+    return 0
+
+
+def _run_faults(args: argparse.Namespace) -> int:
+    from extproc.bench import faults
+
+    out = Path(args.out) / "faults" if args.out == "bench-out" else Path(args.out)
+    fields: dict[str, object] = {**(faults.QUICK if args.quick else {}), "seed": args.seed, "out": out,
+                                 "progress": progress.default()}
+    for key, value in (("replicas", args.replicas), ("concurrency", args.concurrency),
+                       ("time_scale", args.time_scale)):
+        if value is not None:
+            fields[key] = value
+    try:
+        for key, value in _params(args.param).items():
+            if key in ("faults", "modes"):
+                fields[key] = tuple(v.strip() for v in value.split(",") if v.strip())
+            elif key in ("warm_s", "fault_s", "after_s"):
+                fields[key] = float(value)
+            else:
+                raise ValueError(f"the faults drill has no parameter {key!r} (faults, modes, warm_s, fault_s, after_s)")
+        report = faults.run_drill(faults.DrillConfig(**fields))  # type: ignore[arg-type]
+    except ValueError as exc:
+        print(f"prefix-router bench: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(faults.markdown(report))
+    print(f"\nreport: {out / 'report.md'} (and report.json)")
     return 0

@@ -510,6 +510,20 @@ SCALE_OUT = Scenario(
 )
 
 
+# --- the fault drill's load (extproc.bench.faults; not a bench scenario of its own) ------
+
+FAULT_LOAD = Scenario(
+    name="fault-load",
+    summary="sustained load for the fault drill: 24 Zipf-popular 2000-token prefixes, short questions",
+    params=dict(requests=4000, prefixes=24, prefix_tokens=2000, question_min=20, question_max=100,
+                output_tokens=32, zipf=0.9, replicas=4, time_scale=1.0, max_num_seqs=16,
+                kv_prefixes_per_replica=10),
+    generate=lambda p, rng, model: _shared_prefix_requests(p, rng, model, _zipf_weights(p["prefixes"], p["zipf"])),
+    fleet=_sagemaker_fleet,
+    load=LoadSpec(concurrency=16),
+)
+
+
 # --- overhead ---------------------------------------------------------------------------
 
 def _overhead(p: Params, rng: random.Random, model: str):

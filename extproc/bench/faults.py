@@ -1,0 +1,383 @@
+"""Fault drill: each fault injected under sustained load, through real Envoy and the shipped config.
+
+``prefix-router bench --scenario faults --out DIR`` runs, for hash mode (envoy.yaml) and pick
+mode (pick.yaml), one fresh fleet and arm per fault: shared-prefix chat at a fixed concurrency,
+the fault at ``warm_s``, healed ``fault_s`` later, then ``after_s`` more of load. Every
+replica is its own simulator process on a fixed port, so "killed" is a real SIGKILL (and a
+restart on the same port) and "hung" a real SIGSTOP; routers are killed and frozen the same way.
+
+Per fault, report.json's ``faults`` rows hold ``requests``, ``failures`` (``failures_started_stream``: the
+replica had already sent the response headers, so no proxy can retry them),
+``unkeyed`` (Envoy's ``ext_proc.failure_mode_allowed``: requests that went on without the
+router), ``retries`` and ``recovery_s``, which means, per fault:
+
+* router faults: seconds from the heal (restart, SIGCONT; for one of two routers killed, from
+  the kill) to the last request Envoy sent on unkeyed, i.e. until routing was back;
+* replica faults: seconds from the heal to the first request the replica served again;
+* ``replica-leaves``: seconds from the leave to the last request it served;
+  ``replica-joins``: from the join to its first request.
+
+``keys_moved_other`` is the share of prefix keys, served both before the fault and after it
+settled, that changed replica although their replica was not the one the fault touched: the
+"only their keys move" check (the ``none`` row is the churn with no fault at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.bench import arms as arms_mod
+from extproc.bench import loadgen, progress as progress_mod
+from extproc.bench.backends import SimBackend
+from extproc.bench.runner import _run_async, _set_health
+from extproc.bench.scenarios import FAULT_LOAD, FleetSpec
+from extproc.bench.trace import Trace
+from extproc.decide import decide
+from extproc.procs import free_port_run
+from extproc.realvllm.promtext import http_post_json
+from extproc.settings import RouteSettings
+from extproc.sim.profiles import get_profile
+
+UNKEYED_STAT = "http.llm.ext_proc.failure_mode_allowed"
+RETRY_STAT = "cluster.vllm.upstream_rq_retry"
+MODES = {"hash": "prefix-bounded", "pick": "prefix-pick"}  # mode -> arm (shipped config)
+SETTLE_S = 4.0  # after a fault starts, before "after" windows count (health checks need ~3 s)
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    summary: str
+    routers: int = 1
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("none", "no fault: the control row (baseline failures, churn and hit rate)"),
+    Fault("router-restart", "the router SIGKILLed, restarted fault_s later"),
+    Fault("router-one-of-two", "two routers behind the prefix_router cluster, one SIGKILLed for good", routers=2),
+    Fault("router-slow", "the router frozen (SIGSTOP) past message_timeout for fault_s, then resumed"),
+    Fault("replica-killed", "replica 0 SIGKILLed, restarted on its port fault_s later (cold cache)"),
+    Fault("replica-hung", "replica 0 frozen (SIGSTOP) for fault_s: accepts connections, never answers"),
+    Fault("replica-500s", "replica 0 answers every inference request with a 500 for fault_s (health stays OK)"),
+    Fault("replica-leaves", "replica 0 starts failing health checks (scale-in), never returns"),
+    Fault("replica-joins", "replica 3 starts unhealthy and joins the fleet at warm_s (scale-out)"),
+)}
+
+
+@dataclass
+class DrillConfig:
+    modes: Sequence[str] = ("hash", "pick")
+    faults: Sequence[str] = tuple(FAULTS)
+    replicas: int = 4
+    concurrency: int = 16
+    warm_s: float = 8.0
+    fault_s: float = 10.0
+    after_s: float = 12.0
+    time_scale: float = 1.0
+    seed: int = 0
+    out: Path | None = None
+    progress: progress_mod.Progress = field(default_factory=progress_mod.Quiet)
+
+    @property
+    def duration_s(self) -> float:
+        return self.warm_s + self.fault_s + self.after_s
+
+
+QUICK = dict(warm_s=3.0, fault_s=4.0, after_s=5.0, replicas=3, concurrency=8)
+
+
+class Replicas:
+    """One simulator process per replica, each on its own fixed port (a restart keeps it)."""
+
+    def __init__(self, spec: FleetSpec) -> None:
+        base = free_port_run(spec.replicas)
+        one = dataclasses.replace(spec, replicas=1)
+        self.procs = [SimBackend(one, base_port=base + i) for i in range(spec.replicas)]
+        self.urls = [f"http://127.0.0.1:{base + i}" for i in range(spec.replicas)]
+
+    def start(self) -> "Replicas":
+        for p in self.procs:
+            p.start()
+        return self
+
+    def kill(self, i: int) -> None:
+        self.procs[i].process.signal(signal.SIGKILL)
+
+    def restart(self, i: int) -> None:
+        self.procs[i].stop()
+        self.procs[i].start()
+
+    def freeze(self, i: int, frozen: bool) -> None:
+        self.procs[i].process.signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    def fail(self, i: int, rate: float) -> None:
+        status, body = http_post_json(self.urls[i] + "/sim/control", {"fail_rate": rate}, timeout=10)
+        if status != 200:
+            raise RuntimeError(f"cannot set fail_rate on {self.urls[i]}: {status} {body}")
+
+    def stop(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.process is not None:
+                self.freeze(i, False)  # a frozen process cannot act on SIGTERM
+                p.stop()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {f"replica_{i}": p.process.pid for i, p in enumerate(self.procs) if p.process}
+
+
+def _trace(cfg: DrillConfig) -> tuple[Trace, FleetSpec]:
+    """Shared-prefix traffic long enough that the load never runs dry within the drill (the
+    same keys recur throughout, so key moves are measurable)."""
+    params = FAULT_LOAD.resolve(dict(replicas=cfg.replicas, time_scale=cfg.time_scale,
+                                     requests=int(cfg.concurrency * cfg.duration_s * 4 * max(1.0, cfg.time_scale))))
+    spec = FAULT_LOAD.fleet(dict(params))
+    return FAULT_LOAD.trace(params, cfg.seed, get_profile(spec.profile).model), spec
+
+
+class _Inject:
+    """What each fault does at its start and at its heal (blocking calls, run in a thread)."""
+
+    def __init__(self, fault: str, fleet: Replicas, arm: arms_mod.RunningArm) -> None:
+        self.fault, self.fleet, self.arm = fault, fleet, arm
+
+    def start(self) -> None:
+        f, fleet, arm = self.fault, self.fleet, self.arm
+        if f in ("router-restart", "router-one-of-two"):
+            arm.routers[-1].signal(signal.SIGKILL)
+        elif f == "router-slow":
+            arm.routers[0].signal(signal.SIGSTOP)
+        elif f == "replica-killed":
+            fleet.kill(0)
+        elif f == "replica-hung":
+            fleet.freeze(0, True)
+        elif f == "replica-500s":
+            fleet.fail(0, 1.0)
+        elif f == "replica-leaves":
+            _set_health(fleet.urls[0], False)
+            arm.set_endpoints([i for i in arm.endpoints if i != 0])
+        elif f == "replica-joins":
+            _set_health(fleet.urls[-1], True)
+            arm.set_endpoints(sorted({*arm.endpoints, len(fleet.urls) - 1}))
+
+    def heal(self) -> None:
+        f, fleet, arm = self.fault, self.fleet, self.arm
+        if f == "router-restart":
+            arm.restart_router(len(arm.routers) - 1)
+        elif f == "router-slow":
+            arm.routers[0].signal(signal.SIGCONT)
+        elif f == "replica-killed":
+            fleet.restart(0)
+        elif f == "replica-hung":
+            fleet.freeze(0, False)
+        elif f == "replica-500s":
+            fleet.fail(0, 0.0)
+
+    def touched(self) -> int | None:
+        """The replica the fault is about (None for router faults)."""
+        if self.fault.startswith("replica-"):
+            return len(self.fleet.urls) - 1 if self.fault == "replica-joins" else 0
+        return None
+
+
+async def _drive(inject: _Inject, cfg: DrillConfig, t0: float, marks: dict[str, float],
+                 note: Callable[[str], None]) -> None:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + cfg.warm_s - time.monotonic()))
+    marks["fault"] = time.monotonic() - t0
+    await loop.run_in_executor(None, inject.start)
+    note(f"t={marks['fault']:.1f}s: {inject.fault} starts")
+    if inject.fault in ("none", "router-one-of-two", "replica-leaves", "replica-joins"):
+        return
+    await asyncio.sleep(max(0.0, t0 + cfg.warm_s + cfg.fault_s - time.monotonic()))
+    await loop.run_in_executor(None, inject.heal)
+    marks["heal"] = time.monotonic() - t0
+    note(f"t={marks['heal']:.1f}s: {inject.fault} healed")
+
+
+async def _poll_unkeyed(arm: arms_mod.RunningArm, t0: float, samples: list[tuple[float, int]],
+                        every: float = 0.25) -> None:
+    """(seconds, failure_mode_allowed) samples: when requests went on without the router."""
+    loop = asyncio.get_running_loop()
+    assert arm.envoy is not None
+    while True:
+        stats = await loop.run_in_executor(None, arm.envoy.stats, "ext_proc.failure_mode_allowed")
+        samples.append((time.monotonic() - t0, stats.get(UNKEYED_STAT, 0)))
+        await asyncio.sleep(every)
+
+
+async def _load_with_fault(arm: arms_mod.RunningArm, inject: _Inject, trace: Trace, cfg: DrillConfig,
+                           prog: progress_mod.Progress) -> tuple[loadgen.LoadResult, dict[str, float],
+                                                                 list[tuple[float, int]]]:
+    marks: dict[str, float] = {}
+    samples: list[tuple[float, int]] = []
+    t0 = time.monotonic()
+    helpers = [asyncio.create_task(_drive(inject, cfg, t0, marks, prog.note)),
+               asyncio.create_task(_poll_unkeyed(arm, t0, samples))]
+    try:
+        result = await loadgen.run_load(arm.url, trace.sessions, concurrency=cfg.concurrency,
+                                        duration_s=cfg.duration_s, request_timeout_s=60.0, grace_s=20.0,
+                                        seed=cfg.seed, on_done=prog.advance)
+        await helpers[0]  # a heal still pending is applied before the fleet stops
+    finally:
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+    return result, marks, samples
+
+
+def _keys(trace: Trace) -> dict[int, str]:
+    """Each request's prefix key as the router computes it (the default settings of the arms)."""
+    settings = RouteSettings()
+    return {r.rid: decide(r.body, dict(r.headers), settings).key or "" for r in trace.requests}
+
+
+def keys_moved(results: Sequence[loadgen.Result], keys: dict[int, str], split_s: float, settle_s: float,
+               touched: str | None) -> float | None:
+    """Share of keys (served before ``split_s`` and after ``split_s + settle_s``) whose main
+    replica changed, among keys whose replica, before and after, was not ``touched``."""
+    before: dict[str, Counter[str]] = defaultdict(Counter)
+    after: dict[str, Counter[str]] = defaultdict(Counter)
+    for r in results:
+        if r.ok and r.replica:
+            window = before if r.start < split_s else after if r.start >= split_s + settle_s else None
+            if window is not None:
+                window[keys[r.rid]][r.replica] += 1
+    moved = total = 0
+    for key in before.keys() & after.keys():
+        a, b = before[key].most_common(1)[0][0], after[key].most_common(1)[0][0]
+        if touched not in (a, b):
+            total += 1
+            moved += a != b
+    return round(moved / total, 3) if total else None
+
+
+def _recovery(fault: str, marks: dict[str, float], samples: list[tuple[float, int]],
+              served: list[float]) -> float | None:
+    """See the module docstring; ``served``: start times of requests the touched replica served."""
+    if fault == "none":
+        return None
+    if fault.startswith("router-"):
+        ref = marks.get("heal", marks.get("fault", 0.0))
+        rises = [t for (t, v), (_, prev) in zip(samples[1:], samples) if v > prev and t > ref]
+        return round(max(rises) - ref, 2) if rises else 0.0
+    if fault == "replica-leaves":
+        late = [t for t in served if t >= marks["fault"]]
+        return round(max(late) - marks["fault"], 2) if late else 0.0
+    ref = marks.get("heal", marks.get("fault", 0.0))
+    again = [t for t in served if t >= ref]
+    return round(min(again) - ref, 2) if again else None
+
+
+def _row(mode: str, fault: str, result: loadgen.LoadResult, marks: dict[str, float],
+         samples: list[tuple[float, int]], stats: tuple[dict[str, int], dict[str, int]],
+         keys: dict[int, str], touched_url: str | None) -> dict[str, Any]:
+    results = result.results
+    touched = touched_url.split("://", 1)[1] if touched_url else None
+    failed = [r for r in results if not r.ok]
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    before, after = stats
+    return {
+        "mode": mode, "fault": fault, "summary": FAULTS[fault].summary,
+        "requests": len(results),
+        "failures": len(failed),
+        "failures_started_stream": sum(r.status == 200 for r in failed),  # headers were out: not retriable
+        "errors": dict(Counter(r.error for r in failed)),
+        "unkeyed": after.get(UNKEYED_STAT, 0) - before.get(UNKEYED_STAT, 0),
+        "retries": after.get(RETRY_STAT, 0) - before.get(RETRY_STAT, 0),
+        "recovery_s": _recovery(fault, marks, samples, sorted(r.start for r in ok if r.replica == touched)),
+        "keys_moved_other": keys_moved(results, keys, marks.get("fault", 0.0), SETTLE_S, touched),
+        "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else None,
+        "marks_s": {k: round(v, 2) for k, v in marks.items()},
+    }
+
+
+def _stats(arm: arms_mod.RunningArm) -> dict[str, int]:
+    assert arm.envoy is not None
+    return arm.envoy.stats("ext_proc.failure_mode_allowed|cluster.vllm.upstream_rq_retry$")
+
+
+def run_fault(mode: str, fault: str, cfg: DrillConfig, trace: Trace, spec: FleetSpec,
+              keys: dict[int, str]) -> dict[str, Any]:
+    """One fault under load on a fresh fleet and arm; returns its report row."""
+    prog = cfg.progress
+    arm = dataclasses.replace(arms_mod.get(MODES[mode]), routers=FAULTS[fault].routers)
+    fleet = Replicas(spec)
+    members = list(range(spec.replicas - 1)) if fault == "replica-joins" else list(range(spec.replicas))
+    try:
+        fleet.start()
+        for i in set(range(spec.replicas)) - set(members):
+            _set_health(fleet.urls[i], False)
+        with arms_mod.RunningArm(arm, fleet.urls, endpoints=members) as running:
+            inject = _Inject(fault, fleet, running)
+            prog.start(f"{mode} {fault}", len(trace))
+            before = _stats(running)
+            result, marks, samples = _run_async(_load_with_fault(running, inject, trace, cfg, prog))
+            after = _stats(running)
+    finally:
+        fleet.stop()
+    touched = inject.touched()
+    row = _row(mode, fault, result, marks, samples, (before, after), keys,
+               fleet.urls[touched] if touched is not None else None)
+    prog.finish(f"{mode} {fault}: {row['requests']} requests, {row['failures']} failed, {row['unkeyed']} unkeyed, "
+                f"{row['retries']} retries, recovery {row['recovery_s']} s")
+    return row
+
+
+def run_drill(cfg: DrillConfig) -> dict[str, Any]:
+    unknown = [f for f in cfg.faults if f not in FAULTS] + [m for m in cfg.modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown fault or mode {', '.join(unknown)}; faults: {', '.join(FAULTS)}; "
+                         f"modes: {', '.join(MODES)}")
+    trace, spec = _trace(cfg)
+    keys = _keys(trace)
+    report: dict[str, Any] = {
+        "scenario": "faults",
+        "params": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("out", "progress")},
+        "configs": {m: arms_mod.get(a).base for m, a in MODES.items() if m in cfg.modes},
+        "faults": [],
+    }
+    try:
+        for mode in cfg.modes:
+            for fault in cfg.faults:
+                report["faults"].append(run_fault(mode, fault, cfg, trace, spec, keys))
+    finally:
+        progress_mod.stop(cfg.progress)
+    if cfg.out is not None:
+        write(report, Path(cfg.out))
+    return report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    head = ("| mode | fault | requests | failures | of which started streams | unkeyed | retries | "
+            "recovery s | keys moved (others) | hit rate |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in report["faults"]:
+        lines.append(f"| {r['mode']} | {r['fault']} | {r['requests']} | {r['failures']} | "
+                     f"{r['failures_started_stream']} | {r['unkeyed']} | {r['retries']} | "
+                     f"{'-' if r['recovery_s'] is None else r['recovery_s']} | "
+                     f"{'-' if r['keys_moved_other'] is None else r['keys_moved_other']} | {r['hit_rate']} |")
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    p = report["params"]
+    text = [f"# Fault drill ({', '.join(f'{m}: envoy/{c}' for m, c in report['configs'].items())})", "",
+            f"Multi-turn chat, {p['concurrency']} conversations in flight, {p['replicas']} simulated replicas "
+            f"(one process each). Each fault starts at {p['warm_s']:.0f} s and is healed {p['fault_s']:.0f} s later; "
+            f"load runs {p['warm_s'] + p['fault_s'] + p['after_s']:.0f} s per fault.", "",
+            markdown(report), "", "Errors:", ""]
+    text += [f"- {r['mode']} {r['fault']}: {r['errors']}" for r in report["faults"] if r["errors"]]
+    (out / "report.md").write_text("\n".join(text) + "\n")
