@@ -13,7 +13,8 @@ from typing import Any, Final
 import orjson
 import xxhash
 
-from extproc.normalize import CONTENT_ENCODED, normalize
+from extproc import isolation
+from extproc.normalize import CONTENT_ENCODED, Normalized, normalize, normalize_document
 from extproc.settings import RouteSettings
 
 TENANT_SEPARATOR: Final = b"\x00"
@@ -40,6 +41,8 @@ class Decision:
     preview: bytes  # the start of the hashed bytes, for `explain`
     normalized: bytes = field(default=b"", repr=False)  # the whole normalised form (pick mode chunks it)
     tenant_rejected: str | None = None  # why a sent tenant id was refused (too_long, bad_chars), or None
+    body: bytes | None = field(default=None, repr=False)  # tenant isolation: the body to send instead
+    isolation: str | None = None  # tenant isolation's outcome (extproc.isolation), None when off
 
 
 def prefix_key(tenant: str | None, prefix: bytes) -> str:
@@ -76,20 +79,47 @@ def header_tenant(headers: Mapping[str, str], settings: RouteSettings) -> tuple[
 
 def _body_tenant(doc: dict[str, Any] | None, body: bytes) -> str | None:
     if doc is None and b"prompt_cache_key" in body:  # raw mode did not parse the body
-        try:
-            parsed = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return None
-        doc = parsed if isinstance(parsed, dict) else None
+        doc = _parsed_object(body)
     value = doc.get(TENANT_BODY_FIELD) if doc else None
     return value.strip() or None if isinstance(value, str) else None
 
 
+def _parsed_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _isolate(body: bytes, norm: Normalized, tenant: str | None, secret: bytes,
+             complete: bool) -> tuple[Normalized, bytes | None, str]:
+    """The salted body, its normal form (so keys and pick mode's index see the salt too), the outcome."""
+    if norm.fallback == CONTENT_ENCODED:
+        return norm, None, isolation.ENCODED
+    doc = norm.document
+    if doc is None and complete and norm.mode == "raw" and norm.fallback is None:  # raw mode never parsed it
+        doc = _parsed_object(body)
+    client = doc.get(isolation.SALT_FIELD) if doc else None
+    salt = isolation.tenant_salt(secret, tenant, client if isinstance(client, str) else None)
+    salted = isolation.salted_body(body, doc, salt, complete)
+    if salted is None:
+        return norm, None, isolation.NOT_OBJECT
+    if not complete:
+        return Normalized(salted, "raw", norm.fallback, None), salted, isolation.SALTED_PARTIAL
+    assert doc is not None
+    if norm.mode == "raw":
+        return Normalized(salted, "raw", norm.fallback, doc), salted, isolation.SALTED
+    return normalize_document({**doc, isolation.SALT_FIELD: salt}, norm.mode, salted), salted, isolation.SALTED
+
+
 def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, preview_bytes: int = 160,
-           complete: bool = True) -> Decision:
+           complete: bool = True, secret: bytes | None = None) -> Decision:
     """Compute the prefix key of one request. Never raises for any body or headers.
 
-    ``complete=False`` when ``body`` is only the start of the request body.
+    ``complete=False`` when ``body`` is only the start of the request body. With
+    ``settings.tenant_isolation`` and a ``secret``, the decision also carries the body with
+    the tenant's cache_salt (extproc.isolation), and the key is computed over that body.
     """
     norm = normalize(body, settings.normalize, complete, headers.get(CONTENT_ENCODING, ""))
     tenant, source = header_tenant(headers, settings)
@@ -99,6 +129,10 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     rejected = tenant_problem(tenant) if tenant else None
     if rejected:
         tenant = source = None
+    salted, outcome = None, None
+    if settings.tenant_isolation and secret is not None and body:
+        trusted = tenant if source in settings.tenant_headers else None  # never a body field
+        norm, salted, outcome = _isolate(body, norm, trusted, secret, complete)
     if not norm.data:
         return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected)
     prefix = norm.data[: settings.prefix_length]
@@ -113,4 +147,6 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
         preview=prefix[:preview_bytes],
         normalized=norm.data,
         tenant_rejected=rejected,
+        body=salted,
+        isolation=outcome,
     )

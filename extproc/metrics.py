@@ -42,6 +42,13 @@ TENANTS_REJECTED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+ISOLATION = Counter(
+    "prefix_router_tenant_isolation_total",
+    "Tenant isolation per request: salted, salted_partial (only the body's start was seen), "
+    "not_object and content_encoded (left as is)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 STREAMS_ACTIVE = Gauge(
     "prefix_router_streams_active", "ext_proc streams currently open", registry=REGISTRY
 )

@@ -127,6 +127,11 @@ def normalize(body: bytes, mode: str, complete: bool = True, content_encoding: s
         return Normalized(body, "raw", _decode_error_reason(str(exc)), None)
     if not isinstance(doc, dict):
         return Normalized(body, "raw", NOT_OBJECT, None)
+    return normalize_document(doc, mode, body)
+
+
+def normalize_document(doc: dict[str, Any], mode: str, body: bytes) -> Normalized:
+    """The prompt or canonical form of an already parsed body (``body``: its bytes, the raw fallback)."""
     fallback = None
     view: Any = doc
     if mode == "prompt":

@@ -21,7 +21,7 @@ from extproc import metrics
 from extproc.pick.picker import Picker
 from extproc.server import PrefixRouter
 from extproc.settings import (ROUTE_FIELDS, SERVER_FIELDS, RouteSettings, ServerSettings, SettingError, add_flags,
-                              has_endpoints, route_settings, server_settings)
+                              has_endpoints, route_settings, server_settings, tenant_secret)
 
 log = logging.getLogger("extproc.serve")
 
@@ -58,7 +58,8 @@ async def start_http(server_cfg: ServerSettings, picker: Picker | None) -> web.A
     return runner
 
 
-async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyncio.Event | None = None) -> None:
+async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyncio.Event | None = None,
+                secret: bytes | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop``), then drain open streams and return."""
     picker = Picker(server_cfg) if has_endpoints(server_cfg) else None
     if picker is not None:
@@ -69,7 +70,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker), server
+        PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker, secret), server
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -82,9 +83,11 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "serving ext_proc on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s%s",
+        "serving ext_proc on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
+        "tenant_isolation=%s%s",
         server_cfg.host, port, server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
         route_cfg.prefix_length, route_cfg.key_header,
+        "on" if route_cfg.tenant_isolation else ("per route" if secret else "off"),
         f" endpoints={len(picker.load.addresses())}" if picker else "",
     )
     print(f"prefix-router ready on {server_cfg.host}:{port}", flush=True)
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_cfg = server_settings(args, os.environ)
         route_cfg = route_settings(args, os.environ)
+        secret = tenant_secret(server_cfg, route_cfg, os.environ)
     except SettingError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(serve(server_cfg, route_cfg))
+        runner(serve(server_cfg, route_cfg, secret=secret))
     except OSError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ flight (one open stream per request in flight is the price).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -66,10 +67,11 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
     """
 
     def __init__(self, settings: RouteSettings, metadata_namespace: str = "prefix_router",
-                 picker: PickCore | None = None) -> None:
+                 picker: PickCore | None = None, secret: bytes | None = None) -> None:
         self.settings = settings
         self.namespace = metadata_namespace
         self.picker = picker
+        self.secret = secret  # tenant isolation's HMAC key; None: isolation cannot be turned on
         self._by_metadata: dict[tuple[tuple[str, str], ...], RouteSettings] = {}
         self._warned_no_picker = False
 
@@ -89,6 +91,10 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         cached = self._by_metadata.get(ours)
         if cached is None:
             cached, errors = with_metadata(self.settings, ours)
+            if cached.tenant_isolation and self.secret is None:
+                errors.append("metadata x-prefix-router-tenant-isolation on: the router has no tenant secret "
+                              "(--tenant-secret-file or PREFIX_ROUTER_TENANT_SECRET); isolation stays off")
+                cached = dataclasses.replace(cached, tenant_isolation=False)
             for error in errors:
                 metrics.METADATA_ERRORS.inc()
                 log.warning("ignoring per-stream setting (using the process default): %s", error)
@@ -178,7 +184,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                 complete: bool) -> Decision | None:
         started = time.perf_counter()
         try:
-            decision = decide(body, headers, settings, complete=complete)
+            decision = decide(body, headers, settings, complete=complete, secret=self.secret)
         except Exception:
             log.exception("deciding a prefix key failed; passing the request on without one")
             metrics.ERRORS.labels("decide").inc()
@@ -188,6 +194,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         metrics.DECISIONS.labels(decision.normalize, decision.fallback or "none").inc()
         if decision.tenant_rejected:
             metrics.TENANTS_REJECTED.labels(decision.tenant_rejected).inc()
+        if decision.isolation:
+            metrics.ISOLATION.labels(decision.isolation).inc()
         return decision
 
     def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
@@ -214,10 +222,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
             return reply, None
         if choice.address is None:
             return reply, None
-        option = reply.request_body.response.header_mutation.set_headers.add()
-        option.header.key = settings.pick_header
-        option.header.raw_value = base64.b64encode(choice.address.encode())
-        option.append_action = _OVERWRITE
+        _set_header(reply.request_body.response.header_mutation, settings.pick_header,
+                    base64.b64encode(choice.address.encode()))
         fields = reply.dynamic_metadata.fields
         ours = fields[self.namespace].struct_value.fields
         ours["picked"].string_value = choice.address
@@ -227,16 +233,23 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
 
     def decision_reply(self, decision: Decision, settings: RouteSettings) -> pb.ProcessingResponse:
         reply = pb.ProcessingResponse()
-        mutation = reply.request_body.response.header_mutation
+        response = reply.request_body.response
+        mutation = response.header_mutation
+        if decision.body is not None:  # tenant isolation: the body with the tenant's cache_salt
+            response.body_mutation.body = decision.body  # Envoy drops content-length and re-frames it
         if decision.key is None:
             mutation.remove_headers.append(settings.key_header)
             return reply
-        option = mutation.set_headers.add()
-        option.header.key = settings.key_header
-        option.header.raw_value = decision.key.encode()
-        option.append_action = _OVERWRITE
+        _set_header(mutation, settings.key_header, decision.key.encode())
         reply.dynamic_metadata.fields[self.namespace].struct_value.fields["prefix_key"].string_value = decision.key
         return reply
+
+
+def _set_header(mutation: pb.HeaderMutation, name: str, value: bytes) -> None:
+    option = mutation.set_headers.add()
+    option.header.key = name
+    option.header.raw_value = value
+    option.append_action = _OVERWRITE
 
 
 def _empty_body_reply() -> pb.ProcessingResponse:

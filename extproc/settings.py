@@ -23,6 +23,7 @@ ROUTING_MODES: Final = ("hash", "pick")
 ENDPOINT_SOURCES: Final = ("endpoints", "endpoints_file", "endpoints_dns")  # ServerSettings fields; one at most
 
 ENV_PREFIX: Final = "PREFIX_ROUTER_"
+TENANT_SECRET_ENV: Final = "PREFIX_ROUTER_TENANT_SECRET"
 METADATA_PREFIX: Final = "x-prefix-router-"
 DEFAULT_TENANT_HEADERS: Final = ("x-prefix-aware-id", "x-amzn-sagemaker-prefix-aware-id")
 PREFIX_LENGTH_RANGE: Final = (64, 65536)
@@ -47,6 +48,7 @@ class RouteSettings:
     load_tokens: int = 512  # pick mode: prefill tokens one request in flight is worth in the cost
     backlog_weight: float = 0.5  # pick mode: weight of the prefill already queued on a replica
     tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
+    tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,9 @@ class ServerSettings:
     kv_capacity_tokens: int = 0  # per replica; 0 = read vllm:cache_config_info (num_gpu_blocks x block_size)
     prefill_tokens_per_s: float = 20000.0  # per replica, drains the queued-prefill estimate; 0 = no estimate
     index_max_chunks: int = 2_000_000  # memory bound of the learned index over all replicas
+    # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
+    # command lines are visible to every local user).
+    tenant_secret_file: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,16 @@ def _number_in(kind: Callable[[str], Any], lo: float, hi: float) -> Callable[[st
             raise ValueError
         return value
     return parse
+
+
+def _switch(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in _SWITCH:
+        raise ValueError
+    return _SWITCH[value]
+
+
+_SWITCH: Final = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -180,6 +195,8 @@ SPECS: Final[dict[str, _Spec]] = {
     "kv_capacity_tokens": _Spec(_number_in(int, 0, 10**10), "tokens per replica (0: read from vLLM's metrics)"),
     "prefill_tokens_per_s": _Spec(_number_in(float, 0.0, 1e9), "tokens per second, 0 or more (0: no backlog estimate)"),
     "index_max_chunks": _Spec(_number_in(int, 1, 10**9), "an integer in 1..1000000000"),
+    "tenant_isolation": _Spec(_switch, "on or off"),
+    "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))
 SERVER_FIELDS: Final = tuple(f.name for f in dataclasses.fields(ServerSettings))
@@ -239,6 +256,32 @@ def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> 
     if len(sources) > 1:
         raise SettingError(f"{' and '.join(sources)} both set: give pick mode one endpoint source")
     return cfg
+
+
+def tenant_secret(cfg: ServerSettings, route: RouteSettings, env: Mapping[str, str]) -> bytes | None:
+    """Tenant isolation's secret (``--tenant-secret-file``, else $PREFIX_ROUTER_TENANT_SECRET), or None.
+
+    Raises SettingError if the file cannot be read, the secret is under 16 bytes, or
+    ``--tenant-isolation on`` has no secret at all.
+    """
+    from extproc.isolation import MIN_SECRET_BYTES
+
+    if cfg.tenant_secret_file:
+        try:
+            with open(cfg.tenant_secret_file, "rb") as f:
+                secret: bytes | None = f.read().strip()
+        except OSError as exc:
+            raise SettingError(f"{flag('tenant_secret_file')} {cfg.tenant_secret_file!r}: {exc.strerror}") from None
+        source = flag("tenant_secret_file")
+    else:
+        secret = env[TENANT_SECRET_ENV].strip().encode() if env.get(TENANT_SECRET_ENV, "").strip() else None
+        source = TENANT_SECRET_ENV
+    if secret is not None and len(secret) < MIN_SECRET_BYTES:
+        raise SettingError(f"{source}: the tenant secret must be at least {MIN_SECRET_BYTES} bytes")
+    if secret is None and route.tenant_isolation:
+        raise SettingError(f"{flag('tenant_isolation')} on needs a secret: {flag('tenant_secret_file')} "
+                           f"or {TENANT_SECRET_ENV}")
+    return secret
 
 
 def has_endpoints(cfg: ServerSettings) -> bool:

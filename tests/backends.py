@@ -32,6 +32,7 @@ class Backend:
     port: int = 0
     healthy: bool = True
     seen_keys: list[str | None] = field(default_factory=list)
+    seen_bodies: list[tuple[bytes, str | None]] = field(default_factory=list)  # body, its content-length header
     reported_running: int = 0
     reported_waiting: int = 0
     gate: asyncio.Event | None = None
@@ -60,6 +61,7 @@ class Backend:
         body = await request.read()
         key = request.headers.get("x-prefix-key")
         self.seen_keys.append(key)
+        self.seen_bodies.append((body, request.headers.get("content-length")))
         stream = hold = False
         try:
             doc = orjson.loads(body) if body else {}
@@ -130,6 +132,7 @@ class BackendFleet:
         for b in self.backends:
             b.healthy = True
             b.seen_keys.clear()
+            b.seen_bodies.clear()
             b.reported_running = b.reported_waiting = 0
         self.open_gate()
 

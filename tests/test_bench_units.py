@@ -16,6 +16,7 @@ from extproc.bench.report import Report, markdown_table, summarize
 from extproc.bench.trace import Request, TextSource, chat_body, encode
 from extproc.envoy_proc import validate
 from extproc.normalize import normalize
+from extproc.settings import metadata_key
 
 MODEL = "m"
 
@@ -124,7 +125,8 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
             meta = {m["key"]: m["value"] for m in envoy_config.http_filter(cfg, envoy_config.EXT_PROC)
                     ["grpc_service"]["initial_metadata"]}
             assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize,
-                            **({"x-prefix-router-mode": "pick"} if spec.pick else {})}
+                            **({"x-prefix-router-mode": "pick"} if spec.pick else {}),
+                            **{metadata_key(k): v for k, v in spec.settings}}
             assert ("envoy.filters.http.stateful_session" in names) == spec.pick
             assert all("typed_per_filter_config" not in r for r in envoy_config.routes(cfg))  # nothing overrides it
         else:

@@ -36,12 +36,12 @@ class Client:
         self.port = int(port)
 
     def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
-                timeout: float = 10.0) -> tuple[int, bytes, dict[str, str]]:
+                timeout: float = 10.0, headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             data = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, path, body=data, headers=headers)
+            sent = {**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
+            conn.request(method, path, body=data, headers=sent)
             resp = conn.getresponse()
             return resp.status, resp.read(), {k.lower(): v for k, v in resp.getheaders()}
         finally:
@@ -294,6 +294,25 @@ def test_token_id_prompts_and_exact_counters(c: Client) -> None:
     c.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1})
     r4 = c.post("/v1/completions", {"model": MODEL, "prompt": tokenizer.encode(text), "max_tokens": 1})[1]
     assert r4["usage"]["prompt_tokens_details"]["cached_tokens"] == expected_hit(40) == 32
+
+
+def test_cross_tenant_hits_are_counted_unless_salts_differ(c: Client) -> None:
+    name = lbl("sim:cross_tenant_prefix_cache_hits_total")
+    text = unique_text("shared", 800)
+
+    def ask(tenant: str, **extra: Any) -> int:
+        body = {"model": MODEL, "prompt": text, "max_tokens": 1, **extra}
+        status, data, _ = c.request("POST", "/v1/completions", body, headers={"x-prefix-aware-id": tenant})
+        assert status == 200, data
+        return orjson.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    m0 = c.metrics()[name]
+    assert ask("a") == 0
+    hit = ask("b")  # b reuses blocks a computed
+    assert hit > 0 and c.metrics()[name] - m0 == hit
+    assert ask("a") == hit and c.metrics()[name] - m0 == hit  # a's own blocks: not a crossing
+    assert ask("a", cache_salt="salt-a") == 0 and ask("b", cache_salt="salt-b") == 0
+    assert c.metrics()[name] - m0 == hit
 
 
 def test_batch_string_prompts(c: Client) -> None:

@@ -18,6 +18,7 @@ prefix group was spread. Peer routers front the same fleet without Envoy.
 from __future__ import annotations
 
 import importlib.util
+import secrets
 import tempfile
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -28,9 +29,11 @@ from typing import Any
 from extproc import envoy_config
 from extproc.envoy_proc import Envoy
 from extproc.procs import Process, free_ports, port_open, python_module
-from extproc.settings import metadata_key
+from extproc.settings import TENANT_SECRET_ENV, metadata_key
 
 UPSTREAM_HEADER = "x-upstream-host"
+# Every benchmark router can salt tenants' caches when an arm asks (a fresh secret per run).
+ROUTER_ENV = {TENANT_SECRET_ENV: secrets.token_hex(16)}
 DEFAULT_BALANCE_FACTOR = 110  # as shipped in envoy/envoy.yaml
 
 
@@ -46,6 +49,7 @@ class ArmSpec:
     base: str = "envoy.yaml"  # the shipped config this arm starts from
     pick: bool = False  # the router chooses the replica (pick mode)
     routers: int = 1  # router processes behind the prefix_router cluster (Envoy spreads streams over them)
+    settings: tuple[tuple[str, str], ...] = ()  # router settings sent as stream metadata (before --router-setting)
 
     @property
     def available(self) -> bool:
@@ -67,6 +71,10 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
     ArmSpec("prefix-pick-2routers", "prefix-pick with two independent router processes (each learns from "
             "half the picks; they share only what they scrape)", "MAGLEV", prefix=True, bounded=True,
             base="pick.yaml", pick=True, routers=2),
+    ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
+            "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
+    ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",
+            "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True, settings=(("tenant_isolation", "on"),)),
     ArmSpec("raw-bytes", "key over raw body bytes + Maglev (SageMaker native API)", "MAGLEV",
             prefix=True, normalize="raw"),
     ArmSpec("sglang-router", "SGLang model gateway, cache_aware policy (no Envoy)", peer="sglang_router"),
@@ -111,7 +119,7 @@ def envoy_config_for(
         envoy_config.set_stream_metadata(cfg, {
             "x-prefix-router-prefix-length": str(prefix_length), "x-prefix-router-normalize": arm.normalize,
             **({"x-prefix-router-mode": "pick"} if arm.pick else {}),
-            **{metadata_key(k): str(v) for k, v in (router_settings or {}).items()}})
+            **{metadata_key(k): str(v) for k, v in (*arm.settings, *(router_settings or {}).items())}})
         if arm.bounded:
             common["consistent_hashing_lb_config"] = {"hash_balance_factor": balance_factor}
         else:
@@ -184,7 +192,7 @@ class RunningArm:
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
-            self.routers.append(Process(argv, name="prefix-router"))  # before the wait, so stop() reaches it
+            self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))  # before the wait, so stop() reaches it
             self.routers[-1].wait_for_line("prefix-router ready", timeout=30)
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
                                extproc_port=grpc_ports[0] if self.arm.prefix else None,
@@ -202,7 +210,7 @@ class RunningArm:
     def restart_router(self, i: int) -> None:
         """Start router ``i`` again on its port (after a fault drill killed it)."""
         self.routers[i].stop(grace=0)
-        self.routers[i] = Process(self.routers[i].argv, name="prefix-router")
+        self.routers[i] = Process(self.routers[i].argv, name="prefix-router", env=ROUTER_ENV)
         self.routers[i].wait_for_line("prefix-router ready", timeout=30)
 
     def _start_peer(self) -> None:

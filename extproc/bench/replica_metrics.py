@@ -18,6 +18,7 @@ COUNTERS = {
     "requests": "vllm:request_success_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
     "generation_tokens": "vllm:generation_tokens_total",
+    "cross_tenant_hits": "sim:cross_tenant_prefix_cache_hits_total",  # the simulator only (0 on vLLM)
 }
 
 
@@ -28,12 +29,14 @@ class ReplicaCounters:
     requests: float = 0.0
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
+    cross_tenant_hits: float = 0.0
 
     def __sub__(self, other: "ReplicaCounters") -> "ReplicaCounters":
         return ReplicaCounters(*(a - b for a, b in zip(self._values(), other._values())))
 
     def _values(self) -> tuple[float, ...]:
-        return (self.queries, self.hits, self.requests, self.prompt_tokens, self.generation_tokens)
+        return (self.queries, self.hits, self.requests, self.prompt_tokens, self.generation_tokens,
+                self.cross_tenant_hits)
 
 
 def parse(text: str) -> ReplicaCounters:
@@ -63,6 +66,10 @@ class FleetDelta:
     def kv_hit_rate(self) -> float | None:
         queries = sum(r.queries for r in self.per_replica)
         return sum(r.hits for r in self.per_replica) / queries if queries else None
+
+    @property
+    def cross_tenant_hits(self) -> int:
+        return int(sum(r.cross_tenant_hits for r in self.per_replica))
 
     @property
     def requests_per_replica(self) -> list[int]:

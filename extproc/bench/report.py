@@ -80,6 +80,7 @@ def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: fl
         "throughput_rps": round(len(ok) / duration, 3),
         "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / duration, 1),
         "kv_hit_rate": round(kv, 4) if kv is not None else None,
+        "cross_tenant_hit_tokens": fleet.cross_tenant_hits if fleet else None,  # the simulator counts them
         "client_cached_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
         "oracle_hit_rate": round(oracle_hit_rate, 4),
         "hit_rate_of_oracle": round(kv / oracle_hit_rate, 3) if kv is not None and oracle_hit_rate else None,

@@ -252,6 +252,9 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 def _add_notes(report: report_mod.Report) -> None:
     for name, a in report.arms.items():
+        if report.scenario == "tenants" and a.get("cross_tenant_hit_tokens") is not None:
+            report.notes.append(f"{name}: {a['cross_tenant_hit_tokens']} prefix-cache hit tokens were on blocks "
+                                "computed for another tenant (counted by the simulated replicas).")
         client = a["client"]
         if client["saturated"]:
             report.notes.append(

@@ -356,6 +356,8 @@ TENANTS = Scenario(
     generate=_tenants,
     fleet=_tenants_fleet,
     load=LoadSpec(concurrency=16, rate=40.0),
+    # with --param salt=false the clients do not salt: only the *-isolated arms keep tenants apart
+    arms=("round-robin", "prefix-bounded", "prefix-bounded-isolated", "prefix-pick", "prefix-pick-isolated"),
     quick=dict(requests=60, tenants=4, documents=2, prefix_tokens=1100, replicas=3, time_scale=20.0,
                output_tokens=8),
 )

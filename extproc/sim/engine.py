@@ -167,6 +167,7 @@ class Engine:
         pairs = (
             ("prefix_cache_queries", m.prefix_cache_queries),
             ("prefix_cache_hits", m.prefix_cache_hits),
+            ("cross_tenant_hits", m.cross_tenant_hits),
             ("prompt_tokens", m.prompt_tokens),
             ("generation_tokens", m.generation_tokens),
             ("preemptions", m.num_preemptions),
@@ -191,6 +192,7 @@ class Engine:
         return {
             "prefix_cache_queries": c.prefix_cache_queries,
             "prefix_cache_hits": c.prefix_cache_hits,
+            "cross_tenant_hits": c.cross_tenant_hits,
             "prefix_cache_requests": c.prefix_cache_requests,
             "prompt_tokens": c.prompt_tokens,
             "generation_tokens": c.generation_tokens,

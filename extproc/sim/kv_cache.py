@@ -68,12 +68,13 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: int) -> list[int]
 class Block:
     """One KV block: id, reference count, hash when full and cached, LRU links."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "owner", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        self.owner = ""  # the tenant whose request computed the cached block (a simulator diagnostic)
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -204,6 +205,7 @@ class KVCache:
         hashes: Sequence[int] = (),
         hit_blocks: Sequence[Block] = (),
         num_tokens_to_cache: int | None = None,
+        owner: str = "",
     ) -> bool:
         """Make the request hold blocks for ``num_tokens`` tokens (computed + scheduled).
 
@@ -231,7 +233,7 @@ class KVCache:
         for _ in range(num_new):
             held.append(self._take_free_block())
         self._cache_full_blocks(
-            req_id, held, hashes, num_tokens if num_tokens_to_cache is None else num_tokens_to_cache
+            req_id, held, hashes, num_tokens if num_tokens_to_cache is None else num_tokens_to_cache, owner
         )
         return True
 
@@ -253,7 +255,7 @@ class KVCache:
         b.block_hash = None
 
     def _cache_full_blocks(
-        self, req_id: str, held: list[Block], hashes: Sequence[int], num_tokens: int
+        self, req_id: str, held: list[Block], hashes: Sequence[int], num_tokens: int, owner: str
     ) -> None:
         done = self._req_num_cached[req_id]
         full = min(num_tokens // self.block_size, len(hashes), len(held))
@@ -262,6 +264,7 @@ class KVCache:
             if b.block_hash is None:
                 h = hashes[i]
                 b.block_hash = h
+                b.owner = owner
                 self.cached.setdefault(h, {})[b.block_id] = b
         if full > done:
             self._req_num_cached[req_id] = full

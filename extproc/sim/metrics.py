@@ -43,6 +43,10 @@ class ReplicaMetrics:
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        # Not a vLLM metric: the simulator knows which tenant computed each cached block.
+        self.cross_tenant_hits = counter(
+            "sim:cross_tenant_prefix_cache_hits",
+            "Prefix cache hit tokens on blocks computed for another tenant (x-prefix-aware-id header).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed.")

@@ -44,6 +44,7 @@ class Sequence:
     finish_reason: str | None = None
     aborted: bool = False
     listener: Any = None
+    tenant: str = ""  # the tenant header, only to count cross-tenant hits (a simulator diagnostic)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -79,6 +80,7 @@ class Counters:
 
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    cross_tenant_hits: int = 0  # hit tokens on blocks another tenant's request computed
     prefix_cache_requests: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -139,7 +141,7 @@ class Scheduler:
                 i += 1
                 continue
             ok = True
-            while not kv.allocate(seq.req_id, seq.num_computed + n, seq.block_hashes):
+            while not kv.allocate(seq.req_id, seq.num_computed + n, seq.block_hashes, owner=seq.tenant):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -162,7 +164,7 @@ class Scheduler:
                 hits = kv.longest_hit(seq.block_hashes, len(seq.tokens))
                 hit_tokens = len(hits) * kv.block_size
                 n = min(len(seq.tokens) - hit_tokens, budget)
-                if not kv.allocate(seq.req_id, hit_tokens + n, seq.block_hashes, hits):
+                if not kv.allocate(seq.req_id, hit_tokens + n, seq.block_hashes, hits, owner=seq.tenant):
                     break
                 self.waiting.popleft()
                 if not seq.admitted:
@@ -172,6 +174,7 @@ class Scheduler:
                     c.prefix_cache_requests += 1
                     c.prefix_cache_queries += len(seq.tokens)
                     c.prefix_cache_hits += hit_tokens
+                    c.cross_tenant_hits += kv.block_size * sum(b.owner != seq.tenant for b in hits)
                 seq.num_computed = hit_tokens
                 self.running.append(seq)
                 scheduled.append((seq, n))

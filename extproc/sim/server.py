@@ -21,6 +21,7 @@ from extproc.sim.scheduler import Sequence
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+TENANT_HEADER = "x-prefix-aware-id"  # read only to attribute cached blocks to tenants (sim:cross_tenant_*)
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -113,7 +114,8 @@ class Replica:
         listener = Listener()
         seqs = [
             Sequence(req_id=f"{req.request_id}-{i}-{j}", prompt_ids=p,
-                     max_tokens=req.max_tokens, extra_keys=keys, listener=listener)
+                     max_tokens=req.max_tokens, extra_keys=keys, listener=listener,
+                     tenant=request.headers.get(TENANT_HEADER, ""))
             for i, p in enumerate(req.prompts) for j in range(req.n)
         ]
         for s in seqs:
