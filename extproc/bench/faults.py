@@ -298,6 +298,7 @@ def _row(mode: str, fault: str, result: loadgen.LoadResult, marks: dict[str, flo
         "recovery_s": _recovery(fault, marks, samples, sorted(r.start for r in ok if r.replica == touched)),
         "keys_moved_other": keys_moved(results, keys, marks.get("fault", 0.0), SETTLE_S, touched),
         "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else None,
+        "e2e_max_s": round(max((r.e2e for r in ok if r.e2e is not None), default=0.0), 2),  # stalls show here
         "marks_s": {k: round(v, 2) for k, v in marks.items()},
     }
 
@@ -360,13 +361,14 @@ def run_drill(cfg: DrillConfig) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     head = ("| mode | fault | requests | failures | of which started streams | unkeyed | retries | "
-            "recovery s | keys moved (others) | hit rate |")
+            "recovery s | keys moved (others) | hit rate | slowest ok request s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in report["faults"]:
         lines.append(f"| {r['mode']} | {r['fault']} | {r['requests']} | {r['failures']} | "
                      f"{r['failures_started_stream']} | {r['unkeyed']} | {r['retries']} | "
                      f"{'-' if r['recovery_s'] is None else r['recovery_s']} | "
-                     f"{'-' if r['keys_moved_other'] is None else r['keys_moved_other']} | {r['hit_rate']} |")
+                     f"{'-' if r['keys_moved_other'] is None else r['keys_moved_other']} | {r['hit_rate']} | "
+                     f"{r['e2e_max_s']} |")
     return "\n".join(lines)
 
 
