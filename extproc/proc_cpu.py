@@ -22,6 +22,18 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
 
 
+def process_rss_mb(pid: int) -> float | None:
+    """Resident memory of ``pid`` in MiB (VmRSS), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def machine_busy_s() -> tuple[float, float]:
     """(busy, total) CPU seconds over all cores since boot, from /proc/stat."""
     try:

@@ -138,8 +138,10 @@ class RunningArm:
 
     def __init__(self, arm: ArmSpec, backend_urls: list[str], *, prefix_length: int = 4096,
                  balance_factor: int = DEFAULT_BALANCE_FACTOR, router_settings: Mapping[str, str] | None = None,
-                 endpoints: Sequence[int] | None = None) -> None:
+                 endpoints: Sequence[int] | None = None, router_metrics: bool = False) -> None:
         self.arm = arm
+        self.router_metrics = router_metrics  # serve each router's /metrics (metrics_ports[i])
+        self.metrics_ports: list[int] = []
         self.backend_urls = backend_urls
         self.prefix_length = prefix_length
         self.balance_factor = balance_factor
@@ -188,7 +190,10 @@ class RunningArm:
             self.endpoints_file = Path(self._tmp.name) / "endpoints"
             self.set_endpoints(self.endpoints)
         for grpc_port in grpc_ports if self.arm.prefix else ():
-            argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", "0",
+            metrics_port = free_ports(1)[0] if self.router_metrics else 0
+            if metrics_port:
+                self.metrics_ports.append(metrics_port)
+            argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", str(metrics_port),
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]

@@ -14,6 +14,8 @@ from extproc.bench.scenarios import SCENARIOS
 DRILLS = {
     "faults": "each fault (router killed/frozen, one of two routers killed, replica killed/hung/500s, "
               "scale-in/out) under load, hash and pick mode; --param faults=a,b modes=hash warm_s= fault_s= after_s=",
+    "soak": "bounded open-loop load for --duration (600 s) per arm, the router's RSS every 30 s and its open "
+            "streams after; --arms, --rate, --param sample_s= prefixes=",
 }
 
 
@@ -108,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.scenario == "faults":
         return _run_faults(args)
+    if args.scenario == "soak":
+        return _run_soak(args)
     try:
         cfg = config_from_args(args)
     except (ValueError, KeyError) as exc:
@@ -159,4 +163,31 @@ def _run_faults(args: argparse.Namespace) -> int:
     print()
     print(faults.markdown(report))
     print(f"\nreport: {out / 'report.md'} (and report.json)")
+    return 0
+
+
+def _run_soak(args: argparse.Namespace) -> int:
+    from extproc.bench import soak
+
+    out = Path(args.out) / "soak" if args.out == "bench-out" else Path(args.out)
+    fields: dict[str, object] = {**(soak.QUICK if args.quick else {}), "seed": args.seed, "out": out,
+                                 "progress": progress.default()}
+    for key, value in (("duration_s", args.duration_s), ("rate", args.rate), ("replicas", args.replicas),
+                       ("time_scale", args.time_scale)):
+        if value is not None:
+            fields[key] = value
+    try:
+        if args.arms:
+            fields["arms"] = tuple(_arms(args.arms) or ())
+        for key, value in _params(args.param).items():
+            if key not in ("sample_s", "prefixes"):
+                raise ValueError(f"the soak has no parameter {key!r} (sample_s, prefixes)")
+            fields[key] = float(value) if key == "sample_s" else int(value)
+        report = soak.run_soak(soak.SoakConfig(**fields))  # type: ignore[arg-type]
+    except ValueError as exc:
+        print(f"prefix-router bench: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(soak.markdown(report))
+    print(f"\nreport: {out / 'report.md'} (and report.json, rss.png)")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -88,3 +89,16 @@ def write_all(report: Report, out: Path) -> dict[str, Path]:
     }
     report.files.update({k: str(v) for k, v in paths.items()})
     return paths
+
+
+def soak_rss(soak: dict[str, Any], path: Path) -> Path:
+    """The router's RSS over a soak (extproc.bench.soak's report), one line per arm."""
+    with _figure(path, "soak: router memory under bounded load") as ax:
+        for a in soak["arms"]:
+            points = a["rss_mb"].get("prefix_router", [])
+            ax.plot([t for t, _ in points], [r for _, r in points], marker="o", label=a["arm"])
+        ax.set_xlabel("seconds of load")
+        ax.set_ylabel("router RSS (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    return path

@@ -1,0 +1,172 @@
+"""Soak: a bounded open-loop load for a long time, the router's memory sampled as it runs.
+
+``prefix-router bench --scenario soak --duration 600`` runs, per arm (hash mode on
+envoy.yaml, pick mode on pick.yaml), Poisson traffic at ``--rate`` over many shared
+prefixes with a fresh question each (so pick mode's index keeps learning and evicting),
+samples the router's RSS every ``sample_s`` seconds, and after the load stops waits for the
+router's open ext_proc streams (``prefix_router_streams_active``) to return to zero. The
+verdict: RSS after warm-up (the first fifth of the run) stays within 10 % of its value at
+the end of warm-up, and no stream is left open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.bench import arms as arms_mod
+from extproc.bench import loadgen, progress as progress_mod
+from extproc.bench.backends import SimBackend
+from extproc.bench.runner import _run_async
+from extproc.bench.scenarios import FAULT_LOAD
+from extproc.proc_cpu import process_rss_mb
+from extproc.procs import wait_until
+from extproc.sim.profiles import get_profile
+
+STREAMS_METRIC = "prefix_router_streams_active"
+FLAT_WITHIN = 0.10
+WARMUP_SHARE = 0.2
+
+
+@dataclass
+class SoakConfig:
+    arms: Sequence[str] = ("prefix-bounded", "prefix-pick")
+    duration_s: float = 600.0
+    rate: float = 8.0
+    sample_s: float = 30.0
+    replicas: int = 4
+    prefixes: int = 200
+    time_scale: float = 1.0
+    seed: int = 0
+    out: Path | None = None
+    progress: progress_mod.Progress = field(default_factory=progress_mod.Quiet)
+
+
+QUICK = dict(duration_s=8.0, rate=10.0, sample_s=1.0, replicas=2, prefixes=20, time_scale=20.0)
+
+
+def streams_active(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(STREAMS_METRIC + " "):
+                return float(line.split()[1])
+    raise ValueError(f"{STREAMS_METRIC} missing from the router's /metrics")
+
+
+async def _sample(pids: dict[str, int], t0: float, every: float, series: dict[str, list[list[float]]]) -> None:
+    while True:
+        for name, pid in pids.items():
+            rss = process_rss_mb(pid)
+            if rss is not None:
+                series.setdefault(name, []).append([round(time.monotonic() - t0, 1), round(rss, 2)])
+        await asyncio.sleep(every)
+
+
+async def _load(running: arms_mod.RunningArm, cfg: SoakConfig, sessions: Sequence[Any],
+                series: dict[str, list[list[float]]]) -> loadgen.LoadResult:
+    t0 = time.monotonic()
+    pids = {k: v for k, v in running.pids.items() if k.startswith(("prefix_router", "envoy"))}
+    sampler = asyncio.create_task(_sample(pids, t0, cfg.sample_s, series))
+    try:
+        return await loadgen.run_load(running.url, sessions, mode="open", rate=cfg.rate,
+                                      duration_s=cfg.duration_s, grace_s=30.0, seed=cfg.seed,
+                                      on_done=cfg.progress.advance)
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+
+
+def flatness(points: Sequence[Sequence[float]], duration_s: float) -> dict[str, float | None]:
+    """RSS at the end of warm-up, the highest after it, and their ratio minus one."""
+    warm = [rss for t, rss in points if t <= duration_s * WARMUP_SHARE]
+    later = [rss for t, rss in points if t > duration_s * WARMUP_SHARE]
+    if not warm or not later:
+        return {"warm_rss_mb": None, "max_rss_after_warmup_mb": None, "growth_after_warmup": None}
+    return {"warm_rss_mb": warm[-1], "max_rss_after_warmup_mb": max(later),
+            "growth_after_warmup": round(max(later) / warm[-1] - 1, 4)}
+
+
+def run_arm(name: str, cfg: SoakConfig) -> dict[str, Any]:
+    params = FAULT_LOAD.resolve(dict(replicas=cfg.replicas, time_scale=cfg.time_scale, prefixes=cfg.prefixes,
+                                     requests=int(cfg.rate * cfg.duration_s * 1.2) + 10))
+    spec = FAULT_LOAD.fleet(dict(params))
+    trace = FAULT_LOAD.trace(params, cfg.seed, get_profile(spec.profile).model)
+    backend = SimBackend(spec)
+    series: dict[str, list[list[float]]] = {}
+    try:
+        backend.start()
+        with arms_mod.RunningArm(arms_mod.get(name), backend.urls, router_metrics=True) as running:
+            cfg.progress.start(f"soak {name}", int(cfg.rate * cfg.duration_s))
+            result = _run_async(_load(running, cfg, trace.sessions, series))
+            stopped = time.monotonic()
+            port = running.metrics_ports[0]
+            try:
+                wait_until(lambda: streams_active(port) == 0, 30, "the router's open streams to close", 0.1)
+            except TimeoutError:
+                pass
+            drained_s = round(time.monotonic() - stopped, 2)
+            left_open = streams_active(port)
+    finally:
+        backend.stop()
+    router = series.get("prefix_router", [])
+    row = {
+        "arm": name, "config": arms_mod.get(name).base,
+        "requests": len(result.results), "failures": sum(not r.ok for r in result.results),
+        "rss_mb": series, **flatness(router, cfg.duration_s),
+        "streams_open_after_load": left_open, "streams_closed_within_s": drained_s,
+    }
+    row["flat"] = row["growth_after_warmup"] is not None and row["growth_after_warmup"] <= FLAT_WITHIN
+    cfg.progress.finish(f"soak {name}: {row['requests']} requests, {row['failures']} failed, router RSS "
+                        f"{row['warm_rss_mb']} -> max {row['max_rss_after_warmup_mb']} MiB after warm-up, "
+                        f"{left_open:.0f} streams open after the load")
+    return row
+
+
+def run_soak(cfg: SoakConfig) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "scenario": "soak",
+        "params": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("out", "progress")},
+        "arms": [],
+    }
+    try:
+        for name in cfg.arms:
+            report["arms"].append(run_arm(name, cfg))
+    finally:
+        progress_mod.stop(cfg.progress)
+    if cfg.out is not None:
+        write(report, Path(cfg.out))
+    return report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["| arm | requests | failures | router RSS at warm-up MiB | max after MiB | growth | flat (<= 10 %) | "
+             "streams open after load |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for a in report["arms"]:
+        growth = "-" if a["growth_after_warmup"] is None else f"{a['growth_after_warmup']:+.1%}"
+        lines.append(f"| {a['arm']} | {a['requests']} | {a['failures']} | {a['warm_rss_mb']} | "
+                     f"{a['max_rss_after_warmup_mb']} | {growth} | {'yes' if a['flat'] else 'no'} | "
+                     f"{a['streams_open_after_load']:.0f} |")
+    series = ["", "Router RSS (MiB) every sample:", ""]
+    for a in report["arms"]:
+        points = ", ".join(f"{t:.0f}s {rss:.1f}" for t, rss in a["rss_mb"].get("prefix_router", []))
+        series.append(f"- {a['arm']}: {points}")
+    return "\n".join(lines + series)
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    p = report["params"]
+    (out / "report.md").write_text(
+        f"# Soak: {p['duration_s']:.0f} s at {p['rate']} requests/s per arm, {p['replicas']} simulated replicas\n\n"
+        + markdown(report) + "\n")
+    from extproc.bench import plots
+
+    plots.soak_rss(report, out / "rss.png")
