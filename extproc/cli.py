@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("extproc.bench.cli", "A/B benchmark: stock Envoy routing vs prefix routing"),
     "microbench": ("extproc.bench.microbench", "the router's own work per request (pure core, no gRPC)"),
     "demo": ("extproc.bench.demo", "short sagemaker-8k comparison (round robin vs pick mode)"),
+    "fuzz": ("extproc.fuzz", "hostile-input run over normalise, key and pick: exceptions, time and memory per body"),
 }
 
 

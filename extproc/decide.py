@@ -92,7 +92,7 @@ def _parsed_object(body: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _isolate(body: bytes, norm: Normalized, tenant: str | None, secret: bytes,
+def _isolate(body: bytes, norm: Normalized, mode: str, tenant: str | None, secret: bytes,
              complete: bool) -> tuple[Normalized, bytes | None, str]:
     """The salted body, its normal form (so keys and pick mode's index see the salt too), the outcome."""
     if norm.fallback == CONTENT_ENCODED:
@@ -110,7 +110,7 @@ def _isolate(body: bytes, norm: Normalized, tenant: str | None, secret: bytes,
     assert doc is not None
     if norm.mode == "raw":
         return Normalized(salted, "raw", norm.fallback, doc), salted, isolation.SALTED
-    return normalize_document({**doc, isolation.SALT_FIELD: salt}, norm.mode, salted), salted, isolation.SALTED
+    return normalize_document({**doc, isolation.SALT_FIELD: salt}, mode, salted), salted, isolation.SALTED
 
 
 def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, preview_bytes: int = 160,
@@ -132,7 +132,7 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     salted, outcome = None, None
     if settings.tenant_isolation and secret is not None and body:
         trusted = tenant if source in settings.tenant_headers else None  # never a body field
-        norm, salted, outcome = _isolate(body, norm, trusted, secret, complete)
+        norm, salted, outcome = _isolate(body, norm, settings.normalize, trusted, secret, complete)
     if not norm.data:
         return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected)
     prefix = norm.data[: settings.prefix_length]

@@ -54,7 +54,8 @@ class Normalized:
 
 
 def _decode_error_reason(message: str) -> str:
-    if "UTF-8" in message or "surrogate" in message:
+    message = message.lower()  # orjson says "Recursion limit reached" when encoding, "recursion" when parsing
+    if "utf-8" in message or "surrogate" in message:
         return NOT_UTF8
     if "depth" in message or "recursion" in message:
         return TOO_DEEP

@@ -12,10 +12,12 @@ flight (one open stream per request in flight is the price).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Final
 
 import grpc
@@ -36,6 +38,23 @@ _ATTR_HEADER_PREFIX: Final = "request.headers['"
 _MAX_CACHED_METADATA: Final = 1024
 LB_NAMESPACE: Final = "envoy.lb"
 DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"  # Gateway API Inference Extension
+
+
+@contextlib.contextmanager
+def _without_gc() -> Iterator[None]:
+    """Pause the cyclic GC while one body is decided.
+
+    A body of millions of tiny JSON containers makes the parse allocate them all at once, and
+    the GC would walk them again and again (measured: 8 MiB of ``[],`` took 0.9 s with it, 0.28 s
+    without). The parsed document holds no cycles, so reference counting frees it all anyway.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def read_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
@@ -184,7 +203,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                 complete: bool) -> Decision | None:
         started = time.perf_counter()
         try:
-            decision = decide(body, headers, settings, complete=complete, secret=self.secret)
+            with _without_gc():
+                decision = decide(body, headers, settings, complete=complete, secret=self.secret)
         except Exception:
             log.exception("deciding a prefix key failed; passing the request on without one")
             metrics.ERRORS.labels("decide").inc()

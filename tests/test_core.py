@@ -132,6 +132,7 @@ def test_tool_calls_and_tool_results_are_part_of_the_prompt() -> None:
     (b"{\"a\": 1", "not_json", "raw"),
     (b"[1, 2]", "not_object", "raw"),
     (b"[" * 100_000, "too_deep", "raw"),
+    (b'{"model":"m","prompt":' + b"[" * 1000 + b"]" * 1000 + b"}", "too_deep", "raw"),  # parses, cannot re-encode
     (b"{\"model\": 1e999}", "number_out_of_range", "raw"),
     (b"{\"model\": \"m\", \"temperature\": 1}", "no_prompt_fields", "canonical"),
 ])

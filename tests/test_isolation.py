@@ -70,6 +70,8 @@ def test_identical_text_keys_and_normalises_apart_per_tenant_and_body_tenant_is_
     assert tenant_salt(SECRET, "a", None).encode() in a.normalized
     claimed = decide(chat(prompt_cache_key="a"), {}, ISOLATED, secret=SECRET)
     assert claimed.tenant == "a" and b'"cache_salt":"' + tenant_salt(SECRET, None, None).encode() in claimed.body
+    no_prompt = decide(b'{"model": "m", "x": 1}', {TENANT: "a"}, ISOLATED, secret=SECRET)
+    assert (no_prompt.normalize, no_prompt.fallback, no_prompt.isolation) == ("canonical", "no_prompt_fields", "salted")
     off = decide(chat(), {TENANT: "a"}, RouteSettings(), secret=SECRET)
     assert off.body is None and off.isolation is None
     assert decide(chat(), {TENANT: "a"}, ISOLATED).body is None  # no secret, no edit

@@ -377,7 +377,8 @@ def write(report: dict[str, Any], out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     p = report["params"]
     text = [f"# Fault drill ({', '.join(f'{m}: envoy/{c}' for m, c in report['configs'].items())})", "",
-            f"Multi-turn chat, {p['concurrency']} conversations in flight, {p['replicas']} simulated replicas "
+            f"Shared-prefix chat (24 Zipf-popular 2000-token prefixes), {p['concurrency']} requests in flight, "
+            f"{p['replicas']} simulated replicas "
             f"(one process each). Each fault starts at {p['warm_s']:.0f} s and is healed {p['fault_s']:.0f} s later; "
             f"load runs {p['warm_s'] + p['fault_s'] + p['after_s']:.0f} s per fault.", "",
             markdown(report), "", "Errors:", ""]

@@ -1,7 +1,8 @@
 """`prefix-router microbench`: the router's own work per request, without gRPC or Envoy.
 
 Times the pure core on chat bodies of several sizes: hash mode's ``decide`` (parse,
-normalise, key) and pick mode's whole choice on top of it (chunk hashes, index match over
+normalise, key), the same with tenant isolation (HMAC salt and body edit), and pick
+mode's whole choice on top of it (chunk hashes, index match over
 a warm index, the cost ranking, recording the pick). Medians of repeated runs, in
 microseconds; compare the rows of one run, not runs across machines.
 """
@@ -51,6 +52,8 @@ def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
     size = size_kb * 1024
     body = chat_body(size, 0)
     hash_settings, pick_settings = RouteSettings(), RouteSettings(mode="pick")
+    isolated, secret, tenant = RouteSettings(tenant_isolation=True), b"microbench-secret-0123456789", {
+        "x-prefix-aware-id": "acme"}
     core = PickCore()
     core.set_endpoints([f"10.0.0.{i}:8000" for i in range(replicas)])
     for i in range(warm_prompts):  # other prompts, some sharing this system prompt
@@ -67,6 +70,7 @@ def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
     return {
         "body_bytes": len(body),
         "hash_decide_us": round(_median_us(lambda: decide(body, {}, hash_settings), number), 1),
+        "isolated_decide_us": round(_median_us(lambda: decide(body, tenant, isolated, secret=secret), number), 1),
         "pick_total_us": round(_median_us(pick_once, number), 1),
         "chunk_hashes_us": round(_median_us(
             lambda: chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS), number), 1),
@@ -83,10 +87,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
-    print("| body | hash mode: decide() | pick mode: decide() + choice | of which chunk hashes | of which index match "
-          "| chunks |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| body | hash mode: decide() | with tenant isolation | pick mode: decide() + choice | of which chunk "
+          "hashes | of which index match | chunks |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['hash_decide_us']} | {r['pick_total_us']} | "
+        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['hash_decide_us']} | {r['isolated_decide_us']} | "
+              f"{r['pick_total_us']} | "
               f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['chunks']} |")
     return 0

@@ -1,0 +1,252 @@
+"""Hostile inputs through decide and the pick path (hypothesis), and the `fuzz` command itself.
+
+test_core.py already covers arbitrary bytes, arbitrary JSON objects, the fixed chat body's
+sampling/order invariance and the tenant and encoding tables; these go further: hostile
+shapes and headers together, random chat bodies reordered at every level, property-based
+tenant and compression rules, the pick path on any decision, and the command's report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import random
+import string
+import zlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc import cli, fuzz
+from extproc.decide import Decision, decide
+from extproc.normalize import MODES, normalize
+from extproc.pick.choose import REASONS
+from extproc.pick.picker import PickCore
+from extproc.settings import RouteSettings
+
+from test_core import SAMPLING
+
+FAST = settings(max_examples=300, deadline=None)
+
+# --- strategies ------------------------------------------------------------------------
+SURROGATES = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=2)
+HOSTILE_TEXT = st.text(max_size=30) | st.builds(str.__add__, st.text(max_size=8), SURROGATES)
+PRINTABLE = st.text(st.sampled_from(string.printable), max_size=300)
+LONG = st.builds(lambda n, c: c * n, st.integers(250, 100_000), st.sampled_from("a \x00é"))
+TENANTS = HOSTILE_TEXT | PRINTABLE | LONG
+KEYS = st.sampled_from(["model", "messages", "prompt", "content", "prompt_cache_key"]) | HOSTILE_TEXT
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | HOSTILE_TEXT,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(KEYS, kids, max_size=4),
+    max_leaves=25,
+)
+TEXT_PARTS = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=40)}), min_size=1,
+                      max_size=3)
+IMAGE = st.just([{"type": "image_url", "image_url": {"url": "http://x/a.png"}}])
+ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
+MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": ROLES, "content": st.text(max_size=80) | TEXT_PARTS | IMAGE},
+    optional={"name": st.text(string.ascii_letters, max_size=6), "tool_call_id": st.just("c1")}), min_size=1, max_size=4)
+CHAT_DOCS = st.fixed_dictionaries({"model": st.sampled_from(fuzz.MODELS), "messages": MESSAGES}, optional={
+    "tools": st.just([{"type": "function", "function": {"name": "lookup"}}]), "cache_salt": st.text(max_size=8)})
+
+
+@st.composite
+def dumped(draw: st.DrawFn, docs: st.SearchStrategy[Any]) -> bytes:
+    """A document as JSON with random escaping and whitespace (lone surrogates as CESU-8 or escapes)."""
+    text = json.dumps(draw(docs), ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])))
+    return text.encode("utf-8", "surrogatepass")
+
+
+CHAT_BODIES = dumped(CHAT_DOCS)
+
+
+@st.composite
+def spliced(draw: st.DrawFn) -> bytes:
+    """A chat body with a huge number, a NaN, a duplicate key or bad UTF-8 spliced in."""
+    raw = draw(st.sampled_from(fuzz.HUGE_NUMBERS + fuzz.NON_FINITE + (b'"dup"', b'[{"role":"user","content":"b"}]')))
+    body = fuzz.with_raw_field(draw(CHAT_BODIES), draw(st.sampled_from(fuzz.SPLICE_FIELDS)), raw)
+    at = draw(st.integers(0, len(body)))
+    return body[:at] + draw(st.sampled_from(fuzz.BAD_UNICODE)) + body[at:] if draw(st.booleans()) else body
+
+
+DEEP = st.builds(bytes.__mul__, st.sampled_from([b"[", b'{"a":', b'[{"messages":']), st.integers(1, 100_000))
+BODIES = st.one_of(st.just(b""), st.binary(max_size=2048), dumped(JSON), CHAT_BODIES, spliced(), DEEP,
+                   st.builds(bytes.__add__, st.just(b"\xef\xbb\xbf"), CHAT_BODIES))
+HEADERS = st.fixed_dictionaries({}, optional={
+    fuzz.TENANT_HEADER: TENANTS, "x-amzn-sagemaker-prefix-aware-id": TENANTS,
+    "content-encoding": st.sampled_from(["", "identity", " IDENTITY ", "gzip", " Deflate ", "br"])})
+ROUTES = st.builds(RouteSettings, prefix_length=st.integers(64, 65536), normalize=st.sampled_from(MODES))
+
+
+def _packed(payload: bytes, method: str) -> bytes:
+    if method == "gzip":
+        return gzip.compress(payload, mtime=0)
+    if method == "zlib":
+        return zlib.compress(payload)
+    raw = zlib.compressobj(wbits=-15)
+    return raw.compress(payload) + raw.flush()
+
+
+def _shuffled_deep(value: Any, rng: random.Random) -> Any:
+    """``value`` with every object's keys in a random order."""
+    if isinstance(value, dict):
+        items = [(k, _shuffled_deep(v, rng)) for k, v in value.items()]
+        rng.shuffle(items)
+        return dict(items)
+    if isinstance(value, list):
+        return [_shuffled_deep(v, rng) for v in value]
+    return value
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# --- decide ----------------------------------------------------------------------------
+@FAST
+@given(body=BODIES, headers=HEADERS, route=ROUTES, complete=st.booleans())
+def test_hostile_requests_never_raise_and_decide_keeps_its_promises(body: bytes, headers: dict[str, str],
+                                                                     route: RouteSettings, complete: bool) -> None:
+    d = decide(body, headers, route, complete=complete)
+    assert d == decide(body, headers, route, complete=complete)  # deterministic
+    assert (d.key is None) == (body == b"")
+    assert d.prefix_bytes <= route.prefix_length
+    assert fuzz.check(fuzz.Case(body, headers, complete), route, d) == []
+
+
+@FAST
+@given(value=TENANTS, in_header=st.booleans(), doc=CHAT_DOCS)
+def test_a_refused_tenant_routes_as_no_tenant(value: str, in_header: bool, doc: dict[str, Any]) -> None:
+    plain = json.dumps(doc).encode()
+    if in_header:
+        body, headers = plain, {fuzz.TENANT_HEADER: value}
+    else:
+        body, headers = json.dumps({**doc, "prompt_cache_key": value}).encode(), {}
+    d = decide(body, headers, RouteSettings())
+    sent = value if in_header else json.loads(body)["prompt_cache_key"]  # escaped surrogate pairs join
+    if not in_header and not _is_utf8(sent):
+        assert (d.tenant, d.fallback) == (None, "not_utf8")  # a lone surrogate: the body is unreadable
+        return
+    tenant, rejected = fuzz.expected_tenant(sent)
+    assert (d.tenant, d.tenant_rejected) == (tenant, rejected)
+    if rejected:
+        assert d.tenant_source is None and d.key == decide(plain, {}, RouteSettings()).key
+
+
+@FAST
+@given(payload=CHAT_BODIES | st.binary(min_size=1, max_size=512), method=st.sampled_from(["gzip", "zlib", "raw"]),
+       header=st.sampled_from(["gzip", "deflate", "GZIP", " deflate ", "gzip, identity"]), route=ROUTES,
+       complete=st.booleans())
+def test_compressed_bodies_are_keyed_raw_and_never_decompressed(payload: bytes, method: str, header: str,
+                                                               route: RouteSettings, complete: bool) -> None:
+    packed = _packed(payload, method)
+    d = decide(packed, {"content-encoding": header}, route, complete=complete)
+    assert (d.normalize, d.fallback, d.tenant_source) == ("raw", "content_encoded", None)
+    assert d.normalized == packed
+
+
+@FAST
+@given(doc=CHAT_DOCS, sampling=SAMPLING, order=st.randoms(use_true_random=False),
+       indent=st.sampled_from([None, 0, 3]), ascii_only=st.booleans())
+def test_normal_form_of_any_chat_body_ignores_sampling_key_order_and_whitespace(
+        doc: dict[str, Any], sampling: dict[str, Any], order: random.Random, indent: int | None,
+        ascii_only: bool) -> None:
+    def form(value: Any, mode: str) -> bytes:
+        return normalize(json.dumps(value, indent=indent, ensure_ascii=ascii_only).encode(), mode).data
+
+    base = json.dumps(doc).encode()
+    assert form(_shuffled_deep({**doc, **sampling}, order), "prompt") == normalize(base, "prompt").data
+    assert form(_shuffled_deep(doc, order), "canonical") == normalize(base, "canonical").data
+
+
+# --- the pick path ---------------------------------------------------------------------
+NO_FLEET = PickCore.from_state({"replicas": [{"address": "10.0.0.9:1", "healthy": False}]})
+DECISIONS = st.builds(Decision, key=st.none() | st.text(max_size=20) | SURROGATES, tenant=st.none(),
+                      tenant_source=st.none(), normalize=st.sampled_from(MODES), fallback=st.none(),
+                      prefix_bytes=st.integers(0, 65536), normalized_bytes=st.integers(0, 10**6), preview=st.just(b""),
+                      normalized=st.binary(max_size=8192))
+PICK_ROUTES = st.builds(RouteSettings, mode=st.just("pick"), concurrency_threshold=st.integers(0, 16),
+                        tie_tokens=st.integers(0, 4096), load_tokens=st.integers(0, 4096),
+                        backlog_weight=st.floats(0, 4))
+
+
+@FAST
+@given(body=BODIES | CHAT_BODIES, headers=HEADERS, route=ROUTES, pick=PICK_ROUTES, built=DECISIONS,
+       fleet=st.booleans())
+def test_the_pick_path_never_raises_for_any_decision(body: bytes, headers: dict[str, str], route: RouteSettings,
+                                                    pick: RouteSettings, built: Decision, fleet: bool) -> None:
+    core = fuzz.pick_core() if fleet else NO_FLEET
+    healthy = {r.address for r in core.load.snapshot().replicas if r.healthy}
+    for decision in (decide(body, headers, route), built):
+        choice, _ = core.evaluate(decision, pick)
+        assert choice.reason in REASONS and (choice.address in healthy or choice.address is None)
+        assert (choice.address is None) == (not healthy)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.sampled_from(sorted(fuzz.SHAPES)), seed=st.integers(0, 2**32), mode=st.sampled_from(MODES),
+       limit=st.sampled_from([fuzz.DEFAULT_MAX_BODY_BYTES, 4096]))
+def test_every_fuzz_shape_keeps_decides_promises(shape: str, seed: int, mode: str, limit: int) -> None:
+    case = fuzz.fit(fuzz.SHAPES[shape](random.Random(seed), limit), limit)
+    route = RouteSettings(normalize=mode, prefix_length=64 + seed % 65473)
+    assert len(case.body) <= limit
+    assert fuzz.check(case, route, decide(case.body, case.headers, route, complete=case.complete)) == []
+
+
+# --- the command -----------------------------------------------------------------------
+def _fuzz_command(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, dict[str, Any]]:
+    rc = cli.main(["fuzz", "--bodies", "300", "--json", "--seed", "5", *flags])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_fuzz_command_reports_every_shape_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, report = _fuzz_command(capsys)
+    assert rc == 0
+    assert set(report) == set(fuzz.REPORT_KEYS)
+    assert (report["bodies"], report["exceptions"], report["violations"], report["examples"]) == (300, 0, 0, [])
+    assert set(report["shapes"]) == set(fuzz.SHAPES) and all(s["count"] > 0 for s in report["shapes"].values())
+    assert sum(s["count"] for s in report["shapes"].values()) == 300
+    assert sum(report["pick_reasons"].values()) > 0 and report["fallbacks"]["content_encoded"] > 0
+    assert 0 < report["p99_ms"] <= report["max_ms"] and report["max_ms_per_mib"] > 0
+    assert report["peak_rss_mib"] >= report["rss_before_mib"] > 0
+    assert cli.main(["fuzz", "--bodies", "40"]) == 0 and "hostile_tenant" in capsys.readouterr().out  # the table
+
+
+def test_fuzz_command_fails_when_decide_raises(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    real = fuzz.decide
+
+    def broken(body: bytes, *args: Any, **kwargs: Any) -> Decision:
+        if not body:  # the "empty" shape only
+            raise ValueError("boom")
+        return real(body, *args, **kwargs)
+
+    monkeypatch.setattr(fuzz, "decide", broken)
+    rc, report = _fuzz_command(capsys)
+    empty = report["shapes"]["empty"]
+    assert rc == 1 and report["exceptions"] == empty["count"] == empty["failures"] > 0
+    first = report["examples"][0]
+    assert (first["shape"], first["stage"], first["error"]) == ("empty", "decide", "ValueError('boom')")
+    assert first["where"].endswith("in broken")
+
+
+def test_fuzz_command_fails_when_a_promise_breaks(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    real = fuzz.decide
+
+    def decompressing(*args: Any, **kwargs: Any) -> Decision:
+        return dataclasses.replace(real(*args, **kwargs), fallback=None)  # claims it parsed the body
+
+    monkeypatch.setattr(fuzz, "decide", decompressing)
+    rc, report = _fuzz_command(capsys)
+    assert rc == 1 and report["exceptions"] == 0
+    assert report["shapes"]["compressed"]["failures"] == report["shapes"]["compressed"]["count"]
+    assert any("content-encoded body is keyed raw" in e["error"] for e in report["examples"])
