@@ -41,7 +41,7 @@ DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"  # Gateway API In
 
 
 @contextlib.contextmanager
-def _without_gc() -> Iterator[None]:
+def without_gc() -> Iterator[None]:
     """Pause the cyclic GC while one body is decided.
 
     A body of millions of tiny JSON containers makes the parse allocate them all at once, and
@@ -203,7 +203,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                 complete: bool) -> Decision | None:
         started = time.perf_counter()
         try:
-            with _without_gc():
+            with without_gc():
                 decision = decide(body, headers, settings, complete=complete, secret=self.secret)
         except Exception:
             log.exception("deciding a prefix key failed; passing the request on without one")

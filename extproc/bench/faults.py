@@ -49,6 +49,8 @@ from extproc.sim.profiles import get_profile
 
 UNKEYED_STAT = "http.llm.ext_proc.failure_mode_allowed"
 RETRY_STAT = "cluster.vllm.upstream_rq_retry"
+RETRY_OVERFLOW_STAT = "cluster.vllm.upstream_rq_retry_overflow"  # the retry budget said no
+RETRY_LIMIT_STAT = "cluster.vllm.upstream_rq_retry_limit_exceeded"  # num_retries used up
 MODES = {"hash": "prefix-bounded", "pick": "prefix-pick"}  # mode -> arm (shipped config)
 SETTLE_S = 4.0  # after a fault starts, before "after" windows count (health checks need ~3 s)
 
@@ -295,6 +297,8 @@ def _row(mode: str, fault: str, result: loadgen.LoadResult, marks: dict[str, flo
         "errors": dict(Counter(r.error for r in failed)),
         "unkeyed": after.get(UNKEYED_STAT, 0) - before.get(UNKEYED_STAT, 0),
         "retries": after.get(RETRY_STAT, 0) - before.get(RETRY_STAT, 0),
+        "retries_refused": {name: after.get(k, 0) - before.get(k, 0)
+                            for name, k in (("budget", RETRY_OVERFLOW_STAT), ("limit", RETRY_LIMIT_STAT))},
         "recovery_s": _recovery(fault, marks, samples, sorted(r.start for r in ok if r.replica == touched)),
         "keys_moved_other": keys_moved(results, keys, marks.get("fault", 0.0), SETTLE_S, touched),
         "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else None,
@@ -305,7 +309,7 @@ def _row(mode: str, fault: str, result: loadgen.LoadResult, marks: dict[str, flo
 
 def _stats(arm: arms_mod.RunningArm) -> dict[str, int]:
     assert arm.envoy is not None
-    return arm.envoy.stats("ext_proc.failure_mode_allowed|cluster.vllm.upstream_rq_retry$")
+    return arm.envoy.stats("ext_proc.failure_mode_allowed|cluster.vllm.upstream_rq_retry($|_overflow|_limit_exceeded)")
 
 
 def run_fault(mode: str, fault: str, cfg: DrillConfig, trace: Trace, spec: FleetSpec,
