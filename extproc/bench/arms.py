@@ -108,10 +108,15 @@ def envoy_config_for(
     prefix_length: int = 4096,
     balance_factor: int = DEFAULT_BALANCE_FACTOR,
     router_settings: Mapping[str, str] | None = None,
+    health_interval: float | None = 0.5,
 ) -> envoy_config.Config:
-    """The arm's shipped config localised to our ports and changed only where the arm differs."""
+    """The arm's shipped config localised to our ports and changed only where the arm differs.
+
+    Health checks run every ``health_interval`` seconds (fleet changes register fast), or as
+    shipped when None (the fault drill measures the shipped detection times).
+    """
     cfg = envoy_config.localize(envoy_config.load(arm.base), listener_port=listener_port, admin_port=admin_port,
-                                backends=backends, extproc_port=extproc_port, health_interval=0.5)
+                                backends=backends, extproc_port=extproc_port, health_interval=health_interval)
     vllm = envoy_config.cluster(cfg, "vllm")
     vllm["lb_policy"] = arm.lb_policy
     common = vllm.setdefault("common_lb_config", {})
@@ -138,8 +143,10 @@ class RunningArm:
 
     def __init__(self, arm: ArmSpec, backend_urls: list[str], *, prefix_length: int = 4096,
                  balance_factor: int = DEFAULT_BALANCE_FACTOR, router_settings: Mapping[str, str] | None = None,
-                 endpoints: Sequence[int] | None = None, router_metrics: bool = False) -> None:
+                 endpoints: Sequence[int] | None = None, router_metrics: bool = False,
+                 health_interval: float | None = 0.5) -> None:
         self.arm = arm
+        self.health_interval = health_interval
         self.router_metrics = router_metrics  # serve each router's /metrics (metrics_ports[i])
         self.metrics_ports: list[int] = []
         self.backend_urls = backend_urls
@@ -202,7 +209,7 @@ class RunningArm:
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
                                extproc_port=grpc_ports[0] if self.arm.prefix else None,
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor,
-                               router_settings=self.router_settings)
+                               router_settings=self.router_settings, health_interval=self.health_interval)
         if self.arm.prefix:
             envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in grpc_ports])
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it

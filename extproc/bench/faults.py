@@ -5,6 +5,7 @@ mode (pick.yaml), one fresh fleet and arm per fault: shared-prefix chat at a fix
 the fault at ``warm_s``, healed ``fault_s`` later, then ``after_s`` more of load. Every
 replica is its own simulator process on a fixed port, so "killed" is a real SIGKILL (and a
 restart on the same port) and "hung" a real SIGSTOP; routers are killed and frozen the same way.
+Envoy's health checks run at the shipped intervals, so detection times are what you deploy.
 
 Per fault, report.json's ``faults`` rows hold ``requests``, ``failures`` (``failures_started_stream``: the
 replica had already sent the response headers, so no proxy can retry them),
@@ -52,7 +53,7 @@ RETRY_STAT = "cluster.vllm.upstream_rq_retry"
 RETRY_OVERFLOW_STAT = "cluster.vllm.upstream_rq_retry_overflow"  # the retry budget said no
 RETRY_LIMIT_STAT = "cluster.vllm.upstream_rq_retry_limit_exceeded"  # num_retries used up
 MODES = {"hash": "prefix-bounded", "pick": "prefix-pick"}  # mode -> arm (shipped config)
-SETTLE_S = 4.0  # after a fault starts, before "after" windows count (health checks need ~3 s)
+SETTLE_S = 6.0  # after a fault starts, before "after" windows count (shipped health checks: 2 x 2 s)
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,7 @@ def run_fault(mode: str, fault: str, cfg: DrillConfig, trace: Trace, spec: Fleet
         fleet.start()
         for i in set(range(spec.replicas)) - set(members):
             _set_health(fleet.urls[i], False)
-        with arms_mod.RunningArm(arm, fleet.urls, endpoints=members) as running:
+        with arms_mod.RunningArm(arm, fleet.urls, endpoints=members, health_interval=None) as running:
             inject = _Inject(fault, fleet, running)
             prog.start(f"{mode} {fault}", len(trace))
             before = _stats(running)
