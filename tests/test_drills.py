@@ -14,9 +14,9 @@ from extproc.bench.loadgen import Result
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    cfg = faults.DrillConfig(modes=("hash", "pick"), faults=("router-restart", "replica-500s", "replica-killed"),
+    cfg = faults.Config(modes=("hash", "pick"), faults=("router-restart", "replica-500s", "replica-killed"),
                              out=tmp_path_factory.mktemp("faults"), **faults.QUICK)
-    report = faults.run_drill(cfg)
+    report = faults.run(cfg)
     report["out"] = cfg.out
     return report
 
@@ -63,7 +63,7 @@ def test_keys_moved_counts_only_keys_away_from_the_touched_replica() -> None:
 
 
 def test_soak_samples_memory_and_every_stream_closes(tmp_path: Path) -> None:
-    report = soak.run_soak(soak.SoakConfig(arms=("prefix-pick",), out=tmp_path, **soak.QUICK))
+    report = soak.run(soak.Config(arms=("prefix-pick",), out=tmp_path, **soak.QUICK))
     [arm] = report["arms"]
     assert arm["requests"] > 20 and arm["failures"] == 0
     assert len(arm["rss_mb"]["prefix_router"]) >= 5

@@ -108,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
     from extproc.bench.report import markdown_table, overhead_table
     from extproc.bench.runner import run_bench
 
-    if args.scenario == "faults":
-        return _run_faults(args)
-    if args.scenario == "soak":
-        return _run_soak(args)
+    if args.scenario in DRILLS:
+        import importlib
+
+        from extproc.bench.drill import run_from_args
+
+        module = importlib.import_module(f"extproc.bench.{args.scenario}")
+        return run_from_args(args.scenario, module, args, _params, _arms, progress.default())
     try:
         cfg = config_from_args(args)
     except (ValueError, KeyError) as exc:
@@ -137,57 +140,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nreport: {cfg.out / 'report.md'} (and report.json, PNG plots) in {cfg.out}")
     return 0
 
-
-def _run_faults(args: argparse.Namespace) -> int:
-    from extproc.bench import faults
-
-    out = Path(args.out) / "faults" if args.out == "bench-out" else Path(args.out)
-    fields: dict[str, object] = {**(faults.QUICK if args.quick else {}), "seed": args.seed, "out": out,
-                                 "progress": progress.default()}
-    for key, value in (("replicas", args.replicas), ("concurrency", args.concurrency),
-                       ("time_scale", args.time_scale)):
-        if value is not None:
-            fields[key] = value
-    try:
-        for key, value in _params(args.param).items():
-            if key in ("faults", "modes"):
-                fields[key] = tuple(v.strip() for v in value.split(",") if v.strip())
-            elif key in ("warm_s", "fault_s", "after_s"):
-                fields[key] = float(value)
-            else:
-                raise ValueError(f"the faults drill has no parameter {key!r} (faults, modes, warm_s, fault_s, after_s)")
-        report = faults.run_drill(faults.DrillConfig(**fields))  # type: ignore[arg-type]
-    except ValueError as exc:
-        print(f"prefix-router bench: {exc}", file=sys.stderr)
-        return 2
-    print()
-    print(faults.markdown(report))
-    print(f"\nreport: {out / 'report.md'} (and report.json)")
-    return 0
-
-
-def _run_soak(args: argparse.Namespace) -> int:
-    from extproc.bench import soak
-
-    out = Path(args.out) / "soak" if args.out == "bench-out" else Path(args.out)
-    fields: dict[str, object] = {**(soak.QUICK if args.quick else {}), "seed": args.seed, "out": out,
-                                 "progress": progress.default()}
-    for key, value in (("duration_s", args.duration_s), ("rate", args.rate), ("replicas", args.replicas),
-                       ("time_scale", args.time_scale)):
-        if value is not None:
-            fields[key] = value
-    try:
-        if args.arms:
-            fields["arms"] = tuple(_arms(args.arms) or ())
-        for key, value in _params(args.param).items():
-            if key not in ("sample_s", "prefixes"):
-                raise ValueError(f"the soak has no parameter {key!r} (sample_s, prefixes)")
-            fields[key] = float(value) if key == "sample_s" else int(value)
-        report = soak.run_soak(soak.SoakConfig(**fields))  # type: ignore[arg-type]
-    except ValueError as exc:
-        print(f"prefix-router bench: {exc}", file=sys.stderr)
-        return 2
-    print()
-    print(soak.markdown(report))
-    print(f"\nreport: {out / 'report.md'} (and report.json, rss.png)")
-    return 0

@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import signal
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from extproc.bench import arms as arms_mod
-from extproc.bench import loadgen, progress as progress_mod
+from extproc.bench import drill, loadgen, progress as progress_mod
 from extproc.bench.backends import SimBackend
-from extproc.bench.runner import _run_async, _set_health
+from extproc.bench.runner import run_async, set_health
 from extproc.bench.scenarios import FAULT_LOAD, FleetSpec
 from extproc.bench.trace import Trace
 from extproc.decide import decide
@@ -54,48 +53,6 @@ RETRY_OVERFLOW_STAT = "cluster.vllm.upstream_rq_retry_overflow"  # the retry bud
 RETRY_LIMIT_STAT = "cluster.vllm.upstream_rq_retry_limit_exceeded"  # num_retries used up
 MODES = {"hash": "prefix-bounded", "pick": "prefix-pick"}  # mode -> arm (shipped config)
 SETTLE_S = 6.0  # after a fault starts, before "after" windows count (shipped health checks: 2 x 2 s)
-
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    summary: str
-    routers: int = 1
-
-
-FAULTS: dict[str, Fault] = {f.name: f for f in (
-    Fault("none", "no fault: the control row (baseline failures, churn and hit rate)"),
-    Fault("router-restart", "the router SIGKILLed, restarted fault_s later"),
-    Fault("router-one-of-two", "two routers behind the prefix_router cluster, one SIGKILLed for good", routers=2),
-    Fault("router-slow", "the router frozen (SIGSTOP) past message_timeout for fault_s, then resumed"),
-    Fault("replica-killed", "replica 0 SIGKILLed, restarted on its port fault_s later (cold cache)"),
-    Fault("replica-hung", "replica 0 frozen (SIGSTOP) for fault_s: accepts connections, never answers"),
-    Fault("replica-500s", "replica 0 answers every inference request with a 500 for fault_s (health stays OK)"),
-    Fault("replica-leaves", "replica 0 starts failing health checks (scale-in), never returns"),
-    Fault("replica-joins", "replica 3 starts unhealthy and joins the fleet at warm_s (scale-out)"),
-)}
-
-
-@dataclass
-class DrillConfig:
-    modes: Sequence[str] = ("hash", "pick")
-    faults: Sequence[str] = tuple(FAULTS)
-    replicas: int = 4
-    concurrency: int = 16
-    warm_s: float = 8.0
-    fault_s: float = 10.0
-    after_s: float = 12.0
-    time_scale: float = 1.0
-    seed: int = 0
-    out: Path | None = None
-    progress: progress_mod.Progress = field(default_factory=progress_mod.Quiet)
-
-    @property
-    def duration_s(self) -> float:
-        return self.warm_s + self.fault_s + self.after_s
-
-
-QUICK = dict(warm_s=3.0, fault_s=4.0, after_s=5.0, replicas=3, concurrency=8)
 
 
 class Replicas:
@@ -138,7 +95,7 @@ class Replicas:
         return {f"replica_{i}": p.process.pid for i, p in enumerate(self.procs) if p.process}
 
 
-def _trace(cfg: DrillConfig) -> tuple[Trace, FleetSpec]:
+def _trace(cfg: Config) -> tuple[Trace, FleetSpec]:
     """Shared-prefix traffic long enough that the load never runs dry within the drill (the
     same keys recur throughout, so key moves are measurable)."""
     params = FAULT_LOAD.resolve(dict(replicas=cfg.replicas, time_scale=cfg.time_scale,
@@ -147,64 +104,83 @@ def _trace(cfg: DrillConfig) -> tuple[Trace, FleetSpec]:
     return FAULT_LOAD.trace(params, cfg.seed, get_profile(spec.profile).model), spec
 
 
-class _Inject:
-    """What each fault does at its start and at its heal (blocking calls, run in a thread)."""
-
-    def __init__(self, fault: str, fleet: Replicas, arm: arms_mod.RunningArm) -> None:
-        self.fault, self.fleet, self.arm = fault, fleet, arm
-
-    def start(self) -> None:
-        f, fleet, arm = self.fault, self.fleet, self.arm
-        if f in ("router-restart", "router-one-of-two"):
-            arm.routers[-1].signal(signal.SIGKILL)
-        elif f == "router-slow":
-            arm.routers[0].signal(signal.SIGSTOP)
-        elif f == "replica-killed":
-            fleet.kill(0)
-        elif f == "replica-hung":
-            fleet.freeze(0, True)
-        elif f == "replica-500s":
-            fleet.fail(0, 1.0)
-        elif f == "replica-leaves":
-            _set_health(fleet.urls[0], False)
-            arm.set_endpoints([i for i in arm.endpoints if i != 0])
-        elif f == "replica-joins":
-            _set_health(fleet.urls[-1], True)
-            arm.set_endpoints(sorted({*arm.endpoints, len(fleet.urls) - 1}))
-
-    def heal(self) -> None:
-        f, fleet, arm = self.fault, self.fleet, self.arm
-        if f == "router-restart":
-            arm.restart_router(len(arm.routers) - 1)
-        elif f == "router-slow":
-            arm.routers[0].signal(signal.SIGCONT)
-        elif f == "replica-killed":
-            fleet.restart(0)
-        elif f == "replica-hung":
-            fleet.freeze(0, False)
-        elif f == "replica-500s":
-            fleet.fail(0, 0.0)
-
-    def touched(self) -> int | None:
-        """The replica the fault is about (None for router faults)."""
-        if self.fault.startswith("replica-"):
-            return len(self.fleet.urls) - 1 if self.fault == "replica-joins" else 0
-        return None
+Action = Callable[[Replicas, arms_mod.RunningArm], None]  # blocking: runs in a thread
 
 
-async def _drive(inject: _Inject, cfg: DrillConfig, t0: float, marks: dict[str, float],
-                 note: Callable[[str], None]) -> None:
+def _leave(fleet: Replicas, arm: arms_mod.RunningArm) -> None:
+    set_health(fleet.urls[0], False)
+    arm.set_endpoints([i for i in arm.endpoints if i != 0])
+
+
+def _join(fleet: Replicas, arm: arms_mod.RunningArm) -> None:
+    set_health(fleet.urls[-1], True)
+    arm.set_endpoints(sorted({*arm.endpoints, len(fleet.urls) - 1}))
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    summary: str
+    start: Action | None = None  # at warm_s
+    heal: Action | None = None  # fault_s later (None: the fault stays)
+    routers: int = 1
+    touched: int | None = None  # the replica the fault is about (-1: the last); None for router faults
+    joins: bool = False  # the touched replica is out of the fleet until the fault starts
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("none", "no fault: the control row (baseline failures, churn and hit rate)"),
+    Fault("router-restart", "the router SIGKILLed, restarted fault_s later",
+          lambda f, a: a.routers[-1].signal(signal.SIGKILL), lambda f, a: a.restart_router(len(a.routers) - 1)),
+    Fault("router-one-of-two", "two routers behind the prefix_router cluster, one SIGKILLed for good",
+          lambda f, a: a.routers[-1].signal(signal.SIGKILL), routers=2),
+    Fault("router-slow", "the router frozen (SIGSTOP) past message_timeout for fault_s, then resumed",
+          lambda f, a: a.routers[0].signal(signal.SIGSTOP), lambda f, a: a.routers[0].signal(signal.SIGCONT)),
+    Fault("replica-killed", "replica 0 SIGKILLed, restarted on its port fault_s later (cold cache)",
+          lambda f, a: f.kill(0), lambda f, a: f.restart(0), touched=0),
+    Fault("replica-hung", "replica 0 frozen (SIGSTOP) for fault_s: accepts connections, never answers",
+          lambda f, a: f.freeze(0, True), lambda f, a: f.freeze(0, False), touched=0),
+    Fault("replica-500s", "replica 0 answers every inference request with a 500 for fault_s (health stays OK)",
+          lambda f, a: f.fail(0, 1.0), lambda f, a: f.fail(0, 0.0), touched=0),
+    Fault("replica-leaves", "replica 0 starts failing health checks (scale-in), never returns", _leave, touched=0),
+    Fault("replica-joins", "the last replica starts unhealthy and joins the fleet at warm_s (scale-out)", _join,
+          touched=-1, joins=True),
+)}
+
+
+@dataclass
+class Config(drill.Common):
+    modes: Sequence[str] = ("hash", "pick")
+    faults: Sequence[str] = tuple(FAULTS)
+    concurrency: int = 16
+    warm_s: float = 8.0
+    fault_s: float = 10.0
+    after_s: float = 12.0
+
+    @property
+    def duration_s(self) -> float:
+        return self.warm_s + self.fault_s + self.after_s
+
+
+QUICK = dict(warm_s=3.0, fault_s=4.0, after_s=5.0, replicas=3, concurrency=8)
+FLAGS = ("replicas", "concurrency", "time_scale")
+PARAMS = {"faults": drill.names, "modes": drill.names, "warm_s": float, "fault_s": float, "after_s": float}
+
+
+async def _drive(fault: Fault, fleet: Replicas, arm: arms_mod.RunningArm, cfg: Config, t0: float,
+                 marks: dict[str, float], note: Callable[[str], None]) -> None:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, t0 + cfg.warm_s - time.monotonic()))
     marks["fault"] = time.monotonic() - t0
-    await loop.run_in_executor(None, inject.start)
-    note(f"t={marks['fault']:.1f}s: {inject.fault} starts")
-    if inject.fault in ("none", "router-one-of-two", "replica-leaves", "replica-joins"):
+    if fault.start is not None:
+        await loop.run_in_executor(None, fault.start, fleet, arm)
+    note(f"t={marks['fault']:.1f}s: {fault.name} starts")
+    if fault.heal is None:
         return
     await asyncio.sleep(max(0.0, t0 + cfg.warm_s + cfg.fault_s - time.monotonic()))
-    await loop.run_in_executor(None, inject.heal)
+    await loop.run_in_executor(None, fault.heal, fleet, arm)
     marks["heal"] = time.monotonic() - t0
-    note(f"t={marks['heal']:.1f}s: {inject.fault} healed")
+    note(f"t={marks['heal']:.1f}s: {fault.name} healed")
 
 
 async def _poll_unkeyed(arm: arms_mod.RunningArm, t0: float, samples: list[tuple[float, int]],
@@ -218,13 +194,13 @@ async def _poll_unkeyed(arm: arms_mod.RunningArm, t0: float, samples: list[tuple
         await asyncio.sleep(every)
 
 
-async def _load_with_fault(arm: arms_mod.RunningArm, inject: _Inject, trace: Trace, cfg: DrillConfig,
+async def _load_with_fault(arm: arms_mod.RunningArm, fleet: Replicas, fault: Fault, trace: Trace, cfg: Config,
                            prog: progress_mod.Progress) -> tuple[loadgen.LoadResult, dict[str, float],
                                                                  list[tuple[float, int]]]:
     marks: dict[str, float] = {}
     samples: list[tuple[float, int]] = []
     t0 = time.monotonic()
-    helpers = [asyncio.create_task(_drive(inject, cfg, t0, marks, prog.note)),
+    helpers = [asyncio.create_task(_drive(fault, fleet, arm, cfg, t0, marks, prog.note)),
                asyncio.create_task(_poll_unkeyed(arm, t0, samples))]
     try:
         result = await loadgen.run_load(arm.url, trace.sessions, concurrency=cfg.concurrency,
@@ -313,34 +289,33 @@ def _stats(arm: arms_mod.RunningArm) -> dict[str, int]:
     return arm.envoy.stats("ext_proc.failure_mode_allowed|cluster.vllm.upstream_rq_retry($|_overflow|_limit_exceeded)")
 
 
-def run_fault(mode: str, fault: str, cfg: DrillConfig, trace: Trace, spec: FleetSpec,
+def run_fault(mode: str, fault: str, cfg: Config, trace: Trace, spec: FleetSpec,
               keys: dict[int, str]) -> dict[str, Any]:
     """One fault under load on a fresh fleet and arm; returns its report row."""
     prog = cfg.progress
-    arm = dataclasses.replace(arms_mod.get(MODES[mode]), routers=FAULTS[fault].routers)
+    what = FAULTS[fault]
+    arm = dataclasses.replace(arms_mod.get(MODES[mode]), routers=what.routers)
     fleet = Replicas(spec)
-    members = list(range(spec.replicas - 1)) if fault == "replica-joins" else list(range(spec.replicas))
+    members = list(range(spec.replicas - 1 if what.joins else spec.replicas))
     try:
         fleet.start()
         for i in set(range(spec.replicas)) - set(members):
-            _set_health(fleet.urls[i], False)
+            set_health(fleet.urls[i], False)
         with arms_mod.RunningArm(arm, fleet.urls, endpoints=members, health_interval=None) as running:
-            inject = _Inject(fault, fleet, running)
             prog.start(f"{mode} {fault}", len(trace))
             before = _stats(running)
-            result, marks, samples = _run_async(_load_with_fault(running, inject, trace, cfg, prog))
+            result, marks, samples = run_async(_load_with_fault(running, fleet, what, trace, cfg, prog))
             after = _stats(running)
     finally:
         fleet.stop()
-    touched = inject.touched()
     row = _row(mode, fault, result, marks, samples, (before, after), keys,
-               fleet.urls[touched] if touched is not None else None)
+               fleet.urls[what.touched] if what.touched is not None else None)
     prog.finish(f"{mode} {fault}: {row['requests']} requests, {row['failures']} failed, {row['unkeyed']} unkeyed, "
                 f"{row['retries']} retries, recovery {row['recovery_s']} s")
     return row
 
 
-def run_drill(cfg: DrillConfig) -> dict[str, Any]:
+def run(cfg: Config) -> dict[str, Any]:
     unknown = [f for f in cfg.faults if f not in FAULTS] + [m for m in cfg.modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown fault or mode {', '.join(unknown)}; faults: {', '.join(FAULTS)}; "
@@ -349,7 +324,7 @@ def run_drill(cfg: DrillConfig) -> dict[str, Any]:
     keys = _keys(trace)
     report: dict[str, Any] = {
         "scenario": "faults",
-        "params": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("out", "progress")},
+        "params": drill.params(cfg),
         "configs": {m: arms_mod.get(a).base for m, a in MODES.items() if m in cfg.modes},
         "faults": [],
     }
@@ -378,14 +353,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     p = report["params"]
-    text = [f"# Fault drill ({', '.join(f'{m}: envoy/{c}' for m, c in report['configs'].items())})", "",
-            f"Shared-prefix chat (24 Zipf-popular 2000-token prefixes), {p['concurrency']} requests in flight, "
-            f"{p['replicas']} simulated replicas "
-            f"(one process each). Each fault starts at {p['warm_s']:.0f} s and is healed {p['fault_s']:.0f} s later; "
-            f"load runs {p['warm_s'] + p['fault_s'] + p['after_s']:.0f} s per fault.", "",
-            markdown(report), "", "Errors:", ""]
-    text += [f"- {r['mode']} {r['fault']}: {r['errors']}" for r in report["faults"] if r["errors"]]
-    (out / "report.md").write_text("\n".join(text) + "\n")
+    configs = ", ".join(f"{m}: envoy/{c}" for m, c in report["configs"].items())
+    intro = (f"Shared-prefix chat (24 Zipf-popular 2000-token prefixes), {p['concurrency']} requests in flight, "
+             f"{p['replicas']} simulated replicas (one process each). Each fault starts at {p['warm_s']:.0f} s and is "
+             f"healed {p['fault_s']:.0f} s later; load runs {p['warm_s'] + p['fault_s'] + p['after_s']:.0f} s per fault.")
+    errors = [f"- {r['mode']} {r['fault']}: {r['errors']}" for r in report["faults"] if r["errors"]]
+    drill.write(report, out, f"Fault drill ({configs})", "\n".join([intro, "", markdown(report), "", "Errors:", "", *errors]))

@@ -164,7 +164,7 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     return report
 
 
-def _set_health(url: str, healthy: bool) -> None:
+def set_health(url: str, healthy: bool) -> None:
     status, body = http_post_json(url.rstrip("/") + "/sim/control", {"healthy": healthy}, timeout=10)
     if status != 200:
         raise RuntimeError(f"cannot switch {url} healthy={healthy}: {status} {body}")
@@ -184,7 +184,7 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
                 current.append(e.replica)
             else:
                 current.remove(e.replica)
-            await loop.run_in_executor(None, _set_health, urls[e.replica], e.action == "join")
+            await loop.run_in_executor(None, set_health, urls[e.replica], e.action == "join")
             await loop.run_in_executor(None, running.set_endpoints, sorted(current))
             note(f"t={e.at_s:.0f}s: replica {e.replica} {'joins' if e.action == 'join' else 'leaves'}")
 
@@ -206,13 +206,13 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     try:
         backend.start()  # inside the try: an interrupted start still stops what it started
         for i in set(range(spec.replicas)) - set(members):
-            _set_health(backend.urls[i], False)
+            set_health(backend.urls[i], False)
         with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
                                  router_settings=cfg.router_settings, endpoints=members) as running:
             before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
-            result = _run_async(_with_events(loadgen.run_load(
+            result = run_async(_with_events(loadgen.run_load(
                 running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
                 duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance),
                 running, backend.urls, events, members, prog.note))
@@ -241,7 +241,7 @@ def _scrape(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:
         return []
 
 
-def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run on uvloop when installed (a lighter client), else asyncio."""
     try:
         import uvloop

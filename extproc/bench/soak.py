@@ -12,19 +12,17 @@ the end of warm-up, and no stream is left open.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from extproc.bench import arms as arms_mod
-from extproc.bench import loadgen, progress as progress_mod
+from extproc.bench import drill, loadgen, progress as progress_mod
 from extproc.bench.backends import SimBackend
-from extproc.bench.runner import _run_async
+from extproc.bench.runner import run_async
 from extproc.bench.scenarios import FAULT_LOAD
 from extproc.proc_cpu import process_rss_mb
 from extproc.procs import wait_until
@@ -36,20 +34,17 @@ WARMUP_SHARE = 0.2
 
 
 @dataclass
-class SoakConfig:
+class Config(drill.Common):
     arms: Sequence[str] = ("prefix-bounded", "prefix-pick")
     duration_s: float = 600.0
     rate: float = 8.0
     sample_s: float = 30.0
-    replicas: int = 4
     prefixes: int = 200
-    time_scale: float = 1.0
-    seed: int = 0
-    out: Path | None = None
-    progress: progress_mod.Progress = field(default_factory=progress_mod.Quiet)
 
 
 QUICK = dict(duration_s=8.0, rate=10.0, sample_s=1.0, replicas=2, prefixes=20, time_scale=20.0)
+FLAGS = ("arms", "duration_s", "rate", "replicas", "time_scale")
+PARAMS = {"sample_s": float, "prefixes": int}
 
 
 def streams_active(metrics_port: int) -> float:
@@ -69,7 +64,7 @@ async def _sample(pids: dict[str, int], t0: float, every: float, series: dict[st
         await asyncio.sleep(every)
 
 
-async def _load(running: arms_mod.RunningArm, cfg: SoakConfig, sessions: Sequence[Any],
+async def _load(running: arms_mod.RunningArm, cfg: Config, sessions: Sequence[Any],
                 series: dict[str, list[list[float]]]) -> loadgen.LoadResult:
     t0 = time.monotonic()
     pids = {k: v for k, v in running.pids.items() if k.startswith(("prefix_router", "envoy"))}
@@ -93,7 +88,7 @@ def flatness(points: Sequence[Sequence[float]], duration_s: float) -> dict[str, 
             "growth_after_warmup": round(max(later) / warm[-1] - 1, 4)}
 
 
-def run_arm(name: str, cfg: SoakConfig) -> dict[str, Any]:
+def run_arm(name: str, cfg: Config) -> dict[str, Any]:
     params = FAULT_LOAD.resolve(dict(replicas=cfg.replicas, time_scale=cfg.time_scale, prefixes=cfg.prefixes,
                                      requests=int(cfg.rate * cfg.duration_s * 1.2) + 10))
     spec = FAULT_LOAD.fleet(dict(params))
@@ -104,7 +99,7 @@ def run_arm(name: str, cfg: SoakConfig) -> dict[str, Any]:
         backend.start()
         with arms_mod.RunningArm(arms_mod.get(name), backend.urls, router_metrics=True) as running:
             cfg.progress.start(f"soak {name}", int(cfg.rate * cfg.duration_s))
-            result = _run_async(_load(running, cfg, trace.sessions, series))
+            result = run_async(_load(running, cfg, trace.sessions, series))
             stopped = time.monotonic()
             port = running.metrics_ports[0]
             try:
@@ -129,10 +124,10 @@ def run_arm(name: str, cfg: SoakConfig) -> dict[str, Any]:
     return row
 
 
-def run_soak(cfg: SoakConfig) -> dict[str, Any]:
+def run(cfg: Config) -> dict[str, Any]:
     report: dict[str, Any] = {
         "scenario": "soak",
-        "params": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("out", "progress")},
+        "params": drill.params(cfg),
         "arms": [],
     }
     try:
@@ -161,12 +156,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    p = report["params"]
-    (out / "report.md").write_text(
-        f"# Soak: {p['duration_s']:.0f} s at {p['rate']} requests/s per arm, {p['replicas']} simulated replicas\n\n"
-        + markdown(report) + "\n")
     from extproc.bench import plots
 
+    p = report["params"]
+    drill.write(report, out, f"Soak: {p['duration_s']:.0f} s at {p['rate']} requests/s per arm, {p['replicas']} "
+                f"simulated replicas", markdown(report))
     plots.soak_rss(report, out / "rss.png")

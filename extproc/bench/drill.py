@@ -1,0 +1,74 @@
+"""What the two drills (faults, soak) share: their command line, parameters and report files.
+
+A drill module exposes ``Config`` (a ``Common`` dataclass),
+``QUICK`` (the tests' small overrides), ``FLAGS`` (the bench flags it takes, by Config field
+name), ``PARAMS`` (its ``--param`` names and their parsers), ``run(config) -> report`` and
+``markdown(report)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from extproc.bench.progress import Progress, Quiet
+
+
+@dataclass
+class Common:
+    """The fields every drill's Config has."""
+
+    replicas: int = 4
+    time_scale: float = 1.0
+    seed: int = 0
+    out: Path | None = None
+    progress: Progress = field(default_factory=Quiet)
+
+
+def names(raw: str) -> tuple[str, ...]:
+    """A ``--param`` list value: comma-separated names."""
+    return tuple(v.strip() for v in raw.split(",") if v.strip())
+
+
+def params(cfg: Any) -> dict[str, Any]:
+    """A drill config as the report's ``params`` (without where it writes and how it shows progress)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("out", "progress")}
+
+
+def write(report: dict[str, Any], out: Path, heading: str, table: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(f"# {heading}\n\n{table}\n")
+
+
+def run_from_args(name: str, module: ModuleType, args: argparse.Namespace,
+                  parse_param: Callable[[str], dict[str, str]], arm_names: Callable[[str], list[str] | None],
+                  progress: Any) -> int:
+    """``prefix-router bench --scenario NAME``: a drill from the bench flags; exit code 2 on a bad value."""
+    out = Path(args.out) / name if args.out == "bench-out" else Path(args.out)
+    fields: dict[str, Any] = {**(module.QUICK if args.quick else {}), "seed": args.seed, "out": out,
+                              "progress": progress}
+    try:
+        for flag in module.FLAGS:
+            value = getattr(args, flag)
+            if value is not None:
+                fields[flag] = tuple(arm_names(value) or ()) if flag == "arms" else value
+        for key, value in parse_param(args.param).items():
+            if key not in module.PARAMS:
+                raise ValueError(f"the {name} drill has no parameter {key!r} ({', '.join(module.PARAMS)})")
+            fields[key] = module.PARAMS[key](value)
+        report = module.run(module.Config(**fields))
+    except ValueError as exc:
+        print(f"prefix-router bench: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(module.markdown(report))
+    print(f"\nreport: {out / 'report.md'} (and report.json)")
+    return 0
