@@ -93,14 +93,14 @@ def _number_in(kind: Callable[[str], Any], lo: float, hi: float) -> Callable[[st
     return parse
 
 
+_SWITCH: Final = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
 def _switch(raw: str) -> bool:
     value = raw.strip().lower()
     if value not in _SWITCH:
         raise ValueError
     return _SWITCH[value]
-
-
-_SWITCH: Final = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
 
 
 def _choice(*choices: str) -> Callable[[str], str]:

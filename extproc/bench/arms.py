@@ -204,7 +204,8 @@ class RunningArm:
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
-            self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))  # before the wait, so stop() reaches it
+            # appended before the wait, so stop() reaches it
+            self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))
             self.routers[-1].wait_for_line("prefix-router ready", timeout=30)
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
                                extproc_port=grpc_ports[0] if self.arm.prefix else None,

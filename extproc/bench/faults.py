@@ -355,8 +355,10 @@ def markdown(report: dict[str, Any]) -> str:
 def write(report: dict[str, Any], out: Path) -> None:
     p = report["params"]
     configs = ", ".join(f"{m}: envoy/{c}" for m, c in report["configs"].items())
-    intro = (f"Shared-prefix chat (24 Zipf-popular 2000-token prefixes), {p['concurrency']} requests in flight, "
-             f"{p['replicas']} simulated replicas (one process each). Each fault starts at {p['warm_s']:.0f} s and is "
-             f"healed {p['fault_s']:.0f} s later; load runs {p['warm_s'] + p['fault_s'] + p['after_s']:.0f} s per fault.")
+    intro = (f"Shared-prefix chat (24 Zipf-popular 2000-token prefixes), {p['concurrency']} requests in "
+             f"flight, {p['replicas']} simulated replicas (one process each). Each fault starts at "
+             f"{p['warm_s']:.0f} s and is healed {p['fault_s']:.0f} s later; load runs "
+             f"{p['warm_s'] + p['fault_s'] + p['after_s']:.0f} s per fault.")
     errors = [f"- {r['mode']} {r['fault']}: {r['errors']}" for r in report["faults"] if r["errors"]]
-    drill.write(report, out, f"Fault drill ({configs})", "\n".join([intro, "", markdown(report), "", "Errors:", "", *errors]))
+    table = "\n".join([intro, "", markdown(report), "", "Errors:", "", *errors])
+    drill.write(report, out, f"Fault drill ({configs})", table)
