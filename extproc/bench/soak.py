@@ -29,6 +29,7 @@ from extproc.procs import wait_until
 from extproc.sim.profiles import get_profile
 
 STREAMS_METRIC = "prefix_router_streams_active"
+INDEX_METRIC = "prefix_router_index_bytes"  # pick mode's learned index (its estimate), sampled with RSS
 FLAT_WITHIN = 0.10
 WARMUP_SHARE = 0.2
 
@@ -47,20 +48,34 @@ FLAGS = ("arms", "duration_s", "rate", "replicas", "time_scale")
 PARAMS = {"sample_s": float, "prefixes": int}
 
 
-def streams_active(metrics_port: int) -> float:
+def router_metric(metrics_port: int, name: str) -> float | None:
+    """One unlabelled sample of the router's /metrics, or None when it has none."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith(STREAMS_METRIC + " "):
+            if line.startswith(name + " "):
                 return float(line.split()[1])
-    raise ValueError(f"{STREAMS_METRIC} missing from the router's /metrics")
+    return None
 
 
-async def _sample(pids: dict[str, int], t0: float, every: float, series: dict[str, list[list[float]]]) -> None:
+def streams_active(metrics_port: int) -> float:
+    value = router_metric(metrics_port, STREAMS_METRIC)
+    if value is None:
+        raise ValueError(f"{STREAMS_METRIC} missing from the router's /metrics")
+    return value
+
+
+async def _sample(pids: dict[str, int], metrics_port: int, t0: float, every: float,
+                  series: dict[str, list[list[float]]]) -> None:
+    loop = asyncio.get_running_loop()
     while True:
+        t = round(time.monotonic() - t0, 1)
         for name, pid in pids.items():
             rss = process_rss_mb(pid)
             if rss is not None:
-                series.setdefault(name, []).append([round(time.monotonic() - t0, 1), round(rss, 2)])
+                series.setdefault(name, []).append([t, round(rss, 2)])
+        index = await loop.run_in_executor(None, router_metric, metrics_port, INDEX_METRIC)
+        if index is not None:
+            series.setdefault("index_mb", []).append([t, round(index / 2**20, 2)])
         await asyncio.sleep(every)
 
 
@@ -68,7 +83,7 @@ async def _load(running: arms_mod.RunningArm, cfg: Config, sessions: Sequence[An
                 series: dict[str, list[list[float]]]) -> loadgen.LoadResult:
     t0 = time.monotonic()
     pids = {k: v for k, v in running.pids.items() if k.startswith(("prefix_router", "envoy"))}
-    sampler = asyncio.create_task(_sample(pids, t0, cfg.sample_s, series))
+    sampler = asyncio.create_task(_sample(pids, running.metrics_ports[0], t0, cfg.sample_s, series))
     try:
         return await loadgen.run_load(running.url, sessions, mode="open", rate=cfg.rate,
                                       duration_s=cfg.duration_s, grace_s=30.0, seed=cfg.seed,
@@ -148,10 +163,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {a['arm']} | {a['requests']} | {a['failures']} | {a['warm_rss_mb']} | "
                      f"{a['max_rss_after_warmup_mb']} | {growth} | {'yes' if a['flat'] else 'no'} | "
                      f"{a['streams_open_after_load']:.0f} |")
-    series = ["", "Router RSS (MiB) every sample:", ""]
+    series = ["", "Router RSS (MiB) every sample (pick mode: and its index's estimated size):", ""]
     for a in report["arms"]:
-        points = ", ".join(f"{t:.0f}s {rss:.1f}" for t, rss in a["rss_mb"].get("prefix_router", []))
-        series.append(f"- {a['arm']}: {points}")
+        for name, label in (("prefix_router", "RSS"), ("index_mb", "index")):
+            points = ", ".join(f"{t:.0f}s {mb:.1f}" for t, mb in a["rss_mb"].get(name, []))
+            if points:
+                series.append(f"- {a['arm']} {label}: {points}")
     return "\n".join(lines + series)
 
 
