@@ -12,13 +12,13 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from extproc.bench.progress import Progress, Quiet
+from extproc.bench.progress import Progress, Quiet, stop as stop_progress
 
 
 @dataclass
@@ -40,6 +40,18 @@ def names(raw: str) -> tuple[str, ...]:
 def params(cfg: Any) -> dict[str, Any]:
     """A drill config as the report's ``params`` (without where it writes and how it shows progress)."""
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("out", "progress")}
+
+
+def collect(report: dict[str, Any], key: str, rows: Iterable[dict[str, Any]], cfg: Common,
+            write_report: Callable[[dict[str, Any], Path], None]) -> dict[str, Any]:
+    """Run the drill's parts (``rows`` is lazy) into ``report[key]``, then write it if asked."""
+    try:
+        report[key].extend(rows)
+    finally:
+        stop_progress(cfg.progress)
+    if cfg.out is not None:
+        write_report(report, Path(cfg.out))
+    return report
 
 
 def write(report: dict[str, Any], out: Path, heading: str, table: str) -> None:

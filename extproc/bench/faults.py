@@ -328,15 +328,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "configs": {m: arms_mod.get(a).base for m, a in MODES.items() if m in cfg.modes},
         "faults": [],
     }
-    try:
-        for mode in cfg.modes:
-            for fault in cfg.faults:
-                report["faults"].append(run_fault(mode, fault, cfg, trace, spec, keys))
-    finally:
-        progress_mod.stop(cfg.progress)
-    if cfg.out is not None:
-        write(report, Path(cfg.out))
-    return report
+    rows = (run_fault(mode, fault, cfg, trace, spec, keys) for mode in cfg.modes for fault in cfg.faults)
+    return drill.collect(report, "faults", rows, cfg, write)
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.bench import arms as arms_mod
-from extproc.bench import drill, loadgen, progress as progress_mod
+from extproc.bench import drill, loadgen
 from extproc.bench.backends import SimBackend
 from extproc.bench.runner import run_async
 from extproc.bench.scenarios import FAULT_LOAD
@@ -145,14 +145,7 @@ def run(cfg: Config) -> dict[str, Any]:
         "params": drill.params(cfg),
         "arms": [],
     }
-    try:
-        for name in cfg.arms:
-            report["arms"].append(run_arm(name, cfg))
-    finally:
-        progress_mod.stop(cfg.progress)
-    if cfg.out is not None:
-        write(report, Path(cfg.out))
-    return report
+    return drill.collect(report, "arms", (run_arm(name, cfg) for name in cfg.arms), cfg, write)
 
 
 def markdown(report: dict[str, Any]) -> str:
