@@ -69,6 +69,8 @@ def test_bad_per_route_metadata_and_hostile_tenant_ids_are_ignored_and_counted(
             reply = send(port, body=body, headers={"x-prefix-aware-id": tenant})
             assert reply.status == 200 and reply.json()["prefix_key"] == plain  # routed as no tenant
         assert send(port, body=body, headers={"x-prefix-aware-id": "acme"}).json()["prefix_key"] != plain
+        too_big = send(port, body=body, headers={"x-prefix-aware-id": "t" * 70_000})
+        assert too_big.status == 431  # Envoy's own 60 KiB header limit answers before the router
         metrics = send(metrics_port, "/metrics").body.decode()
         assert "prefix_router_metadata_errors_total 2.0" in metrics  # each bad value once, not per request
         assert 'prefix_router_tenants_rejected_total{reason="too_long"} 1.0' in metrics
