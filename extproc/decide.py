@@ -19,6 +19,7 @@ from extproc.settings import RouteSettings
 
 TENANT_SEPARATOR: Final = b"\x00"
 TENANT_BODY_FIELD: Final = "prompt_cache_key"
+_BODY_FIELD_BYTES: Final = TENANT_BODY_FIELD.encode()
 CONTENT_ENCODING: Final = "content-encoding"
 MAX_TENANT_CHARS: Final = 256
 # Tenant rejection reasons (metrics label values): the request is routed with no tenant.
@@ -77,9 +78,7 @@ def header_tenant(headers: Mapping[str, str], settings: RouteSettings) -> tuple[
     return None, None
 
 
-def _body_tenant(doc: dict[str, Any] | None, body: bytes) -> str | None:
-    if doc is None and b"prompt_cache_key" in body:  # raw mode did not parse the body
-        doc = _parsed_object(body)
+def _body_tenant(doc: dict[str, Any] | None) -> str | None:
     value = doc.get(TENANT_BODY_FIELD) if doc else None
     return value.strip() or None if isinstance(value, str) else None
 
@@ -92,14 +91,11 @@ def _parsed_object(body: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _isolate(body: bytes, norm: Normalized, mode: str, tenant: str | None, secret: bytes,
-             complete: bool) -> tuple[Normalized, bytes | None, str]:
+def _isolate(body: bytes, norm: Normalized, doc: dict[str, Any] | None, mode: str, tenant: str | None,
+             secret: bytes, complete: bool) -> tuple[Normalized, bytes | None, str]:
     """The salted body, its normal form (so keys and pick mode's index see the salt too), the outcome."""
     if norm.fallback == CONTENT_ENCODED:
         return norm, None, isolation.ENCODED
-    doc = norm.document
-    if doc is None and complete and norm.mode == "raw" and norm.fallback is None:  # raw mode never parsed it
-        doc = _parsed_object(body)
     client = doc.get(isolation.SALT_FIELD) if doc else None
     salt = isolation.tenant_salt(secret, tenant, client if isinstance(client, str) else None)
     salted = isolation.salted_body(body, doc, salt, complete)
@@ -122,9 +118,13 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     the tenant's cache_salt (extproc.isolation), and the key is computed over that body.
     """
     norm = normalize(body, settings.normalize, complete, headers.get(CONTENT_ENCODING, ""))
+    doc = norm.document
+    if doc is None and complete and norm.mode == "raw" and norm.fallback is None and (
+            settings.tenant_isolation or _BODY_FIELD_BYTES in body):
+        doc = _parsed_object(body)  # raw mode hashes the bytes but still reads the tenant (and salt) fields
     tenant, source = header_tenant(headers, settings)
-    if tenant is None and body and complete and norm.fallback != CONTENT_ENCODED:
-        tenant = _body_tenant(norm.document, body)
+    if tenant is None:
+        tenant = _body_tenant(doc)
         source = "body" if tenant else None
     rejected = tenant_problem(tenant) if tenant else None
     if rejected:
@@ -132,7 +132,7 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     salted, outcome = None, None
     if settings.tenant_isolation and secret is not None and body:
         trusted = tenant if source in settings.tenant_headers else None  # never a body field
-        norm, salted, outcome = _isolate(body, norm, settings.normalize, trusted, secret, complete)
+        norm, salted, outcome = _isolate(body, norm, doc, settings.normalize, trusted, secret, complete)
     if not norm.data:
         return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected)
     prefix = norm.data[: settings.prefix_length]

@@ -40,6 +40,7 @@ import gc
 import gzip
 import json
 import math
+import os
 import random
 import resource
 import string
@@ -58,6 +59,7 @@ from extproc.normalize import FALLBACK_REASONS, IDENTITY_ENCODINGS, MODES, TRUNC
 from extproc.pick.choose import REASONS, Choice
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.picker import MAX_REQUEST_CHUNKS, PickCore
+from extproc.proc_cpu import process_rss_mb
 from extproc.server import without_gc
 from extproc.settings import DEFAULT_TENANT_HEADERS, PREFIX_LENGTH_RANGE, RouteSettings
 
@@ -674,11 +676,8 @@ def _try(run: Run, shape: str, case: Case, settings: RouteSettings, pick: bool) 
 
 def rss_mib() -> float:
     """Resident set size now (Linux /proc), else the peak so far."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize() / MIB
-    except OSError:
-        return peak_rss_mib()
+    rss = process_rss_mb(os.getpid())
+    return peak_rss_mib() if rss is None else rss
 
 
 def peak_rss_mib() -> float:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from extproc.isolation import MIN_SECRET_BYTES
 from extproc.normalize import MODES
 
 ROUTING_MODES: Final = ("hash", "pick")
@@ -264,8 +265,6 @@ def tenant_secret(cfg: ServerSettings, route: RouteSettings, env: Mapping[str, s
     Raises SettingError if the file cannot be read, the secret is under 16 bytes, or
     ``--tenant-isolation on`` has no secret at all.
     """
-    from extproc.isolation import MIN_SECRET_BYTES
-
     if cfg.tenant_secret_file:
         try:
             with open(cfg.tenant_secret_file, "rb") as f:
