@@ -121,12 +121,15 @@ def read_state(source: str) -> dict[str, object]:
     if source.startswith(("http://", "https://")):
         with urllib.request.urlopen(source, timeout=10) as resp:
             return orjson.loads(resp.read())
-    with open(source, "rb") as f:
-        return orjson.loads(f.read())
+    return orjson.loads(read_body(source))
 
 
 def read_body(path: str) -> bytes:
-    return sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+    """A file's bytes, or standard input's for ``-``."""
+    if path == "-":
+        return sys.stdin.buffer.read()
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -92,7 +92,6 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         self.picker = picker
         self.secret = secret  # tenant isolation's HMAC key; None: isolation cannot be turned on
         self._by_metadata: dict[tuple[tuple[str, str], ...], RouteSettings] = {}
-        self._warned_no_picker = False
 
     def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> RouteSettings:
         """Process settings overridden by this stream's x-prefix-router-* metadata.
@@ -110,6 +109,10 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         cached = self._by_metadata.get(ours)
         if cached is None:
             cached, errors = with_metadata(self.settings, ours)
+            if cached.mode == "pick" and self.picker is None:
+                errors.append("metadata x-prefix-router-mode pick: the router has no endpoints "
+                              "(--endpoints, --endpoints-file or --endpoints-dns); using hash mode")
+                cached = dataclasses.replace(cached, mode="hash")
             if cached.tenant_isolation and self.secret is None:
                 errors.append("metadata x-prefix-router-tenant-isolation on: the router has no tenant secret "
                               "(--tenant-secret-file or PREFIX_ROUTER_TENANT_SECRET); isolation stays off")
@@ -149,7 +152,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     if not headers:
                         headers = read_attribute_headers(request)
                     body = request.request_body
-                    if settings.mode != "pick" or not self._can_pick():
+                    if settings.mode != "pick":
                         yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
                         return
                     reply, picked = self.pick_reply(body.body, headers, settings, complete=body.end_of_stream)
@@ -162,14 +165,6 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     yield _pass_through(phase)
         finally:
             metrics.STREAMS_ACTIVE.dec()
-
-    def _can_pick(self) -> bool:
-        if self.picker is None and not self._warned_no_picker:
-            self._warned_no_picker = True
-            metrics.METADATA_ERRORS.inc()
-            log.warning("a route asks for pick mode but the router has no endpoints "
-                        "(--endpoints, --endpoints-file or --endpoints-dns): using hash mode")
-        return self.picker is not None
 
     async def _until_stream_ends(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                                  picked: Choice) -> AsyncIterator[pb.ProcessingResponse]:

@@ -238,6 +238,8 @@ def test_the_picker_records_its_choice_and_explains_from_saved_state(tmp_path: P
     assert done.returncode == 0, done.stderr
     out = done.stdout.decode()
     assert f"{again.address}" in out and "<- chosen" in out and "(cheapest)" in out
+    [chosen] = [line for line in out.splitlines() if line.rstrip().endswith("<- chosen")]
+    assert chosen.lstrip().startswith(again.address)  # the chosen row is the replica pick mode chose
     restored = PickCore.from_state(core.state()).evaluate(decide(body, {}, s), s)[0]
     live = core.evaluate(decide(body, {}, s), s)[0]
     assert restored == live  # the saved state reproduces the live choice, costs and all

@@ -85,6 +85,14 @@ def test_metadata_overrides_per_stream_and_bad_values_are_ignored(channel: grpc.
     assert header.request_body.response.header_mutation.set_headers[0].header.key == "x-route-key"
 
 
+def test_pick_mode_asked_of_a_router_without_endpoints_falls_back_to_hash_once_counted() -> None:
+    router = server.PrefixRouter(RouteSettings())
+    before = metrics.METADATA_ERRORS._value.get()
+    for _ in range(3):  # the same route's streams: counted once
+        assert router.settings_for([("x-prefix-router-mode", "pick")]).mode == "hash"
+    assert metrics.METADATA_ERRORS._value.get() - before == 1
+
+
 def test_get_without_body_gets_no_key(channel: grpc.Channel) -> None:
     (reply,) = process(channel, [headers_msg({":path": "/v1/models"}, end_of_stream=True)])
     assert reply.WhichOneof("response") == "request_headers"

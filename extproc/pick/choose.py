@@ -68,8 +68,13 @@ def _seed(key: str | None) -> int:
         return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 
 
+def prefill_tokens(prompt_tokens: int, cached_tokens: int) -> int:
+    """Tokens a replica holding ``cached_tokens`` of the prompt computes (at least one)."""
+    return max(prompt_tokens - cached_tokens, 1)
+
+
 def cost(prompt_tokens: int, cached_tokens: int, r: ReplicaState, settings: RouteSettings) -> int:
-    return (max(prompt_tokens - cached_tokens, 1) + round(settings.backlog_weight * r.backlog_tokens)
+    return (prefill_tokens(prompt_tokens, cached_tokens) + round(settings.backlog_weight * r.backlog_tokens)
             + settings.load_tokens * r.in_flight)
 
 

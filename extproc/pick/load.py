@@ -144,6 +144,8 @@ class LoadTracker:
         if now is not None and self.prefill_rate:
             for address, r in self._replicas.items():
                 if r.backlog > 0:
+                    if self._drained(r, now) == 0:
+                        r.backlog = 0.0  # drained: later snapshots need not rebuild this replica's state
                     self._refresh(address, now)
         if self._snapshot is None:
             self._snapshot = Snapshot(tuple(self._states.values()))

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from extproc import metrics
 from extproc.decide import Decision
-from extproc.pick.choose import REASONS, Choice, choose
+from extproc.pick.choose import REASONS, Choice, choose, prefill_tokens
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.endpoints import EndpointWatcher
 from extproc.pick.index import LearnedIndex, PrefixIndex
@@ -137,7 +137,7 @@ class PickCore:
 def _prefill(choice: Choice) -> int:
     """Prefill tokens the chosen replica computes for this request (its cost's first term)."""
     held = next((c.cached_tokens for c in choice.candidates if c.address == choice.address), 0)
-    return max(choice.prompt_tokens - held, 1)
+    return prefill_tokens(choice.prompt_tokens, held)
 
 
 def _forget_series(gauge: Any, *labels: str) -> None:
