@@ -191,15 +191,16 @@ class RunningArm:
             tmp.replace(self.endpoints_file)
 
     def _start_envoy(self) -> None:
-        listener, admin, *grpc_ports = free_ports(2 + self.arm.routers)
+        routers = self.arm.routers
+        # every port in one call, so none of them is handed out twice
+        listener, admin, *ports = free_ports(2 + routers * (2 if self.router_metrics else 1))
+        grpc_ports = ports[:routers]
+        self.metrics_ports = ports[routers:]
         if self.arm.pick:
             self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
             self.endpoints_file = Path(self._tmp.name) / "endpoints"
             self.set_endpoints(self.endpoints)
-        for grpc_port in grpc_ports if self.arm.prefix else ():
-            metrics_port = free_ports(1)[0] if self.router_metrics else 0
-            if metrics_port:
-                self.metrics_ports.append(metrics_port)
+        for grpc_port, metrics_port in zip(grpc_ports, self.metrics_ports or [0] * routers) if self.arm.prefix else ():
             argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", str(metrics_port),
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:

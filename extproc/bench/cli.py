@@ -87,14 +87,16 @@ def _arms(text: str | None) -> list[str] | None:
     return names
 
 
+def _out_dir(args: argparse.Namespace) -> Path:
+    """``--out``, or bench-out/SCENARIO when it was left at its default."""
+    return Path(args.out) / args.scenario if args.out == "bench-out" else Path(args.out)
+
+
 def config_from_args(args: argparse.Namespace):
     from extproc.bench.runner import BenchConfig
 
-    out = Path(args.out)
-    if args.out == "bench-out":
-        out = out / args.scenario
     return BenchConfig(
-        scenario=args.scenario, arms=_arms(args.arms), seed=args.seed, out=out, quick=args.quick,
+        scenario=args.scenario, arms=_arms(args.arms), seed=args.seed, out=_out_dir(args), quick=args.quick,
         params=_params(args.param), replicas=args.replicas, requests=args.requests, time_scale=args.time_scale,
         load_mode=args.load_mode, concurrency=args.concurrency, rate=args.rate, duration_s=args.duration_s,
         num_blocks=args.num_blocks, profile=args.profile, prefix_length=args.prefix_length,
@@ -114,7 +116,12 @@ def run(args: argparse.Namespace) -> int:
         from extproc.bench.drill import run_from_args
 
         module = importlib.import_module(f"extproc.bench.{args.scenario}")
-        return run_from_args(args.scenario, module, args, _params, _arms, progress.default())
+        try:
+            params, arms = _params(args.param), _arms(args.arms)
+        except ValueError as exc:
+            print(f"prefix-router bench: {exc}", file=sys.stderr)
+            return 2
+        return run_from_args(args.scenario, module, args, _out_dir(args), params, arms, progress.default())
     try:
         cfg = config_from_args(args)
     except (ValueError, KeyError) as exc:

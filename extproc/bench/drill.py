@@ -19,6 +19,9 @@ from types import ModuleType
 from typing import Any
 
 from extproc.bench.progress import Progress, Quiet, stop as stop_progress
+from extproc.bench.scenarios import FAULT_LOAD, FleetSpec
+from extproc.bench.trace import Trace
+from extproc.sim.profiles import get_profile
 
 
 @dataclass
@@ -42,6 +45,13 @@ def params(cfg: Any) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("out", "progress")}
 
 
+def shared_prefix_load(cfg: Common, requests: int, **params: Any) -> tuple[Trace, FleetSpec]:
+    """The drills' traffic (``scenarios.FAULT_LOAD``, ``requests`` long) and the fleet it is sized for."""
+    resolved = FAULT_LOAD.resolve(dict(replicas=cfg.replicas, time_scale=cfg.time_scale, requests=requests, **params))
+    spec = FAULT_LOAD.fleet(dict(resolved))
+    return FAULT_LOAD.trace(resolved, cfg.seed, get_profile(spec.profile).model), spec
+
+
 def collect(report: dict[str, Any], key: str, rows: Iterable[dict[str, Any]], cfg: Common,
             write_report: Callable[[dict[str, Any], Path], None]) -> dict[str, Any]:
     """Run the drill's parts (``rows`` is lazy) into ``report[key]``, then write it if asked."""
@@ -60,19 +70,18 @@ def write(report: dict[str, Any], out: Path, heading: str, table: str) -> None:
     (out / "report.md").write_text(f"# {heading}\n\n{table}\n")
 
 
-def run_from_args(name: str, module: ModuleType, args: argparse.Namespace,
-                  parse_param: Callable[[str], dict[str, str]], arm_names: Callable[[str], list[str] | None],
-                  progress: Any) -> int:
-    """``prefix-router bench --scenario NAME``: a drill from the bench flags; exit code 2 on a bad value."""
-    out = Path(args.out) / name if args.out == "bench-out" else Path(args.out)
+def run_from_args(name: str, module: ModuleType, args: argparse.Namespace, out: Path, params: dict[str, str],
+                  arms: list[str] | None, progress: Progress) -> int:
+    """``prefix-router bench --scenario NAME``: a drill from the bench flags (``--param`` and
+    ``--arms`` already parsed); exit code 2 on a bad value."""
     fields: dict[str, Any] = {**(module.QUICK if args.quick else {}), "seed": args.seed, "out": out,
                               "progress": progress}
     try:
         for flag in module.FLAGS:
-            value = getattr(args, flag)
+            value = arms if flag == "arms" else getattr(args, flag)
             if value is not None:
-                fields[flag] = tuple(arm_names(value) or ()) if flag == "arms" else value
-        for key, value in parse_param(args.param).items():
+                fields[flag] = tuple(value) if flag == "arms" else value
+        for key, value in params.items():
             if key not in module.PARAMS:
                 raise ValueError(f"the {name} drill has no parameter {key!r} ({', '.join(module.PARAMS)})")
             fields[key] = module.PARAMS[key](value)

@@ -38,14 +38,13 @@ from typing import Any
 from extproc.bench import arms as arms_mod
 from extproc.bench import drill, loadgen, progress as progress_mod
 from extproc.bench.backends import SimBackend
-from extproc.bench.runner import run_async, set_health
-from extproc.bench.scenarios import FAULT_LOAD, FleetSpec
+from extproc.bench.report import client_cached_rate
+from extproc.bench.runner import apply_event, run_async, sim_control, start_outside
+from extproc.bench.scenarios import FleetEvent, FleetSpec
 from extproc.bench.trace import Trace
 from extproc.decide import decide
 from extproc.procs import free_port_run
-from extproc.realvllm.promtext import http_post_json
 from extproc.settings import RouteSettings
-from extproc.sim.profiles import get_profile
 
 UNKEYED_STAT = "http.llm.ext_proc.failure_mode_allowed"
 RETRY_STAT = "cluster.vllm.upstream_rq_retry"
@@ -80,9 +79,7 @@ class Replicas:
         self.procs[i].process.signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def fail(self, i: int, rate: float) -> None:
-        status, body = http_post_json(self.urls[i] + "/sim/control", {"fail_rate": rate}, timeout=10)
-        if status != 200:
-            raise RuntimeError(f"cannot set fail_rate on {self.urls[i]}: {status} {body}")
+        sim_control(self.urls[i], fail_rate=rate)
 
     def stop(self) -> None:
         for i, p in enumerate(self.procs):
@@ -90,31 +87,16 @@ class Replicas:
                 self.freeze(i, False)  # a frozen process cannot act on SIGTERM
                 p.stop()
 
-    @property
-    def pids(self) -> dict[str, int]:
-        return {f"replica_{i}": p.process.pid for i, p in enumerate(self.procs) if p.process}
-
-
-def _trace(cfg: Config) -> tuple[Trace, FleetSpec]:
-    """Shared-prefix traffic long enough that the load never runs dry within the drill (the
-    same keys recur throughout, so key moves are measurable)."""
-    params = FAULT_LOAD.resolve(dict(replicas=cfg.replicas, time_scale=cfg.time_scale,
-                                     requests=int(cfg.concurrency * cfg.duration_s * 4 * max(1.0, cfg.time_scale))))
-    spec = FAULT_LOAD.fleet(dict(params))
-    return FAULT_LOAD.trace(params, cfg.seed, get_profile(spec.profile).model), spec
-
 
 Action = Callable[[Replicas, arms_mod.RunningArm], None]  # blocking: runs in a thread
 
 
 def _leave(fleet: Replicas, arm: arms_mod.RunningArm) -> None:
-    set_health(fleet.urls[0], False)
-    arm.set_endpoints([i for i in arm.endpoints if i != 0])
+    apply_event(arm, fleet.urls, FleetEvent(0.0, "leave", 0))
 
 
 def _join(fleet: Replicas, arm: arms_mod.RunningArm) -> None:
-    set_health(fleet.urls[-1], True)
-    arm.set_endpoints(sorted({*arm.endpoints, len(fleet.urls) - 1}))
+    apply_event(arm, fleet.urls, FleetEvent(0.0, "join", len(fleet.urls) - 1))
 
 
 @dataclass(frozen=True)
@@ -200,8 +182,9 @@ async def _load_with_fault(arm: arms_mod.RunningArm, fleet: Replicas, fault: Fau
     marks: dict[str, float] = {}
     samples: list[tuple[float, int]] = []
     t0 = time.monotonic()
-    helpers = [asyncio.create_task(_drive(fault, fleet, arm, cfg, t0, marks, prog.note)),
-               asyncio.create_task(_poll_unkeyed(arm, t0, samples))]
+    helpers = [asyncio.create_task(_drive(fault, fleet, arm, cfg, t0, marks, prog.note))]
+    if fault.touched is None and fault.start is not None:  # only router faults read when requests went unkeyed
+        helpers.append(asyncio.create_task(_poll_unkeyed(arm, t0, samples)))
     try:
         result = await loadgen.run_load(arm.url, trace.sessions, concurrency=cfg.concurrency,
                                         duration_s=cfg.duration_s, request_timeout_s=60.0, grace_s=20.0,
@@ -240,16 +223,16 @@ def keys_moved(results: Sequence[loadgen.Result], keys: dict[int, str], split_s:
     return round(moved / total, 3) if total else None
 
 
-def _recovery(fault: str, marks: dict[str, float], samples: list[tuple[float, int]],
+def _recovery(fault: Fault, marks: dict[str, float], samples: list[tuple[float, int]],
               served: list[float]) -> float | None:
     """See the module docstring; ``served``: start times of requests the touched replica served."""
-    if fault == "none":
+    if fault.start is None:
         return None
-    if fault.startswith("router-"):
+    if fault.touched is None:  # a router fault
         ref = marks.get("heal", marks.get("fault", 0.0))
         rises = [t for (t, v), (_, prev) in zip(samples[1:], samples) if v > prev and t > ref]
         return round(max(rises) - ref, 2) if rises else 0.0
-    if fault == "replica-leaves":
+    if fault.name == "replica-leaves":
         late = [t for t in served if t >= marks["fault"]]
         return round(max(late) - marks["fault"], 2) if late else 0.0
     ref = marks.get("heal", marks.get("fault", 0.0))
@@ -264,7 +247,6 @@ def _row(mode: str, fault: str, result: loadgen.LoadResult, marks: dict[str, flo
     touched = touched_url.split("://", 1)[1] if touched_url else None
     failed = [r for r in results if not r.ok]
     ok = [r for r in results if r.ok]
-    prompt = sum(r.prompt_tokens for r in ok)
     before, after = stats
     return {
         "mode": mode, "fault": fault, "summary": FAULTS[fault].summary,
@@ -276,9 +258,9 @@ def _row(mode: str, fault: str, result: loadgen.LoadResult, marks: dict[str, flo
         "retries": after.get(RETRY_STAT, 0) - before.get(RETRY_STAT, 0),
         "retries_refused": {name: after.get(k, 0) - before.get(k, 0)
                             for name, k in (("budget", RETRY_OVERFLOW_STAT), ("limit", RETRY_LIMIT_STAT))},
-        "recovery_s": _recovery(fault, marks, samples, sorted(r.start for r in ok if r.replica == touched)),
+        "recovery_s": _recovery(FAULTS[fault], marks, samples, sorted(r.start for r in ok if r.replica == touched)),
         "keys_moved_other": keys_moved(results, keys, marks.get("fault", 0.0), SETTLE_S, touched),
-        "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else None,
+        "hit_rate": client_cached_rate(ok),
         "e2e_max_s": round(max((r.e2e for r in ok if r.e2e is not None), default=0.0), 2),  # stalls show here
         "marks_s": {k: round(v, 2) for k, v in marks.items()},
     }
@@ -299,8 +281,7 @@ def run_fault(mode: str, fault: str, cfg: Config, trace: Trace, spec: FleetSpec,
     members = list(range(spec.replicas - 1 if what.joins else spec.replicas))
     try:
         fleet.start()
-        for i in set(range(spec.replicas)) - set(members):
-            set_health(fleet.urls[i], False)
+        start_outside(fleet.urls, members)
         with arms_mod.RunningArm(arm, fleet.urls, endpoints=members, health_interval=None) as running:
             prog.start(f"{mode} {fault}", len(trace))
             before = _stats(running)
@@ -320,7 +301,8 @@ def run(cfg: Config) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown fault or mode {', '.join(unknown)}; faults: {', '.join(FAULTS)}; "
                          f"modes: {', '.join(MODES)}")
-    trace, spec = _trace(cfg)
+    # long enough that the load never runs dry; the same keys recur throughout, so key moves show
+    trace, spec = drill.shared_prefix_load(cfg, int(cfg.concurrency * cfg.duration_s * 4 * max(1.0, cfg.time_scale)))
     keys = _keys(trace)
     report: dict[str, Any] = {
         "scenario": "faults",

@@ -36,6 +36,22 @@ def _replica_index(urls: Sequence[str]) -> dict[str, int]:
     return {u.split("://", 1)[-1].rstrip("/"): i for i, u in enumerate(urls)}
 
 
+def client_cached_rate(ok: Sequence[Result]) -> float | None:
+    """The hit rate the client saw: usage ``cached_tokens / prompt_tokens`` over ``ok``."""
+    prompt = sum(r.prompt_tokens for r in ok)
+    return round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None
+
+
+def requests_split(ok: Sequence[Result], backend_urls: Sequence[str]) -> list[int]:
+    """Requests per replica, from the ``x-upstream-host`` each response named."""
+    index = _replica_index(backend_urls)
+    split = [0] * len(backend_urls)
+    for r in ok:
+        if r.replica in index:
+            split[index[r.replica]] += 1
+    return split
+
+
 def replicas_per_group(results: Sequence[Result]) -> float | None:
     """Mean number of distinct replicas that served each prefix group (1.0 = perfect affinity)."""
     served: dict[str, set[str]] = defaultdict(set)
@@ -53,16 +69,10 @@ def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: fl
     ok = [r for r in results if r.ok]
     attempted = len(results) + load.cancelled
     duration = load.duration_s or 1e-9
-    by_header = Counter(r.replica for r in ok if r.replica)
-    index = _replica_index(backend_urls)
-    header_split = [0] * len(backend_urls)
-    for host, n in by_header.items():
-        if host in index:
-            header_split[index[host]] += n
-    per_replica = fleet.requests_per_replica if fleet and any(fleet.requests_per_replica) else header_split
+    per_replica = (fleet.requests_per_replica if fleet and any(fleet.requests_per_replica)
+                   else requests_split(ok, backend_urls))
     mean = sum(per_replica) / len(per_replica) if per_replica and sum(per_replica) else 0
     kv = fleet.kv_hit_rate if fleet else None
-    prompt = sum(r.prompt_tokens for r in ok)
     summary: dict[str, Any] = {
         "requests": total_requests,
         "attempted": attempted,
@@ -81,7 +91,7 @@ def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: fl
         "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / duration, 1),
         "kv_hit_rate": round(kv, 4) if kv is not None else None,
         "cross_tenant_hit_tokens": fleet.cross_tenant_hits if fleet else None,  # the simulator counts them
-        "client_cached_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
+        "client_cached_rate": client_cached_rate(ok),
         "oracle_hit_rate": round(oracle_hit_rate, 4),
         "hit_rate_of_oracle": round(kv / oracle_hit_rate, 3) if kv is not None and oracle_hit_rate else None,
         "requests_per_replica": per_replica,
@@ -143,21 +153,15 @@ def timeline(results: Sequence[Result], boundaries: Sequence[float], backend_url
              labels: Sequence[str]) -> list[dict[str, Any]]:
     """Per phase of a run split at ``boundaries`` (seconds from its start, by send time):
     TTFT, the hit rate the client saw (usage cached_tokens / prompt_tokens), and the split."""
-    index = _replica_index(backend_urls)
     edges = [0.0, *boundaries, float("inf")]
     out = []
     for label, lo, hi in zip(labels, edges, edges[1:]):
         ok = [r for r in results if r.ok and lo <= r.start < hi]
-        split = [0] * len(backend_urls)
-        for r in ok:
-            if r.replica in index:
-                split[index[r.replica]] += 1
-        prompt = sum(r.prompt_tokens for r in ok)
         out.append({"phase": label, "from_s": lo, "to_s": None if hi == float("inf") else hi, "ok": len(ok),
                     "failed": sum(1 for r in results if not r.ok and lo <= r.start < hi),
                     "ttft_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
-                    "client_cached_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
-                    "requests_per_replica": split})
+                    "client_cached_rate": client_cached_rate(ok),
+                    "requests_per_replica": requests_split(ok, backend_urls)})
     return out
 
 

@@ -164,28 +164,40 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     return report
 
 
-def set_health(url: str, healthy: bool) -> None:
-    status, body = http_post_json(url.rstrip("/") + "/sim/control", {"healthy": healthy}, timeout=10)
+def sim_control(url: str, **knobs: Any) -> None:
+    """Flip a simulated replica's fault knobs (``POST /sim/control``)."""
+    status, body = http_post_json(url.rstrip("/") + "/sim/control", knobs, timeout=10)
     if status != 200:
-        raise RuntimeError(f"cannot switch {url} healthy={healthy}: {status} {body}")
+        raise RuntimeError(f"cannot set {knobs} on {url}: {status} {body}")
+
+
+def set_health(url: str, healthy: bool) -> None:
+    sim_control(url, healthy=healthy)
+
+
+def start_outside(urls: Sequence[str], members: Sequence[int]) -> None:
+    """Replicas not in ``members`` start failing health checks (they join later)."""
+    for i in set(range(len(urls))) - set(members):
+        set_health(urls[i], False)
+
+
+def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetEvent) -> None:
+    """A replica joins (passes health checks, enters pick mode's endpoints) or leaves (the reverse)."""
+    joins = event.action == "join"
+    set_health(urls[event.replica], joins)
+    others = [i for i in running.endpoints if i != event.replica]
+    running.set_endpoints(sorted([*others, event.replica] if joins else others))
 
 
 async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningArm, urls: Sequence[str],
-                       events: Sequence[FleetEvent], members: Sequence[int], note: Callable[[str], None]) -> T:
+                       events: Sequence[FleetEvent], note: Callable[[str], None]) -> T:
     """Run ``load`` while replicas join and leave at the events' times."""
-    current = list(members)
-
     async def drive() -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         for e in events:  # in time order
             await asyncio.sleep(max(0.0, t0 + e.at_s - loop.time()))
-            if e.action == "join":
-                current.append(e.replica)
-            else:
-                current.remove(e.replica)
-            await loop.run_in_executor(None, set_health, urls[e.replica], e.action == "join")
-            await loop.run_in_executor(None, running.set_endpoints, sorted(current))
+            await loop.run_in_executor(None, apply_event, running, urls, e)
             note(f"t={e.at_s:.0f}s: replica {e.replica} {'joins' if e.action == 'join' else 'leaves'}")
 
     task = asyncio.create_task(drive())
@@ -205,8 +217,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     prog.note(f"{label}: starting fleet and arm")
     try:
         backend.start()  # inside the try: an interrupted start still stops what it started
-        for i in set(range(spec.replicas)) - set(members):
-            set_health(backend.urls[i], False)
+        start_outside(backend.urls, members)
         with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
                                  router_settings=cfg.router_settings, endpoints=members) as running:
             before = _scrape(backend.urls)
@@ -215,7 +226,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             result = run_async(_with_events(loadgen.run_load(
                 running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
                 duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance),
-                running, backend.urls, events, members, prog.note))
+                running, backend.urls, events, prog.note))
             cpu = meter.stop()
             after = _scrape(backend.urls)
             envoy = running.envoy_stats()

@@ -491,6 +491,11 @@ ZIPF_CHAT = Scenario(
 
 # --- scale-out --------------------------------------------------------------------------
 
+def _zipf_shared_prefixes(p: Params, rng: random.Random, model: str):
+    """Shared-prefix requests whose prefixes are Zipf(``zipf``)-popular."""
+    return _shared_prefix_requests(p, rng, model, _zipf_weights(p["prefixes"], p["zipf"]))
+
+
 def _scale_out_events(p: Params) -> tuple[FleetEvent, ...]:
     return (FleetEvent(p["join_at_s"], "join", p["replicas"]), FleetEvent(p["leave_at_s"], "leave", 0))
 
@@ -502,7 +507,7 @@ SCALE_OUT = Scenario(
     params=dict(requests=1200, prefixes=40, prefix_tokens=2000, question_min=20, question_max=100,
                 output_tokens=32, zipf=0.9, replicas=4, time_scale=1.0, max_num_seqs=16,
                 kv_prefixes_per_replica=14, join_at_s=30.0, leave_at_s=60.0),
-    generate=lambda p, rng, model: _shared_prefix_requests(p, rng, model, _zipf_weights(p["prefixes"], p["zipf"])),
+    generate=_zipf_shared_prefixes,
     fleet=lambda p: dataclasses.replace(_sagemaker_fleet(p), replicas=p["replicas"] + 1),
     load=LoadSpec(mode="open", rate=13.0, duration_s=100.0),
     arms=("round-robin", "least-request", "prefix-bounded", "prefix-pick"),
@@ -520,7 +525,7 @@ FAULT_LOAD = Scenario(
     params=dict(requests=4000, prefixes=24, prefix_tokens=2000, question_min=20, question_max=100,
                 output_tokens=32, zipf=0.9, replicas=4, time_scale=1.0, max_num_seqs=16,
                 kv_prefixes_per_replica=10),
-    generate=lambda p, rng, model: _shared_prefix_requests(p, rng, model, _zipf_weights(p["prefixes"], p["zipf"])),
+    generate=_zipf_shared_prefixes,
     fleet=_sagemaker_fleet,
     load=LoadSpec(concurrency=16),
 )

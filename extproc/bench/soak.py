@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,11 @@ from extproc.bench import arms as arms_mod
 from extproc.bench import drill, loadgen
 from extproc.bench.backends import SimBackend
 from extproc.bench.runner import run_async
-from extproc.bench.scenarios import FAULT_LOAD
+from extproc.bench.scenarios import FleetSpec
+from extproc.bench.trace import Trace
 from extproc.proc_cpu import process_rss_mb
 from extproc.procs import wait_until
-from extproc.sim.profiles import get_profile
+from extproc.realvllm.promtext import fetch_metrics
 
 STREAMS_METRIC = "prefix_router_streams_active"
 INDEX_METRIC = "prefix_router_index_bytes"  # pick mode's learned index (its estimate), sampled with RSS
@@ -49,12 +49,8 @@ PARAMS = {"sample_s": float, "prefixes": int}
 
 
 def router_metric(metrics_port: int, name: str) -> float | None:
-    """One unlabelled sample of the router's /metrics, or None when it has none."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return None
+    """The first sample called ``name`` on the router's /metrics, or None when it has none."""
+    return next((s.value for s in fetch_metrics(f"http://127.0.0.1:{metrics_port}") if s.name == name), None)
 
 
 def streams_active(metrics_port: int) -> float:
@@ -64,7 +60,7 @@ def streams_active(metrics_port: int) -> float:
     return value
 
 
-async def _sample(pids: dict[str, int], metrics_port: int, t0: float, every: float,
+async def _sample(pids: dict[str, int], index_port: int | None, t0: float, every: float,
                   series: dict[str, list[list[float]]]) -> None:
     loop = asyncio.get_running_loop()
     while True:
@@ -73,9 +69,10 @@ async def _sample(pids: dict[str, int], metrics_port: int, t0: float, every: flo
             rss = process_rss_mb(pid)
             if rss is not None:
                 series.setdefault(name, []).append([t, round(rss, 2)])
-        index = await loop.run_in_executor(None, router_metric, metrics_port, INDEX_METRIC)
-        if index is not None:
-            series.setdefault("index_mb", []).append([t, round(index / 2**20, 2)])
+        if index_port is not None:  # pick mode
+            index = await loop.run_in_executor(None, router_metric, index_port, INDEX_METRIC)
+            if index is not None:
+                series.setdefault("index_mb", []).append([t, round(index / 2**20, 2)])
         await asyncio.sleep(every)
 
 
@@ -83,7 +80,8 @@ async def _load(running: arms_mod.RunningArm, cfg: Config, sessions: Sequence[An
                 series: dict[str, list[list[float]]]) -> loadgen.LoadResult:
     t0 = time.monotonic()
     pids = {k: v for k, v in running.pids.items() if k.startswith(("prefix_router", "envoy"))}
-    sampler = asyncio.create_task(_sample(pids, running.metrics_ports[0], t0, cfg.sample_s, series))
+    index_port = running.metrics_ports[0] if running.arm.pick else None
+    sampler = asyncio.create_task(_sample(pids, index_port, t0, cfg.sample_s, series))
     try:
         return await loadgen.run_load(running.url, sessions, mode="open", rate=cfg.rate,
                                       duration_s=cfg.duration_s, grace_s=30.0, seed=cfg.seed,
@@ -103,11 +101,7 @@ def flatness(points: Sequence[Sequence[float]], duration_s: float) -> dict[str, 
             "growth_after_warmup": round(max(later) / warm[-1] - 1, 4)}
 
 
-def run_arm(name: str, cfg: Config) -> dict[str, Any]:
-    params = FAULT_LOAD.resolve(dict(replicas=cfg.replicas, time_scale=cfg.time_scale, prefixes=cfg.prefixes,
-                                     requests=int(cfg.rate * cfg.duration_s * 1.2) + 10))
-    spec = FAULT_LOAD.fleet(dict(params))
-    trace = FAULT_LOAD.trace(params, cfg.seed, get_profile(spec.profile).model)
+def run_arm(name: str, cfg: Config, trace: Trace, spec: FleetSpec) -> dict[str, Any]:
     backend = SimBackend(spec)
     series: dict[str, list[list[float]]] = {}
     try:
@@ -145,7 +139,8 @@ def run(cfg: Config) -> dict[str, Any]:
         "params": drill.params(cfg),
         "arms": [],
     }
-    return drill.collect(report, "arms", (run_arm(name, cfg) for name in cfg.arms), cfg, write)
+    trace, spec = drill.shared_prefix_load(cfg, int(cfg.rate * cfg.duration_s * 1.2) + 10, prefixes=cfg.prefixes)
+    return drill.collect(report, "arms", (run_arm(name, cfg, trace, spec) for name in cfg.arms), cfg, write)
 
 
 def markdown(report: dict[str, Any]) -> str:
