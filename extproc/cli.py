@@ -10,15 +10,18 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("extproc.serve", "run the ext_proc gRPC server Envoy consults"),
-    "explain": ("extproc.explain", "show how a request body becomes a prefix key"),
-    "sim": ("extproc.sim.cli", "run simulated vLLM replicas on loopback ports"),
-    "bench": ("extproc.bench.cli", "A/B benchmark: stock Envoy routing vs prefix routing"),
-    "microbench": ("extproc.bench.microbench", "the router's own work per request (pure core, no gRPC)"),
-    "demo": ("extproc.bench.demo", "short sagemaker-8k comparison (round robin vs pick mode)"),
-    "fuzz": ("extproc.fuzz", "hostile-input run over normalise, key and pick: exceptions, time and memory per body"),
+from extproc import extras
+
+# name -> (module, help, the extra it needs beyond the slim install)
+COMMANDS: dict[str, tuple[str, str, str | None]] = {
+    "serve": ("extproc.serve", "run the ext_proc gRPC server Envoy consults", None),
+    "explain": ("extproc.explain", "show how a request body becomes a prefix key", None),
+    "sim": ("extproc.sim.cli", "run simulated vLLM replicas on loopback ports", "sim"),
+    "bench": ("extproc.bench.cli", "A/B benchmark: stock Envoy routing vs prefix routing", "bench"),
+    "microbench": ("extproc.bench.microbench", "the router's own work per request (pure core, no gRPC)", None),
+    "demo": ("extproc.bench.demo", "short sagemaker-8k comparison (round robin vs pick mode)", "bench"),
+    "fuzz": ("extproc.fuzz", "hostile-input run over normalise, key and pick: exceptions, time and memory per body",
+             None),
 }
 
 
@@ -26,7 +29,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Parser for all subcommands; only ``command``'s module is imported (for its flags)."""
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, help_text, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             mod = importlib.import_module(module)
@@ -38,5 +41,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    extra = COMMANDS[command][2] if command in COMMANDS else None
+    absent = extras.missing(extra) if extra else []
+    if absent:
+        print(extras.install_hint(command or "", extra or "", absent), file=sys.stderr)
+        return 2
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     return int(args._run(args) or 0)
