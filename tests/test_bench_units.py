@@ -172,7 +172,7 @@ def test_report_table_compares_every_arm_with_round_robin() -> None:
 
 
 @pytest.mark.parametrize("quick", [False, True])
-@pytest.mark.parametrize("name", sorted(set(scenarios.SCENARIOS) - {"no-sharing", "overhead"}))
+@pytest.mark.parametrize("name", sorted(set(scenarios.SCENARIOS) - {"no-sharing"}))
 def test_requests_of_a_group_share_the_bytes_the_router_hashes(name: str, quick: bool) -> None:
     """PrefixLength must cover only the shared part, or the key would differ per question."""
     sc = scenarios.get(name)

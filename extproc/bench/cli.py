@@ -16,6 +16,10 @@ DRILLS = {
               "scale-in/out) under load, hash and pick mode; --param faults=a,b modes=hash warm_s= fault_s= after_s=",
     "soak": "bounded open-loop load for --duration (600 s) per arm, the router's RSS every 30 s and its open "
             "streams after; --arms, --rate, --param sample_s= prefixes=",
+    "overhead": "the ext_proc hop's cost: Envoy alone vs a do-nothing ext_proc (the floor) vs the router, per "
+                "shipped config and body size, wrk at 1/16/64 connections in interleaved rounds, CPU per request; "
+                "--replicas (backends), --param rounds= phase_s= sizes=2,32 configs= arms= connections=16,64 "
+                "warmup_s= threads= envoy_concurrency=",
 }
 
 
@@ -107,7 +111,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from extproc.bench.report import markdown_table, overhead_table
+    from extproc.bench.report import markdown_table
     from extproc.bench.runner import run_bench
 
     if args.scenario in DRILLS:
@@ -139,9 +143,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
     print()
     print(markdown_table(report))
-    if report.overhead:
-        print()
-        print(overhead_table(report))
     for note in report.notes:
         print(f"note: {note}")
     print(f"\nreport: {cfg.out / 'report.md'} (and report.json, PNG plots) in {cfg.out}")

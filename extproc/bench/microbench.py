@@ -1,10 +1,12 @@
 """`prefix-router microbench`: the router's own work per request, without gRPC or Envoy.
 
-Times the pure core on chat bodies of several sizes: hash mode's ``decide`` (parse,
-normalise, key), the same with tenant isolation (HMAC salt and body edit), and pick
-mode's whole choice on top of it (chunk hashes, index match over
-a warm index, the cost ranking, recording the pick). Medians of repeated runs, in
-microseconds; compare the rows of one run, not runs across machines.
+Times the pure core on chat bodies of several sizes (2, 4 and 32 KB by default): hash
+mode's ``decide`` and its two parts, normalise (parse + normal form) and key (xxh3 of the
+prefix); the same with tenant isolation (HMAC salt and body edit); pick mode's choice
+alone (chunk hashes, index match over a warm index, the cost ranking, recording the
+pick) and with its ``decide``. Medians of repeated runs, in microseconds; compare the rows
+of one run, not runs across machines. The whole hop (gRPC, Envoy) is ``prefix-router
+bench --scenario overhead``, which sends bodies from the same ``chat_body``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-from extproc.decide import decide
+from extproc.decide import decide, prefix_key
+from extproc.normalize import normalize
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.picker import MAX_REQUEST_CHUNKS, PickCore
 from extproc.settings import RouteSettings
@@ -32,15 +35,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def chat_body(size: int, seed: int) -> bytes:
-    """A chat body of about ``size`` bytes: a shared system prompt and a distinct question."""
+def chat_body(size: int, seed: int, marker: str = "", model: str = "llama") -> bytes:
+    """A chat body of about ``size`` bytes: a shared system prompt and a distinct question.
+
+    ``marker`` starts the system prompt (the overhead scenario puts a per-request id there,
+    inside the hashed prefix, so no two requests share a key).
+    """
     rng = random.Random(seed)
     words = "the cache token prefix route replica envoy model server request latency".split()
     question = " ".join(rng.choices(words, k=max(8, size // 70)))
-    shell = {"model": "llama", "messages": [{"role": "system", "content": ""}, {"role": "user", "content": question}],
+    shell = {"model": model, "messages": [{"role": "system", "content": marker},
+                                          {"role": "user", "content": question}],
              "temperature": 0.2, "stream": True}
     filler = max(0, size - len(json.dumps(shell)))
-    shell["messages"][0]["content"] = ("You are a helpful assistant. " * (filler // 29 + 1))[:filler]
+    shell["messages"][0]["content"] = marker + ("You are a helpful assistant. " * (filler // 29 + 1))[:filler]
     return json.dumps(shell).encode()
 
 
@@ -61,16 +69,23 @@ def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
         core.release(core.pick(d, pick_settings))
     decision = decide(body, {}, pick_settings)
     chunks = chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS)
+    prefix = normalize(body, hash_settings.normalize).data[:hash_settings.prefix_length]
 
     def pick_once() -> None:
         choice = core.pick(decide(body, {}, pick_settings), pick_settings)
         core.release(choice)
 
+    def choice_once() -> None:
+        core.release(core.pick(decision, pick_settings))
+
     number = 2000 if size_kb <= 4 else 500
     return {
         "body_bytes": len(body),
+        "normalize_us": round(_median_us(lambda: normalize(body, hash_settings.normalize), number), 1),
+        "key_us": round(_median_us(lambda: prefix_key(None, prefix), number), 1),
         "hash_decide_us": round(_median_us(lambda: decide(body, {}, hash_settings), number), 1),
         "isolated_decide_us": round(_median_us(lambda: decide(body, tenant, isolated, secret=secret), number), 1),
+        "pick_choice_us": round(_median_us(choice_once, number), 1),
         "pick_total_us": round(_median_us(pick_once, number), 1),
         "chunk_hashes_us": round(_median_us(
             lambda: chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS), number), 1),
@@ -87,11 +102,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
-    print("| body | hash mode: decide() | with tenant isolation | pick mode: decide() + choice | of which chunk "
-          "hashes | of which index match | chunks |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| body | normalise | key | hash mode: decide() | with tenant isolation | pick mode: the choice | "
+          "pick mode: decide() + choice | of which chunk hashes | of which index match | chunks |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['hash_decide_us']} | {r['isolated_decide_us']} | "
-              f"{r['pick_total_us']} | "
+        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | "
+              f"{r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
               f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['chunks']} |")
+    print("\nnormalise: parse + normal form (prompt mode); key: xxh3-64 of the first prefix_length (4096) bytes; "
+          "decide(): both, plus the tenant; the choice: pick mode on an already decided body")
     return 0

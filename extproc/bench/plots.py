@@ -102,3 +102,52 @@ def soak_rss(soak: dict[str, Any], path: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.legend()
     return path
+
+
+def overhead(report: dict[str, Any], path: Path) -> Path:
+    """The overhead scenario (extproc.bench.overhead): added p50 at one connection and the
+    throughput ratio to Envoy alone, per config and body size; the floor (do-nothing
+    ext_proc server) drawn beside the router."""
+    cells = report["cells"]
+    groups = list(dict.fromkeys((c["config"], c["size_kb"]) for c in cells))
+    levels = [k for k in cells[0]["by_connections"] if k != "1"] if cells else []
+    by = {(c["config"], c["size_kb"], c["arm"]): c for c in cells}
+    arms = [a for a in ("floor", "router") if any(k[2] == a for k in by)]
+    x = np.arange(len(groups))
+    width = 0.8 / max(1, len(arms))
+    style = {"floor": {"color": "lightgrey", "hatch": "//", "edgecolor": "grey"}, "router": {"color": "tab:blue"}}
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(12, 4.8))
+    try:
+        for i, arm in enumerate(arms):
+            offset = x - 0.4 + width * (i + 0.5)
+            cells_of = [by.get((g[0], g[1], arm)) or {} for g in groups]
+            added = [c.get("added_p50_ms") or 0.0 for c in cells_of]
+            bars = lat.bar(offset, added, width, label=f"{arm}: added p50", **style[arm])
+            for bar, c in zip(bars, cells_of):  # p99 as a label: on a shared machine it can dwarf the p50
+                if c.get("added_p99_ms") is not None:
+                    lat.annotate(f"{c['added_p50_ms']:.2f}\np99 {c['added_p99_ms']:+.2f}",
+                                 (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                                 fontsize=6)
+            for j, level in enumerate(levels):
+                ratios = [((by.get((g[0], g[1], arm)) or {}).get("by_connections", {}).get(level, {})
+                           .get("ratio_to_alone") or 0.0) for g in groups]
+                sub = width / max(1, len(levels))
+                thr.bar(offset - width / 2 + sub * (j + 0.5), ratios, sub, label=f"{arm} @{level} connections",
+                        alpha=1.0 if j == 0 else 0.6, **style[arm])
+        labels = [f"{Path(c).stem}\n{s} KB" for c, s in groups]
+        lat.set_xticks(x, labels, fontsize=8)
+        lat.set_ylabel("added p50 at 1 connection (ms) vs Envoy alone")
+        lat.margins(y=0.25)
+        lat.set_title("added latency (floor = do-nothing ext_proc)")
+        lat.legend(fontsize=8)
+        thr.set_xticks(x, labels, fontsize=8)
+        thr.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        thr.set_ylabel("requests/s, ratio to Envoy alone")
+        thr.set_ylim(0, 1.1)
+        thr.set_title("throughput ratio")
+        thr.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path

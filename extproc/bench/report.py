@@ -118,15 +118,11 @@ class Report:
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)
     oracle_hit_rate: float = 0.0
     notes: list[str] = field(default_factory=list)
-    overhead: dict[str, Any] | None = None
     files: dict[str, str] = field(default_factory=dict)
     ttft_samples: dict[str, list[float]] = field(default_factory=dict)  # ms, for plots
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "ttft_samples"}
-        if self.overhead is None:
-            out.pop("overhead")
-        return out
+        return {k: v for k, v in self.__dict__.items() if k != "ttft_samples"}
 
     @property
     def baseline(self) -> str | None:
@@ -198,49 +194,6 @@ def markdown_table(report: Report) -> str:
     return "\n".join(lines)
 
 
-def overhead_table(report: Report) -> str:
-    if not report.overhead:
-        return ""
-    lines = ["| arm | concurrency | stock p50 ms | ext_proc p50 ms | added p50 ms | added p99 ms "
-             "| stock req/s | ext_proc req/s | throughput ratio | client saturated |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for arm, phases in report.overhead["arms"].items():
-        for phase, row in phases.items():
-            lines.append(
-                f"| {arm} | {phase} | {_fmt(row['stock_p50_ms'], 2)} | {_fmt(row['extproc_p50_ms'], 2)} "
-                f"| {_fmt(row['added_p50_ms'], 2)} | {_fmt(row['added_p99_ms'], 2)} | {_fmt(row['stock_rps'])} "
-                f"| {_fmt(row['extproc_rps'])} | {_fmt(row['throughput_ratio'], 2)} | {row['client_saturated']} |")
-    return "\n".join(lines)
-
-
-def overhead_summary(arms: Mapping[str, Mapping[str, Any]], stock: str, ours: list[str]) -> dict[str, Any]:
-    """Added latency and throughput ratio of the ext_proc hop, per ext_proc arm and concurrency phase.
-
-    ``phases`` repeats the first ext_proc arm's rows (the shipped envoy.yaml shape).
-    """
-    by_arm: dict[str, dict[str, Any]] = {}
-    for name in ours:
-        phases: dict[str, Any] = {}
-        for phase, s in arms[stock].get("phases", {}).items():
-            o = arms[name].get("phases", {}).get(phase)
-            if not o:
-                continue
-            phases[phase] = {
-                "stock_p50_ms": s["e2e_ms"]["p50"], "extproc_p50_ms": o["e2e_ms"]["p50"],
-                "added_p50_ms": _diff(o["e2e_ms"]["p50"], s["e2e_ms"]["p50"]),
-                "added_p99_ms": _diff(o["e2e_ms"]["p99"], s["e2e_ms"]["p99"]),
-                "stock_rps": s["throughput_rps"], "extproc_rps": o["throughput_rps"],
-                "throughput_ratio": round(o["throughput_rps"] / s["throughput_rps"], 3) if s["throughput_rps"] else None,
-                "client_saturated": s["client"]["saturated"] or o["client"]["saturated"],
-            }
-        by_arm[name] = phases
-    return {"stock_arm": stock, "extproc_arm": ours[0], "phases": by_arm[ours[0]], "arms": by_arm}
-
-
-def _diff(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else round(a - b, 3)
-
-
 def to_markdown(report: Report) -> str:
     parts = [
         f"# prefix-router bench: {report.scenario}",
@@ -255,8 +208,6 @@ def to_markdown(report: Report) -> str:
         "",
         markdown_table(report),
     ]
-    if report.overhead:
-        parts += ["", "## Routing overhead (zero-work backend, end-to-end latency)", "", overhead_table(report)]
     phases = timeline_table(report)
     if phases:
         parts += ["", "## Per phase (split at the fleet changes)", "", phases]

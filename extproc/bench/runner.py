@@ -1,9 +1,10 @@
 """Run a scenario against each arm on a fresh fleet with the same seeded trace.
 
 ``run_bench(BenchConfig(...)) -> Report`` is the whole benchmark as a Python call (the
-tests use it); the CLI and the demo are thin wrappers. Per arm (and per concurrency
-phase): start the backend, start the arm (router + Envoy, or a peer router), read the
-replicas' counters, run the load, read them again, stop everything we started.
+tests use it); the CLI and the demo are thin wrappers. Per arm: start the backend, start
+the arm (router + Envoy, or a peer router), read the replicas' counters, run the load,
+read them again, stop everything we started. (The ``overhead``, ``faults`` and ``soak``
+scenarios are drills of their own: extproc.bench.cli.)
 """
 
 from __future__ import annotations
@@ -78,19 +79,15 @@ def _load(scenario: Scenario, cfg: BenchConfig) -> LoadSpec:
                     rate=cfg.rate or base.rate, duration_s=cfg.duration_s or base.duration_s)
 
 
-def _backend(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> backends.Backend:
+def _backend(spec: FleetSpec, cfg: BenchConfig) -> backends.Backend:
     if cfg.backend_urls:
         return backends.ExternalBackend(list(cfg.backend_urls), block_size=spec.block_size)
-    if scenario.backend == "zero":
-        return backends.ZeroBackend(spec.replicas)
     return backends.SimBackend(spec)
 
 
-def _model(scenario: Scenario, spec: FleetSpec, cfg: BenchConfig) -> str:
+def _model(spec: FleetSpec, cfg: BenchConfig) -> str:
     if cfg.backend_urls:
         return served_model(cfg.backend_urls[0])
-    if scenario.backend == "zero":
-        return "zero"
     from extproc.sim.profiles import get_profile
 
     return get_profile(spec.profile).model
@@ -116,43 +113,28 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     spec = _fleet(scenario, params, cfg)
     load = _load(scenario, cfg)
     prog = cfg.progress or progress_mod.Quiet()
-    model = _model(scenario, spec, cfg)
+    model = _model(spec, cfg)
     trace = scenario.trace(params, cfg.seed, model)
     best = oracle(trace.requests, spec.block_size).hit_rate
     prefix_length = cfg.prefix_length or scenario.prefix_length
     names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
     report = report_mod.Report(
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
-        fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else scenario.backend,
-               **cfg.backend_info},
+        fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else "sim", **cfg.backend_info},
         load={**dataclasses.asdict(load), "prefix_length": prefix_length,
-              **({"router_settings": dict(cfg.router_settings)} if cfg.router_settings else {}),
-              **({"phases": list(scenario.phases)} if scenario.phases else {})},
+              **({"router_settings": dict(cfg.router_settings)} if cfg.router_settings else {})},
         oracle_hit_rate=best,
     )
     prog.note(f"{scenario.name}: {len(trace)} requests in {len(trace.sessions)} sessions, oracle hit rate "
               f"{best:.0%}, arms {', '.join(names)}")
-    phases = scenario.phases or (load.concurrency,)
     try:
         for name in names:
-            arm = arms_mod.get(name)
-            per_phase: dict[str, dict[str, Any]] = {}
-            for concurrency in phases:
-                label = f"{name}" + (f" c={concurrency}" if scenario.phases else "")
-                phase_load = dataclasses.replace(load, concurrency=concurrency)
-                summary, ttfts = _run_arm(arm, label, scenario, spec, phase_load, trace, best, prefix_length, cfg, prog)
-                per_phase[f"c{concurrency}"] = summary
-                report.ttft_samples[label] = ttfts
-            main = dict(per_phase[f"c{phases[-1]}"])
-            if scenario.phases:
-                main["phases"] = per_phase
-            report.arms[name] = main
+            summary, ttfts = _run_arm(arms_mod.get(name), name, scenario, spec, load, trace, best, prefix_length,
+                                      cfg, prog)
+            report.arms[name] = summary
+            report.ttft_samples[name] = ttfts
     finally:
         progress_mod.stop(prog)
-    if scenario.phases and len(names) >= 2:
-        stock = next((n for n in names if not arms_mod.get(n).prefix), names[0])
-        ours = [n for n in names if arms_mod.get(n).prefix] or [names[-1]]
-        report.overhead = report_mod.overhead_summary(report.arms, stock, ours)
     _add_notes(report)
     if cfg.out is not None:
         out = Path(cfg.out)
@@ -211,7 +193,7 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
 def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
              trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
              prog: progress_mod.Progress) -> tuple[dict[str, Any], list[float]]:
-    backend = _backend(scenario, spec, cfg)
+    backend = _backend(spec, cfg)
     events = sorted(scenario.events(dict(trace.params)), key=lambda e: e.at_s)
     members = [i for i in range(spec.replicas) if i not in {e.replica for e in events if e.action == "join"}]
     prog.note(f"{label}: starting fleet and arm")

@@ -74,8 +74,6 @@ class Scenario:
     load: LoadSpec = LoadSpec()
     prefix_length: int = 4096  # router PrefixLength (bytes of the normalised prompt)
     arms: tuple[str, ...] = ENVOY_ARMS
-    backend: str = "sim"  # "sim" or "zero" (the overhead scenario's zero-work backend)
-    phases: tuple[int, ...] = ()  # concurrency levels run one after the other (overhead)
     quick: Mapping[str, Any] = field(default_factory=dict)
     events: Callable[[Params], tuple[FleetEvent, ...]] = lambda p: ()  # fleet changes during the load
 
@@ -531,37 +529,9 @@ FAULT_LOAD = Scenario(
 )
 
 
-# --- overhead ---------------------------------------------------------------------------
-
-def _overhead(p: Params, rng: random.Random, model: str):
-    """Distinct small chat bodies: the backend does no work, so only the hop is measured."""
-    text = TextSource(rng)
-    body_text = text.text(p["body_tokens"])
-    chains = []
-    for r in range(p["requests"]):
-        messages = [{"role": "user", "content": f"[{r}] " + body_text}]
-        chains.append(_single(chat_body(model, messages, 1), f"req-{r}"))
-    return build_sessions(chains)
-
-
-OVERHEAD = Scenario(
-    name="overhead",
-    summary="zero-work backend: stock Envoy vs Envoy + ext_proc, sequential and at concurrency 16 "
-            "(added latency and throughput ratio of the extra hop)",
-    params=dict(requests=5000, body_tokens=1000, replicas=4),
-    generate=_overhead,
-    fleet=lambda p: FleetSpec(replicas=p["replicas"]),
-    load=LoadSpec(concurrency=16, duration_s=30.0),
-    arms=("round-robin", "prefix-maglev", "prefix-fast", "prefix-pick"),
-    backend="zero",
-    phases=(1, 16),
-    quick=dict(requests=150, replicas=2),
-)
-
-
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     SAGEMAKER_8K, SHORT_CHAT, MULTI_TURN, GSP, HOT_PREFIX, TENANTS, SERIALIZATION, NO_SHARING, ZIPF_CHAT,
-    SCALE_OUT, OVERHEAD)}
+    SCALE_OUT)}
 
 
 def get(name: str) -> Scenario:

@@ -1,0 +1,127 @@
+"""A do-nothing ext_proc server: the protocol's floor for the ``overhead`` scenario.
+
+It answers every message at once with a reply serialised in advance, and never parses a
+request: the phase is read from the message's first byte (the tag of the ``request``
+oneof, the lowest field number Envoy writes), so what it costs is the gRPC stack and the
+ext_proc protocol, not our work. It speaks whatever shape the Envoy config asks for: a
+headers reply and a body reply for envoy.yaml and pick.yaml, the single body reply for
+envoy-fast.yaml (headers skipped). Like the router in hash mode it ends the RPC after the
+body reply; with ``--hold`` it keeps the stream open until Envoy ends it with the HTTP
+response, as the router does in pick mode. Same server shape as ``prefix-router serve``:
+grpc.aio on uvloop, gRPC health, the same message size limits.
+
+Run: ``python -m extproc.bench.noop_extproc --port 50061 --metrics-port 9470 [--hold]``;
+``/metrics`` on the metrics port counts streams and messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from extproc.serve import MAX_MESSAGE_BYTES, SERVICE_NAME
+
+STREAMS_METRIC = "noop_extproc_streams_total"
+MESSAGES_METRIC = "noop_extproc_messages_total"
+_LENGTH_DELIMITED = 2  # protobuf wire type of a sub-message
+
+
+def _empty_reply(phase: str) -> bytes:
+    """The serialised ProcessingResponse that answers ``phase`` and changes nothing."""
+    reply = pb.ProcessingResponse()
+    part = getattr(reply, phase)
+    # headers and body replies carry a CommonResponse (it must be present, even empty); trailers do not
+    (part.response if "response" in part.DESCRIPTOR.fields_by_name else part).SetInParent()
+    return reply.SerializeToString()
+
+
+def replies() -> dict[int, bytes]:
+    """First byte of a ProcessingRequest (its phase's tag) -> the reply to send."""
+    phases = pb.ProcessingRequest.DESCRIPTOR.oneofs_by_name["request"].fields
+    return {(f.number << 3) | _LENGTH_DELIMITED: _empty_reply(f.name) for f in phases}
+
+
+REPLIES = replies()
+BODY_TAG = (pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_body"].number << 3) | _LENGTH_DELIMITED
+
+
+class Noop:
+    def __init__(self, hold: bool) -> None:
+        self.hold = hold
+        self.streams = 0
+        self.messages = 0
+
+    async def process(self, requests: AsyncIterator[bytes], _: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        self.streams += 1
+        async for raw in requests:
+            self.messages += 1
+            tag = raw[0] if raw else BODY_TAG
+            yield REPLIES.get(tag, REPLIES[BODY_TAG])
+            if tag == BODY_TAG and not self.hold:
+                return
+
+    def metrics(self) -> str:
+        return f"{STREAMS_METRIC} {self.streams}\n{MESSAGES_METRIC} {self.messages}\n"
+
+
+async def serve(port: int, metrics_port: int, hold: bool) -> None:
+    noop = Noop(hold)
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    # No (de)serialisers: the handler sees and returns raw bytes.
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE_NAME, {"Process": grpc.stream_stream_rpc_method_handler(noop.process)}),))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind 127.0.0.1:{port}")
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=noop.metrics(), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", metrics_port).start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"noop-extproc ready on 127.0.0.1:{bound} (hold={hold})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1)
+    await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--metrics-port", type=int, required=True)
+    parser.add_argument("--hold", action="store_true", help="keep each stream open until Envoy ends it")
+    args = parser.parse_args()
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    run(serve(args.port, args.metrics_port, args.hold))
+
+
+if __name__ == "__main__":
+    main()
