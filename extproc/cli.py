@@ -15,6 +15,7 @@ from extproc import extras
 # name -> (module, help, the extra it needs beyond the slim install)
 COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("extproc.serve", "run the ext_proc gRPC server Envoy consults", None),
+    "health": ("extproc.health", "ask a running router its gRPC health (exit 0: serving), for probes", None),
     "explain": ("extproc.explain", "show how a request body becomes a prefix key", None),
     "sim": ("extproc.sim.cli", "run simulated vLLM replicas on loopback ports", "sim"),
     "bench": ("extproc.bench.cli", "A/B benchmark: stock Envoy routing vs prefix routing", "bench"),

@@ -18,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import metrics
+from extproc.health import SERVICE
 from extproc.pick.picker import Picker
 from extproc.server import PrefixRouter
 from extproc.settings import (ROUTE_FIELDS, SERVER_FIELDS, RouteSettings, ServerSettings, SettingError, add_flags,
@@ -25,7 +26,6 @@ from extproc.settings import (ROUTE_FIELDS, SERVER_FIELDS, RouteSettings, Server
 
 log = logging.getLogger("extproc.serve")
 
-SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Envoy sends a BUFFERED body as one gRPC message; gRPC's default 4 MiB limit would reject
 # long-context bodies below the listener's buffer limit (8 MiB in envoy.yaml), and those
 # requests would go on unkeyed. 64 MiB is above any sane buffer limit.
@@ -80,7 +80,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         raise OSError(f"cannot bind the gRPC port {address}")
     http = await start_http(server_cfg, picker) if server_cfg.metrics_port else None
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "serving ext_proc on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
@@ -97,7 +97,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining open streams for up to %.1f s", server_cfg.drain_seconds)
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=server_cfg.drain_seconds)
     if picker is not None:

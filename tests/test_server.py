@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import send, start_router
 
 from extproc import envoy_config, envoy_proc, metrics, server
+from extproc.procs import wait_until
 from extproc.decide import decide
 from extproc.settings import RouteSettings, SettingError, route_settings, with_metadata
 
@@ -106,6 +109,25 @@ def test_grpc_health_is_serving(channel: grpc.Channel) -> None:
         assert status == health_pb2.HealthCheckResponse.SERVING
 
 
+def health_command(port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "extproc", "health", *flags] + (["--port", str(port)] if port else []),
+                          capture_output=True, text=True, timeout=30, env={**os.environ, **(env or {})})
+
+
+def test_health_command_answers_for_probes(router) -> None:
+    done = health_command(router[1])
+    assert done.returncode == 0 and done.stdout.strip().endswith(": SERVING"), done.stderr
+    # the same PREFIX_ROUTER_* variables as `serve`: the Docker HEALTHCHECK relies on it
+    via_env = health_command(0, env={"PREFIX_ROUTER_PORT": str(router[1]), "PREFIX_ROUTER_HOST": "0.0.0.0"})
+    assert via_env.returncode == 0, via_env.stderr
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        closed = free.getsockname()[1]
+    down = health_command(closed, "--timeout", "1")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+    assert health_command(router[1], "--service", "no.such.Service").returncode == 1
+
+
 def test_metrics_count_decisions_by_mode_and_fallback(router, channel: grpc.Channel) -> None:
     process(channel, [body_msg(b"\xff\xfe")])
     text = send(router[2], "/metrics").body.decode()
@@ -154,6 +176,7 @@ def test_sigterm_drains_an_open_stream_then_exits() -> None:
             first = next(call)
             assert first.WhichOneof("response") == "request_headers"
             proc.signal(signal.SIGTERM)  # the stream is open: the server must finish it
+            wait_until(lambda: health_command(port).returncode == 1, 10, "health to turn NOT_SERVING in the drain")
             body_sent.set()
             second = next(call)
             assert key_set(second) == decide(BODY, {}, RouteSettings()).key

