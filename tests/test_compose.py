@@ -145,17 +145,8 @@ class Stack:
             return r.read().decode()
 
     def healthy(self, cluster: str) -> dict[str, bool]:
-        """host:port -> passes Envoy's active health checks (it failed none of them)."""
-        data = json.loads(self.admin("/clusters?format=json"))
-        out: dict[str, bool] = {}
-        for c in data.get("cluster_statuses", []):
-            if c["name"] != cluster:
-                continue
-            for h in c.get("host_statuses", []):
-                sa = h["address"]["socket_address"]
-                out[f"{sa['address']}:{sa['port_value']}"] = not h.get("health_status", {}).get(
-                    "failed_active_health_check", False)
-        return out
+        """host:port -> passes Envoy's health checks."""
+        return envoy_proc.healthy_hosts(self.admin("/clusters?format=json"), cluster)
 
     def counter(self, name: str) -> int:
         stats = json.loads(self.admin(f"/stats?format=json&filter={re.escape(name)}$"))["stats"]
