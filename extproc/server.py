@@ -156,25 +156,23 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                         yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
                         return
                     reply, picked = self.pick_reply(body.body, headers, settings, complete=body.end_of_stream)
-                    yield reply
-                    if picked is not None:
-                        async for pass_through in self._until_stream_ends(request_iterator, picked):
-                            yield pass_through
+                    if picked is None:
+                        yield reply
+                        return
+                    # Hold the picked replica's in-flight count until Envoy closes the stream. The
+                    # release covers the reply's own yield: Envoy may end the stream (a fast response)
+                    # before we resume after it, and the generator is then closed right there.
+                    try:
+                        yield reply
+                        async for request in request_iterator:
+                            yield _pass_through(request.WhichOneof("request"))
+                    finally:
+                        self.picker.release(picked)
                     return
                 else:
                     yield _pass_through(phase)
         finally:
             metrics.STREAMS_ACTIVE.dec()
-
-    async def _until_stream_ends(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
-                                 picked: Choice) -> AsyncIterator[pb.ProcessingResponse]:
-        """Hold the picked replica's in-flight count until Envoy closes the stream (or it breaks)."""
-        assert self.picker is not None
-        try:
-            async for request in request_iterator:
-                yield _pass_through(request.WhichOneof("request"))
-        finally:
-            self.picker.release(picked)
 
     @staticmethod
     def safe_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:

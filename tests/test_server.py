@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -94,6 +95,42 @@ def test_pick_mode_asked_of_a_router_without_endpoints_falls_back_to_hash_once_c
     for _ in range(3):  # the same route's streams: counted once
         assert router.settings_for([("x-prefix-router-mode", "pick")]).mode == "hash"
     assert metrics.METADATA_ERRORS._value.get() - before == 1
+
+
+class _NoMetadata:
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+
+@pytest.mark.parametrize("close_after", [1, 2], ids=["at-the-pick-reply", "while-held"])
+def test_a_pick_stream_closed_at_any_point_releases_the_replica(close_after: int) -> None:
+    """Envoy may end the stream (a fast response) before the router resumes after its pick
+    reply; the generator is then closed at that yield, and the pick must still be released."""
+    from extproc.pick.picker import PickCore
+
+    core = PickCore(chunk_bytes=64)
+    core.set_endpoints(["127.0.0.1:9001", "127.0.0.1:9002"])
+    router = server.PrefixRouter(RouteSettings(mode="pick"), picker=core)
+
+    async def requests() -> AsyncIterator[pb.ProcessingRequest]:
+        yield body_msg(BODY)
+        await asyncio.sleep(3600)  # the HTTP response is still on its way
+
+    async def run() -> list[int]:
+        stream = router.Process(requests(), _NoMetadata())
+        reply = await stream.__anext__()
+        picked = reply.dynamic_metadata.fields[server.LB_NAMESPACE].struct_value.fields[server.DESTINATION_ENDPOINT]
+        held = [core.load.own(picked.string_value)]
+        if close_after == 2:
+            pending = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.01)
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        await stream.aclose()
+        return held + [core.load.own(picked.string_value)]
+
+    assert asyncio.run(run()) == [1, 0]
 
 
 def test_get_without_body_gets_no_key(channel: grpc.Channel) -> None:

@@ -511,7 +511,7 @@ SCALE_OUT = Scenario(
     arms=("round-robin", "least-request", "prefix-bounded", "prefix-pick"),
     events=_scale_out_events,
     quick=dict(requests=120, prefixes=8, prefix_tokens=1100, replicas=2, time_scale=20.0, output_tokens=8,
-               join_at_s=2.0, leave_at_s=4.0),
+               join_at_s=2.0, leave_at_s=5.0),  # the newcomer is usable ~1.5 s after it joins
 )
 
 
