@@ -19,17 +19,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc_health.v1 import health as health_sync
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from extproc.health import SERVICE
 from extproc.serve import MAX_MESSAGE_BYTES
 
+SHAPES = ("aio-uvloop", "aio-asyncio", "sync")
 STREAMS_METRIC = "noop_extproc_streams_total"
 MESSAGES_METRIC = "noop_extproc_messages_total"
 _LENGTH_DELIMITED = 2  # protobuf wire type of a sub-message
@@ -69,8 +74,59 @@ class Noop:
             if tag == BODY_TAG and not self.hold:
                 return
 
+    def process_sync(self, requests: Iterator[bytes], _: grpc.ServicerContext) -> Iterator[bytes]:
+        """The same replies from grpc's thread-pool server (the ``sync`` shape)."""
+        self.streams += 1
+        for raw in requests:
+            self.messages += 1
+            tag = raw[0] if raw else BODY_TAG
+            yield REPLIES.get(tag, REPLIES[BODY_TAG])
+            if tag == BODY_TAG and not self.hold:
+                return
+
     def metrics(self) -> str:
         return f"{STREAMS_METRIC} {self.streams}\n{MESSAGES_METRIC} {self.messages}\n"
+
+
+def serve_sync(port: int, metrics_port: int, hold: bool, workers: int = 128) -> None:
+    """grpc's synchronous server: a thread per open stream instead of one event loop."""
+    noop = Noop(hold)
+    server = grpc.server(ThreadPoolExecutor(max_workers=workers), options=[
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(noop.process_sync)}),))
+    health = health_sync.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
+        raise OSError(f"cannot bind 127.0.0.1:{port}")
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = noop.metrics().encode()
+            self.send_response(200)
+            self.send_header("content-type", "text/plain")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", metrics_port), Metrics)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    server.start()
+    for name in ("", SERVICE):
+        health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"noop-extproc (sync) ready on 127.0.0.1:{port} (hold={hold})", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1)
+    http.shutdown()
 
 
 async def serve(port: int, metrics_port: int, hold: bool) -> None:
@@ -115,7 +171,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--metrics-port", type=int, required=True)
     parser.add_argument("--hold", action="store_true", help="keep each stream open until Envoy ends it")
+    parser.add_argument("--shape", choices=SHAPES, default="aio-uvloop",
+                        help="server shape: grpc.aio on uvloop (as `serve`), on asyncio's loop, or grpc's thread-pool server")
     args = parser.parse_args()
+    if args.shape == "sync":
+        serve_sync(args.port, args.metrics_port, args.hold)
+        return
+    if args.shape == "aio-asyncio":
+        asyncio.run(serve(args.port, args.metrics_port, args.hold))
+        return
     try:
         import uvloop
         run = uvloop.run

@@ -47,6 +47,7 @@ from extproc.bench import arms as arms_mod
 from extproc.bench import drill
 from extproc.bench.backends import ZeroBackend
 from extproc.bench.microbench import chat_body
+from extproc.bench.noop_extproc import SHAPES
 from extproc.bench.noop_extproc import STREAMS_METRIC as NOOP_COUNT
 from extproc.bench.progress import stop as stop_progress
 from extproc.envoy_proc import Envoy, envoy_binary
@@ -94,13 +95,14 @@ class Config(drill.Common):
     warmup_s: int = 1  # per config and arm, before round 1 (0: none)
     threads: int = 1  # wrk threads
     envoy_concurrency: int = 1
+    floor_shape: str = "aio-uvloop"  # the do-nothing server's shape: aio-uvloop (as serve), aio-asyncio, sync
 
 
 QUICK = dict(rounds=1, phase_s=1, connections=(16,), warmup_s=0)
 FLAGS = ("replicas",)
 PARAMS: dict[str, Callable[[str], Any]] = {
     "rounds": int, "phase_s": int, "sizes": _ints, "configs": drill.names, "arms": drill.names,
-    "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int,
+    "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int, "floor_shape": str,
 }
 
 
@@ -255,10 +257,11 @@ class Stack:
         return out
 
 
-def _server_argv(arm: str, port: int, metrics_port: int, pick: bool, endpoints: Sequence[str]) -> list[str]:
+def _server_argv(arm: str, port: int, metrics_port: int, pick: bool, endpoints: Sequence[str],
+                 floor_shape: str = "aio-uvloop") -> list[str]:
     if arm == "floor":
         return python_module("extproc.bench.noop_extproc", "--port", str(port), "--metrics-port", str(metrics_port),
-                             *(["--hold"] if pick else []))
+                             "--shape", floor_shape, *(["--hold"] if pick else []))
     return python_module("extproc", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
                          "--log-level", "warning", "--drain-seconds", "1",
                          *(["--endpoints", ",".join(endpoints)] if pick else []))
@@ -305,7 +308,7 @@ class Rig:
         servers: dict[tuple[str, str], tuple[Process, int, int]] = {}
         for config, arm in with_server:
             port, metrics_port = next(ports), next(ports)
-            proc = Process(_server_argv(arm, port, metrics_port, is_pick(loaded[config]), addresses),
+            proc = Process(_server_argv(arm, port, metrics_port, is_pick(loaded[config]), addresses, cfg.floor_shape),
                            name=f"{arm} ext_proc for {config}", env=arms_mod.ROUTER_ENV)
             self._stop.callback(proc.stop)
             servers[(config, arm)] = (proc, port, metrics_port)
@@ -438,6 +441,8 @@ def _validate(cfg: Config) -> None:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     if BASELINE not in cfg.arms:
         raise ValueError(f"the arms must include {BASELINE!r}: every ratio is against Envoy alone")
+    if cfg.floor_shape not in SHAPES:
+        raise ValueError(f"unknown floor_shape {cfg.floor_shape!r}; choose from {', '.join(SHAPES)}")
     for config in cfg.configs:
         if not Path(config).exists() and not (envoy_config.ENVOY_DIR / config).exists():
             raise ValueError(f"no Envoy config {config!r} (in {envoy_config.ENVOY_DIR} or as a path)")
