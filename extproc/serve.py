@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 import grpc
@@ -17,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from extproc.signals import stop_on_signals
 from extproc import metrics
 from extproc.health import SERVICE
 from extproc.pick.picker import Picker
@@ -91,11 +91,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         f" endpoints={len(picker.load.addresses())}" if picker else "",
     )
     print(f"prefix-router ready on {server_cfg.host}:{port}", flush=True)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_on_signals(stop).wait()
     log.info("draining open streams for up to %.1f s", server_cfg.drain_seconds)
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -31,6 +31,7 @@ from grpc_health.v1 import health as health_sync
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from extproc.signals import stop_on_signals
 from extproc.health import SERVICE
 from extproc.serve import MAX_MESSAGE_BYTES
 
@@ -157,11 +158,7 @@ async def serve(port: int, metrics_port: int, hold: bool) -> None:
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"noop-extproc ready on 127.0.0.1:{bound} (hold={hold})", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_on_signals().wait()
     await server.stop(grace=1)
     await runner.cleanup()
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
 from aiohttp import web
+
+from extproc.signals import stop_on_signals
 
 MODEL = "zero"
 _STREAM = b"".join(
@@ -64,11 +65,7 @@ async def serve(ports: list[int]) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
         runners.append(runner)
         print(f"replica {i} ready on http://127.0.0.1:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_on_signals().wait()
     for runner in runners:
         await runner.cleanup()
 

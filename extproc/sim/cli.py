@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import urllib.error
 import urllib.request
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from extproc.signals import stop_on_signals
 from extproc.sim.profiles import DEFAULT_PROFILE, PROFILES
 
 if TYPE_CHECKING:  # fleet pulls in aiohttp: imported only when serving
@@ -77,10 +77,7 @@ def _control(url: str, settings: list[str]) -> int:
 async def _serve(config: SimConfig) -> int:
     from extproc.sim.fleet import start_fleet
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     fleet = await start_fleet(config)
     p = config.resolved_profile()
     print(f"sim: profile={p.name} model={p.model} block_size={p.block_size} "
