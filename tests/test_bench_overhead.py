@@ -15,6 +15,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -22,6 +23,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import envoy_config
 from extproc.bench import microbench, noop_extproc, overhead
 from extproc.cli import main as cli_main
+from extproc.health import SERVICE
+from extproc.procs import Process, free_ports, python_module
+from extproc.realvllm.promtext import fetch_metrics, metric_sum
 
 RUN = dict(rounds=1, phase_s=1, sizes=(32,), connections=(16,), warmup_s=0)
 MESSAGES_PER_STREAM = {"envoy.yaml": 2, "envoy-fast.yaml": 1, "pick.yaml": 2}  # headers + body, or body only
@@ -212,6 +216,10 @@ def test_bad_parameters_exit_2_before_anything_starts(capsys: pytest.CaptureFixt
     assert "must include 'alone'" in capsys.readouterr().err
     assert cli_main(["bench", "--scenario", "overhead", "--param", "nope=1"]) == 2
     assert cli_main(["bench", "--scenario", "overhead", "--param", "configs=missing.yaml"]) == 2
+    assert cli_main(["bench", "--scenario", "overhead", "--param", "processes=0"]) == 2
+    assert "processes must be at least 1" in capsys.readouterr().err
+    assert cli_main(["bench", "--scenario", "overhead", "--param", "floor_shape=threads"]) == 2
+    assert "unknown floor_shape" in capsys.readouterr().err
 
 
 # --- the do-nothing ext_proc server -----------------------------------------------------
@@ -250,6 +258,23 @@ def test_the_noop_answers_each_phase_unparsed_and_ends_after_the_body_unless_hol
     for reply in noop_extproc.REPLIES.values():  # every canned reply is a valid, empty ProcessingResponse
         parsed = pb.ProcessingResponse.FromString(reply)
         assert parsed.WhichOneof("response") is not None and not parsed.HasField("dynamic_metadata")
+
+
+@pytest.mark.parametrize("shape", noop_extproc.SHAPES)
+def test_every_server_shape_of_the_noop_speaks_ext_proc_over_real_grpc(shape: str) -> None:
+    port, metrics_port = free_ports(2)
+    proc = Process(python_module("extproc.bench.noop_extproc", "--port", str(port), "--metrics-port",
+                                 str(metrics_port), "--shape", shape), name=f"noop {shape}")
+    try:
+        proc.wait_for_line("ready on", timeout=30)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream(f"/{SERVICE}/Process")
+            replies = list(call(iter([_request("request_headers"), _request("request_body")]), timeout=10))
+        assert [pb.ProcessingResponse.FromString(r).WhichOneof("response") for r in replies] == [
+            "request_headers", "request_body"]
+        assert metric_sum(fetch_metrics(f"http://127.0.0.1:{metrics_port}"), noop_extproc.STREAMS_METRIC) == 1
+    finally:
+        proc.stop()
 
 
 def test_microbench_reports_normalise_key_and_the_pick_choice_per_size() -> None:

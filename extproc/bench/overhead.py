@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,7 @@ class Config(drill.Common):
     threads: int = 1  # wrk threads
     envoy_concurrency: int = 1
     floor_shape: str = "aio-uvloop"  # the do-nothing server's shape: aio-uvloop (as serve), aio-asyncio, sync
+    processes: int = 1  # ext_proc server processes per arm, all in the prefix_router cluster
 
 
 QUICK = dict(rounds=1, phase_s=1, connections=(16,), warmup_s=0)
@@ -103,6 +104,7 @@ FLAGS = ("replicas",)
 PARAMS: dict[str, Callable[[str], Any]] = {
     "rounds": int, "phase_s": int, "sizes": _ints, "configs": drill.names, "arms": drill.names,
     "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int, "floor_shape": str,
+    "processes": int,
 }
 
 
@@ -241,19 +243,18 @@ def without_ext_proc(cfg: envoy_config.Config) -> envoy_config.Config:
 
 @dataclass
 class Stack:
-    """One arm of one config: its Envoy and (floor, router) its ext_proc server."""
+    """One arm of one config: its Envoy and (floor, router) its ext_proc server processes."""
 
     config: str
     arm: str
     envoy: Envoy
-    server: Process | None = None
-    metrics_port: int | None = None
+    servers: list[Process] = field(default_factory=list)
+    metrics_ports: list[int] = field(default_factory=list)
     url: str = ""
 
     def pids(self) -> dict[str, int]:
         out = {"envoy": self.envoy.process.pid}
-        if self.server is not None:
-            out["ext_proc"] = self.server.pid
+        out.update({f"ext_proc-{i}": p.pid for i, p in enumerate(self.servers)})
         return out
 
 
@@ -304,31 +305,34 @@ class Rig:
         loaded = {c: envoy_config.load(c) for c in cfg.configs}
         pairs = [(c, a) for c in cfg.configs for a in cfg.arms]
         with_server = [p for p in pairs if p[1] != "alone"]
-        ports = iter(free_ports(2 * len(pairs) + 2 * len(with_server)))
-        servers: dict[tuple[str, str], tuple[Process, int, int]] = {}
+        ports = iter(free_ports(2 * len(pairs) + 2 * cfg.processes * len(with_server)))
+        servers: dict[tuple[str, str], list[tuple[Process, int, int]]] = {}
         for config, arm in with_server:
-            port, metrics_port = next(ports), next(ports)
-            proc = Process(_server_argv(arm, port, metrics_port, is_pick(loaded[config]), addresses, cfg.floor_shape),
-                           name=f"{arm} ext_proc for {config}", env=arms_mod.ROUTER_ENV)
-            self._stop.callback(proc.stop)
-            servers[(config, arm)] = (proc, port, metrics_port)
-        _parallel(lambda s: s[0].wait_for_line("ready on", timeout=60), list(servers.values()))
+            for i in range(cfg.processes):
+                port, metrics_port = next(ports), next(ports)
+                proc = Process(_server_argv(arm, port, metrics_port, is_pick(loaded[config]), addresses,
+                                            cfg.floor_shape),
+                               name=f"{arm} ext_proc {i} for {config}", env=arms_mod.ROUTER_ENV)
+                self._stop.callback(proc.stop)
+                servers.setdefault((config, arm), []).append((proc, port, metrics_port))
+        _parallel(lambda s: s[0].wait_for_line("ready on", timeout=60), [s for group in servers.values() for s in group])
         for config, arm in pairs:
             listener, admin = next(ports), next(ports)
-            server = servers.get((config, arm))
-            shaped = envoy_config.localize(loaded[config], listener_port=listener, admin_port=admin, backends=hosts,
-                                           extproc_port=server[1] if server else None)
+            group = servers.get((config, arm), [])
+            shaped = envoy_config.localize(loaded[config], listener_port=listener, admin_port=admin, backends=hosts)
+            if group:
+                envoy_config.set_endpoints(shaped, "prefix_router", [("127.0.0.1", port) for _, port, _ in group])
             envoy = Envoy(without_ext_proc(shaped) if arm == "alone" else shaped,
                           concurrency=cfg.envoy_concurrency)
             self._stop.callback(envoy.stop)
-            self.stacks[(config, arm)] = Stack(config, arm, envoy, server[0] if server else None,
-                                               server[2] if server else None, f"http://127.0.0.1:{listener}")
+            self.stacks[(config, arm)] = Stack(config, arm, envoy, [p for p, _, _ in group], [m for _, _, m in group],
+                                               f"http://127.0.0.1:{listener}")
 
         def ready(stack: Stack) -> None:
             stack.envoy.start()
             stack.envoy.wait_healthy("vllm", len(hosts))
-            if stack.server is not None:
-                stack.envoy.wait_healthy("prefix_router", 1)
+            if stack.servers:
+                stack.envoy.wait_healthy("prefix_router", len(stack.servers))
 
         _parallel(ready, list(self.stacks.values()))
 
@@ -350,8 +354,9 @@ class Rig:
                "served": stat("downstream_rq_total"), "responses_5xx": stat("downstream_rq_5xx")}
         for arm, metric in (("floor", NOOP_COUNT), ("router", ROUTER_COUNT)):
             other = self.stacks.get((stack.config, arm))
-            if other is not None and other.metrics_port:
-                out[f"{arm}_count"] = metric_sum(fetch_metrics(f"http://127.0.0.1:{other.metrics_port}"), metric)
+            if other is not None and other.metrics_ports:
+                out[f"{arm}_count"] = sum(metric_sum(fetch_metrics(f"http://127.0.0.1:{port}"), metric)
+                                          for port in other.metrics_ports)
         return out
 
 
@@ -448,6 +453,7 @@ def _validate(cfg: Config) -> None:
             raise ValueError(f"no Envoy config {config!r} (in {envoy_config.ENVOY_DIR} or as a path)")
     for name, value in (("rounds", cfg.rounds), ("phase_s", cfg.phase_s), ("threads", cfg.threads),
                         ("replicas", cfg.replicas), ("envoy_concurrency", cfg.envoy_concurrency),
+                        ("processes", cfg.processes),
                         *(("sizes", s) for s in cfg.sizes), *(("connections", c) for c in cfg.connections)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
@@ -480,7 +486,8 @@ def measure(rig: Rig, stack: Stack, argv: list[str], seconds: int) -> dict[str, 
     counts = _delta(rig.counts(stack), before)
     busy = cpu_raw.pop("machine_busy_fraction", None)
     backend_cpu = [cpu_raw.get(name, 0.0) for name in backends]
-    cpu = {"envoy": cpu_raw.get("envoy", 0.0), **({"ext_proc": cpu_raw.get("ext_proc", 0.0)} if stack.server else {}),
+    ext_proc = sum(v for k, v in cpu_raw.items() if k.startswith("ext_proc-"))
+    cpu = {"envoy": cpu_raw.get("envoy", 0.0), **({"ext_proc": ext_proc} if stack.servers else {}),
            "backends": sum(backend_cpu), "generator": wrk["cpu_s"]}
     served = int(counts.pop("served"))
     return {
@@ -654,7 +661,8 @@ def markdown(report: Mapping[str, Any]) -> str:
     parts = [
         f"{params['rounds']} interleaved rounds of {params['phase_s']} s phases; medians over rounds (added latency and "
         "ratios paired per round with the same round's Envoy alone). Zero-work backends "
-        f"({params['replicas']} processes), Envoy --concurrency {setup['envoy_concurrency']}, load from "
+        f"({params['replicas']} processes), {params.get('processes', 1)} ext_proc server process(es) per arm, "
+        f"Envoy --concurrency {setup['envoy_concurrency']}, load from "
         f"{setup['generator']} ({setup['wrk_threads']} thread(s)); latency at 1 connection is wrk's. CPU per request: "
         "/proc/PID/stat utime+stime over the phase / requests Envoy served; wrk's from its rusage.",
         "",
