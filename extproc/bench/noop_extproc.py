@@ -31,9 +31,9 @@ from grpc_health.v1 import health as health_sync
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from extproc.signals import stop_on_signals
 from extproc.health import SERVICE
-from extproc.serve import MAX_MESSAGE_BYTES
+from extproc.serve import SERVER_OPTIONS
+from extproc.signals import stop_on_signals
 
 SHAPES = ("aio-uvloop", "aio-asyncio", "sync")
 STREAMS_METRIC = "noop_extproc_streams_total"
@@ -66,23 +66,27 @@ class Noop:
         self.streams = 0
         self.messages = 0
 
+    def answer(self, raw: bytes) -> tuple[bytes, bool]:
+        """The canned reply to one message, and whether the stream ends after it."""
+        self.messages += 1
+        tag = raw[0] if raw else BODY_TAG
+        return REPLIES.get(tag, REPLIES[BODY_TAG]), tag == BODY_TAG and not self.hold
+
     async def process(self, requests: AsyncIterator[bytes], _: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         self.streams += 1
         async for raw in requests:
-            self.messages += 1
-            tag = raw[0] if raw else BODY_TAG
-            yield REPLIES.get(tag, REPLIES[BODY_TAG])
-            if tag == BODY_TAG and not self.hold:
+            reply, last = self.answer(raw)
+            yield reply
+            if last:
                 return
 
     def process_sync(self, requests: Iterator[bytes], _: grpc.ServicerContext) -> Iterator[bytes]:
         """The same replies from grpc's thread-pool server (the ``sync`` shape)."""
         self.streams += 1
         for raw in requests:
-            self.messages += 1
-            tag = raw[0] if raw else BODY_TAG
-            yield REPLIES.get(tag, REPLIES[BODY_TAG])
-            if tag == BODY_TAG and not self.hold:
+            reply, last = self.answer(raw)
+            yield reply
+            if last:
                 return
 
     def metrics(self) -> str:
@@ -92,11 +96,7 @@ class Noop:
 def serve_sync(port: int, metrics_port: int, hold: bool, workers: int = 128) -> None:
     """grpc's synchronous server: a thread per open stream instead of one event loop."""
     noop = Noop(hold)
-    server = grpc.server(ThreadPoolExecutor(max_workers=workers), options=[
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ])
+    server = grpc.server(ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(noop.process_sync)}),))
     health = health_sync.HealthServicer()
@@ -132,11 +132,7 @@ def serve_sync(port: int, metrics_port: int, hold: bool, workers: int = 128) -> 
 
 async def serve(port: int, metrics_port: int, hold: bool) -> None:
     noop = Noop(hold)
-    server = grpc.aio.server(options=[
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     # No (de)serialisers: the handler sees and returns raw bytes.
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(noop.process)}),))
