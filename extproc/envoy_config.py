@@ -15,6 +15,8 @@ import yaml
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "envoy"
 EXT_PROC = "envoy.filters.http.ext_proc"
+EXT_AUTHZ = "envoy.filters.http.ext_authz"  # envoy-fast.yaml's shape (extproc.authz)
+ROUTER_FILTERS = (EXT_PROC, EXT_AUTHZ)  # the filters that call the prefix router
 Config = dict[str, Any]
 
 
@@ -82,16 +84,41 @@ def set_health_interval(cfg: Config, seconds: float) -> None:
             hc["timeout"] = f"{max(seconds, 0.5)}s"
 
 
+def router_filter(cfg: Config) -> tuple[str, dict[str, Any]]:
+    """The filter that calls the prefix router (ext_proc, or ext_authz in envoy-fast.yaml)."""
+    for f in http_manager(cfg)["http_filters"]:
+        if f["name"] in ROUTER_FILTERS:
+            return f["name"], f["typed_config"]
+    raise KeyError("no ext_proc or ext_authz http filter")
+
+
+def drop_prefix_router(cfg: Config) -> Config:
+    """``cfg`` without the filter that calls the router and without its cluster."""
+    manager = http_manager(cfg)
+    manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] not in ROUTER_FILTERS]
+    cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
+                                           if c["name"] != "prefix_router"]
+    return cfg
+
+
 def set_stream_metadata(cfg: Config, metadata: Mapping[str, str]) -> None:
-    """Replace the listener-wide x-prefix-router-* settings sent to the ext_proc server."""
-    service = http_filter(cfg, EXT_PROC)["grpc_service"]
+    """Replace the listener-wide x-prefix-router-* settings sent to the router."""
+    service = router_filter(cfg)[1]["grpc_service"]
     service["initial_metadata"] = [{"key": k, "value": str(v)} for k, v in metadata.items()]
 
 
 def set_route_metadata(cfg: Config, route_index: int, metadata: Mapping[str, str]) -> None:
-    """Per-route override of ext_proc settings (ExtProcPerRoute grpc_initial_metadata)."""
+    """Per-route override of the router's settings: ExtProcPerRoute grpc_initial_metadata, or
+    for ext_authz the same keys as ExtAuthzPerRoute context_extensions."""
     per_filter = routes(cfg)[route_index].setdefault("typed_per_filter_config", {})
-    per_filter[EXT_PROC] = {
+    name = router_filter(cfg)[0]
+    if name == EXT_AUTHZ:
+        per_filter[name] = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
+            "check_settings": {"context_extensions": {k: str(v) for k, v in metadata.items()}},
+        }
+        return
+    per_filter[name] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
         "overrides": {"grpc_initial_metadata": [{"key": k, "value": str(v)} for k, v in metadata.items()]},
     }

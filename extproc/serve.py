@@ -1,4 +1,4 @@
-"""`prefix-router serve`: run the ext_proc server, gRPC health, and Prometheus metrics."""
+"""`prefix-router serve`: run the ext_proc (and ext_authz) server, gRPC health, and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from extproc import metrics
+from extproc import authz, metrics
 from extproc.health import SERVICE
 from extproc.pick.picker import Picker
 from extproc.server import PrefixRouter
@@ -71,9 +71,9 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     if picker is not None:
         await picker.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_ExternalProcessorServicer_to_server(
-        PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker, secret), server
-    )
+    router = PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker, secret)
+    pb_grpc.add_ExternalProcessorServicer_to_server(router, server)
+    authz.add_to_server(router, server)  # the same decisions for the ext_authz shape (envoy-fast.yaml)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{server_cfg.host}:{server_cfg.port}"
@@ -85,7 +85,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "serving ext_proc on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
+        "serving ext_proc and ext_authz on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
         "tenant_isolation=%s%s",
         server_cfg.host, port, server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
         route_cfg.prefix_length, route_cfg.key_header,

@@ -91,38 +91,45 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         self.namespace = metadata_namespace
         self.picker = picker
         self.secret = secret  # tenant isolation's HMAC key; None: isolation cannot be turned on
-        self._by_metadata: dict[tuple[tuple[str, str], ...], RouteSettings] = {}
+        self._by_metadata: dict[tuple[bool | tuple[str, str], ...], RouteSettings] = {}
 
-    def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> RouteSettings:
+    def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None,
+                     authz: bool = False) -> RouteSettings:
         """Process settings overridden by this stream's x-prefix-router-* metadata.
 
         Metadata is the same for every stream of a route, so results are cached and a bad
-        value is logged once per distinct metadata set, not once per request.
+        value is logged once per distinct metadata set, not once per request. ``authz``: the
+        caller is the ext_authz shape (extproc.authz), which can neither pick nor rewrite a body.
         """
         ours = tuple(
             (k, v if isinstance(v, str) else v.decode("utf-8", "replace"))
             for k, v in (invocation_metadata or ())
             if k.startswith(METADATA_PREFIX)
         )
-        if not ours:
+        if not ours and not authz:
             return self.settings
-        cached = self._by_metadata.get(ours)
+        cache_key = (authz, *ours)
+        cached = self._by_metadata.get(cache_key)
         if cached is None:
             cached, errors = with_metadata(self.settings, ours)
-            if cached.mode == "pick" and self.picker is None:
-                errors.append("metadata x-prefix-router-mode pick: the router has no endpoints "
-                              "(--endpoints, --endpoints-file or --endpoints-dns); using hash mode")
+            if cached.mode == "pick" and (authz or self.picker is None):
+                errors.append("x-prefix-router-mode pick: " + (
+                    "the ext_authz shape cannot pick (it never sees the response end)" if authz else
+                    "the router has no endpoints (--endpoints, --endpoints-file or --endpoints-dns)")
+                    + "; using hash mode")
                 cached = dataclasses.replace(cached, mode="hash")
-            if cached.tenant_isolation and self.secret is None:
-                errors.append("metadata x-prefix-router-tenant-isolation on: the router has no tenant secret "
-                              "(--tenant-secret-file or PREFIX_ROUTER_TENANT_SECRET); isolation stays off")
+            if cached.tenant_isolation and (authz or self.secret is None):
+                errors.append("x-prefix-router-tenant-isolation on: " + (
+                    "the ext_authz shape cannot rewrite the body (use envoy.yaml)" if authz else
+                    "the router has no tenant secret (--tenant-secret-file or PREFIX_ROUTER_TENANT_SECRET)")
+                    + "; isolation stays off")
                 cached = dataclasses.replace(cached, tenant_isolation=False)
             for error in errors:
                 metrics.METADATA_ERRORS.inc()
                 log.warning("ignoring per-stream setting (using the process default): %s", error)
             if len(self._by_metadata) >= _MAX_CACHED_METADATA:
                 self._by_metadata.clear()
-            self._by_metadata[ours] = cached
+            self._by_metadata[cache_key] = cached
         return cached
 
     async def Process(
@@ -192,7 +199,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         removed.append(settings.pick_header)
         return reply
 
-    def _decide(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
+    def decide(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
                 complete: bool) -> Decision | None:
         started = time.perf_counter()
         try:
@@ -213,7 +220,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
 
     def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
                    complete: bool = True) -> pb.ProcessingResponse:
-        decision = self._decide(body, headers, settings, complete)
+        decision = self.decide(body, headers, settings, complete)
         return _empty_body_reply() if decision is None else self.decision_reply(decision, settings)
 
     def pick_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
@@ -222,7 +229,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         pick header (and sends the request there only if that host is healthy, else its
         own LB hashes the key header); ``envoy.lb`` metadata carries the same host for
         override_host configs (the Gateway API Inference Extension convention)."""
-        decision = self._decide(body, headers, settings, complete)
+        decision = self.decide(body, headers, settings, complete)
         if decision is None:
             return _empty_body_reply(), None
         reply = self.decision_reply(decision, settings)

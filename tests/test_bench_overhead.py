@@ -18,9 +18,11 @@ from typing import Any
 import grpc
 import orjson
 import pytest
+from envoy.service.auth.v3.external_auth_pb2 import CheckResponse
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import envoy_config
+from extproc.authz import SERVICE as AUTHZ_SERVICE
 from extproc.bench import microbench, noop_extproc, overhead
 from extproc.cli import main as cli_main
 from extproc.health import SERVICE
@@ -28,7 +30,7 @@ from extproc.procs import Process, free_ports, python_module
 from extproc.realvllm.promtext import fetch_metrics, metric_sum
 
 RUN = dict(rounds=1, phase_s=1, sizes=(32,), connections=(16,), warmup_s=0)
-MESSAGES_PER_STREAM = {"envoy.yaml": 2, "envoy-fast.yaml": 1, "pick.yaml": 2}  # headers + body, or body only
+MESSAGES_PER_STREAM = {"envoy.yaml": 2, "envoy-fast.yaml": 1, "pick.yaml": 2}  # headers + body, or one Check
 
 
 def test_the_load_generator_is_installed() -> None:
@@ -197,14 +199,14 @@ def test_the_generator_missing_fails_naming_the_debian_package(monkeypatch: pyte
         overhead.require_generator()
 
 
-def test_envoy_alone_is_the_shipped_config_without_ext_proc() -> None:
+def test_envoy_alone_is_the_shipped_config_without_the_router_filter() -> None:
     for name in overhead.CONFIGS:
         cfg = envoy_config.load(name)
-        alone = overhead.without_ext_proc(envoy_config.load(name))
+        alone = envoy_config.drop_prefix_router(envoy_config.load(name))
         filters = [f["name"] for f in envoy_config.http_manager(alone)["http_filters"]]
-        assert envoy_config.EXT_PROC not in filters
+        assert not set(envoy_config.ROUTER_FILTERS) & set(filters)
         assert filters == [f["name"] for f in envoy_config.http_manager(cfg)["http_filters"]
-                           if f["name"] != envoy_config.EXT_PROC]
+                           if f["name"] != envoy_config.router_filter(cfg)[0]]
         assert [c["name"] for c in alone["static_resources"]["clusters"]] == ["vllm"]
     assert [overhead.is_pick(envoy_config.load(n)) for n in overhead.CONFIGS] == [False, False, True]
 
@@ -261,7 +263,7 @@ def test_the_noop_answers_each_phase_unparsed_and_ends_after_the_body_unless_hol
 
 
 @pytest.mark.parametrize("shape", noop_extproc.SHAPES)
-def test_every_server_shape_of_the_noop_speaks_ext_proc_over_real_grpc(shape: str) -> None:
+def test_every_server_shape_of_the_noop_speaks_ext_proc_and_ext_authz_over_real_grpc(shape: str) -> None:
     port, metrics_port = free_ports(2)
     proc = Process(python_module("extproc.bench.noop_extproc", "--port", str(port), "--metrics-port",
                                  str(metrics_port), "--shape", shape), name=f"noop {shape}")
@@ -270,15 +272,19 @@ def test_every_server_shape_of_the_noop_speaks_ext_proc_over_real_grpc(shape: st
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.stream_stream(f"/{SERVICE}/Process")
             replies = list(call(iter([_request("request_headers"), _request("request_body")]), timeout=10))
+            check = channel.unary_unary(f"/{AUTHZ_SERVICE}/Check")(b"\x0a\x00", timeout=10)  # envoy-fast.yaml
         assert [pb.ProcessingResponse.FromString(r).WhichOneof("response") for r in replies] == [
             "request_headers", "request_body"]
-        assert metric_sum(fetch_metrics(f"http://127.0.0.1:{metrics_port}"), noop_extproc.STREAMS_METRIC) == 1
+        ok = CheckResponse.FromString(check)
+        assert ok.status.code == 0 and not ok.HasField("denied_response")
+        assert metric_sum(fetch_metrics(f"http://127.0.0.1:{metrics_port}"), noop_extproc.STREAMS_METRIC) == 2
     finally:
         proc.stop()
 
 
 def test_microbench_reports_normalise_key_and_the_pick_choice_per_size() -> None:
     row = microbench.measure(2, replicas=2, warm_prompts=5)
-    for key in ("normalize_us", "key_us", "hash_decide_us", "pick_choice_us", "pick_total_us"):
+    for key in ("normalize_us", "key_us", "hash_decide_us", "adapter_us", "pick_choice_us", "pick_total_us"):
         assert row[key] > 0, key
+    assert row["adapter_us"] > row["hash_decide_us"]  # the adapter's figure holds decide() and more
     assert row["body_bytes"] == pytest.approx(2048, abs=64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pytest
 from backends import SSE_CHUNKS, BackendFleet
 from conftest import EnvoyFactory
 from support import send, start_router
@@ -12,6 +13,9 @@ from support import send, start_router
 from extproc import envoy_config
 from extproc.procs import wait_until
 
+# The two hash-mode shapes: ext_proc's two-message stream, and ext_authz's one Check (extproc.authz).
+SHAPES = pytest.mark.parametrize("config", ["envoy.yaml", "envoy-fast.yaml"])
+FILTER_STATS = {"envoy.yaml": "ext_proc", "envoy-fast.yaml": "ext_authz"}
 SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~5.7 KB > 4096
 
 
@@ -97,10 +101,12 @@ def test_unhealthy_backend_loses_only_its_keys(backends: BackendFleet, make_envo
     assert [served_by(port, b) for b in bodies] == before  # recovery restores the map exactly
 
 
-def test_fail_open_and_client_key_ignored_when_router_is_down(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+@SHAPES
+def test_fail_open_and_client_key_ignored_when_router_is_down(backends: BackendFleet, make_envoy: EnvoyFactory,
+                                                              config: str) -> None:
     proc, grpc_port, _ = start_router()
     try:
-        envoy, port = make_envoy(backends, extproc_port=grpc_port)
+        envoy, port = make_envoy(backends, name=config, extproc_port=grpc_port)
         assert served_by(port, chat(SYSTEM, "warm-up")) in range(4)
     finally:
         proc.stop()
@@ -111,11 +117,14 @@ def test_fail_open_and_client_key_ignored_when_router_is_down(backends: BackendF
     served = Counter(served_by(port, chat(SYSTEM, "same question"), spoof) for _ in range(40))
     assert len(served) > 1, served  # no key: Envoy spreads at random, the client's key chose nothing
     assert all(k is None for b in backends.backends for k in b.seen_keys)
-    assert envoy.stats("ext_proc")["http.llm.ext_proc.failure_mode_allowed"] >= 40
+    stat = FILTER_STATS[config]
+    assert envoy.stats(stat)[f"http.llm.{stat}.failure_mode_allowed"] >= 40
 
 
-def test_client_sent_key_is_replaced_by_the_router(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
-    _, port = make_envoy(backends, edit=lambda c: c["static_resources"]["listeners"][0]["filter_chains"][0]
+@SHAPES
+def test_client_sent_key_is_replaced_by_the_router(backends: BackendFleet, make_envoy: EnvoyFactory,
+                                                   config: str) -> None:
+    _, port = make_envoy(backends, name=config, edit=lambda c: c["static_resources"]["listeners"][0]["filter_chains"][0]
                          ["filters"][0]["typed_config"]["http_filters"].pop(0))  # no header_mutation filter
     honest = send(port, body=chat(SYSTEM, "q")).json()
     spoofed = send(port, body=chat(SYSTEM, "q"), headers={"x-prefix-key": "attacker"}).json()
@@ -125,7 +134,9 @@ def test_client_sent_key_is_replaced_by_the_router(backends: BackendFleet, make_
     assert no_body.status == 200 and no_body.json()["prefix_key"] is None
 
 
-def test_per_route_metadata_changes_prefix_length(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+@SHAPES
+def test_per_route_metadata_changes_prefix_length(backends: BackendFleet, make_envoy: EnvoyFactory,
+                                                  config: str) -> None:
     def two_routes(cfg: envoy_config.Config) -> None:
         routes = envoy_config.routes(cfg)
         short = json.loads(json.dumps(routes[0]))
@@ -133,7 +144,7 @@ def test_per_route_metadata_changes_prefix_length(backends: BackendFleet, make_e
         routes.insert(0, short)
         envoy_config.set_route_metadata(cfg, 0, {"x-prefix-router-prefix-length": "64"})
 
-    _, port = make_envoy(backends, edit=two_routes)
+    _, port = make_envoy(backends, name=config, edit=two_routes)
     a, b = chat("x" * 200 + " first", "q"), chat("x" * 200 + " second", "q")
     short = [send(port, "/short/v1/chat/completions", a).json()["prefix_key"],
              send(port, "/short/v1/chat/completions", b).json()["prefix_key"]]
@@ -157,14 +168,19 @@ def test_bad_listener_metadata_is_ignored_and_counted(backends: BackendFleet, ma
     assert "prefix-length" in proc.output() and "banana" in proc.output()
 
 
-def test_body_over_the_buffer_limit_is_routed_not_refused(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
-    """BUFFERED_PARTIAL: past the listener's buffer limit the router keys the first part."""
+@SHAPES
+def test_body_over_the_buffer_limit_is_routed_not_refused(backends: BackendFleet, make_envoy: EnvoyFactory,
+                                                          config: str) -> None:
+    """BUFFERED_PARTIAL (ext_authz: allow_partial_message): past the buffer limit the first part is keyed."""
     def small_buffer(cfg: envoy_config.Config) -> None:
         cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = 1 << 20
+        name, filter_config = envoy_config.router_filter(cfg)
+        if name == envoy_config.EXT_AUTHZ:  # as envoy-fast.yaml says: no more than the listener's limit
+            filter_config["with_request_body"]["max_request_bytes"] = 1 << 20
 
     proc, grpc_port, metrics_port = start_router()
     try:
-        _, port = make_envoy(backends, extproc_port=grpc_port, edit=small_buffer)
+        _, port = make_envoy(backends, name=config, extproc_port=grpc_port, edit=small_buffer)
         keys = []
         for tail in ("first", "second"):  # same first MiB, different ends
             big = chat(SYSTEM + "z" * 3_000_000 + tail, "q")
@@ -185,8 +201,9 @@ def test_sse_stream_passes_byte_for_byte(backends: BackendFleet, make_envoy: Env
     assert reply.body == b"".join(SSE_CHUNKS)
 
 
-def test_large_and_unparseable_bodies_are_routed(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
-    _, port = make_envoy(backends)
+@SHAPES
+def test_large_and_unparseable_bodies_are_routed(backends: BackendFleet, make_envoy: EnvoyFactory, config: str) -> None:
+    _, port = make_envoy(backends, name=config)
     for size in (900_000, 6_000_000):  # the second is above gRPC's default 4 MiB message limit
         big = chat("y" * size, "q")
         reply = send(port, body=big)

@@ -64,7 +64,7 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
     ArmSpec("prefix-ring", "prefix key + ring hash", "RING_HASH", prefix=True),
     ArmSpec("prefix-bounded", "prefix key + Maglev with bounded load (hash_balance_factor)",
             "MAGLEV", prefix=True, bounded=True),
-    ArmSpec("prefix-fast", "envoy-fast.yaml: one ext_proc message per request, bounded Maglev",
+    ArmSpec("prefix-fast", "envoy-fast.yaml: one ext_authz Check per request, bounded Maglev",
             "MAGLEV", prefix=True, bounded=True, base="envoy-fast.yaml"),
     ArmSpec("prefix-pick", "pick.yaml: the router picks by cached prefix and load, Envoy gates health",
             "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True),
@@ -90,12 +90,9 @@ def get(name: str) -> ArmSpec:
 
 
 def _strip_prefix_routing(cfg: envoy_config.Config) -> None:
-    manager = envoy_config.http_manager(cfg)
-    manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] != envoy_config.EXT_PROC]
+    envoy_config.drop_prefix_router(cfg)
     for route in envoy_config.routes(cfg):
         route.get("route", {}).pop("hash_policy", None)
-    cfg["static_resources"]["clusters"] = [
-        c for c in cfg["static_resources"]["clusters"] if c["name"] != "prefix_router"]
 
 
 def envoy_config_for(

@@ -5,8 +5,8 @@ request: the phase is read from the message's first byte (the tag of the ``reque
 oneof, the lowest field number Envoy writes), so what it costs is the gRPC stack and the
 ext_proc protocol, not our work. It speaks whatever shape the Envoy config asks for: a
 headers reply and a body reply for envoy.yaml and pick.yaml, the single body reply for
-envoy-fast.yaml (headers skipped). Like the router in hash mode it ends the RPC after the
-body reply; with ``--hold`` it keeps the stream open until Envoy ends it with the HTTP
+It also answers ext_authz's unary Check (envoy-fast.yaml) with a canned OK. Like the router in hash
+mode it ends the RPC after the body reply; with ``--hold`` it keeps the stream open until Envoy ends it with the HTTP
 response, as the router does in pick mode. Same server shape as ``prefix-router serve``:
 grpc.aio on uvloop, gRPC health, the same message size limits.
 
@@ -26,11 +26,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 from aiohttp import web
+from envoy.service.auth.v3 import external_auth_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health as health_sync
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from extproc.authz import SERVICE as AUTHZ_SERVICE
 from extproc.health import SERVICE
 from extproc.serve import SERVER_OPTIONS
 from extproc.signals import stop_on_signals
@@ -57,6 +59,7 @@ def replies() -> dict[int, bytes]:
 
 
 REPLIES = replies()
+CHECK_OK = external_auth_pb2.CheckResponse().SerializeToString()  # status OK, nothing changed
 BODY_TAG = (pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_body"].number << 3) | _LENGTH_DELIMITED
 
 
@@ -89,6 +92,22 @@ class Noop:
             if last:
                 return
 
+    def check(self, _: bytes, __: object) -> bytes:
+        """ext_authz's Check (envoy-fast.yaml): OK, unparsed; counted as a stream of one message."""
+        self.streams += 1
+        self.messages += 1
+        return CHECK_OK
+
+    async def check_async(self, raw: bytes, context: object) -> bytes:
+        return self.check(raw, context)
+
+    def handlers(self, sync: bool) -> tuple[grpc.GenericRpcHandler, ...]:
+        """Raw-bytes handlers (no (de)serialisers) for ext_proc's Process and ext_authz's Check."""
+        return (grpc.method_handlers_generic_handler(SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(
+                    self.process_sync if sync else self.process)}),
+                grpc.method_handlers_generic_handler(AUTHZ_SERVICE, {"Check": grpc.unary_unary_rpc_method_handler(
+                    self.check if sync else self.check_async)}))
+
     def metrics(self) -> str:
         return f"{STREAMS_METRIC} {self.streams}\n{MESSAGES_METRIC} {self.messages}\n"
 
@@ -97,8 +116,7 @@ def serve_sync(port: int, metrics_port: int, hold: bool, workers: int = 128) -> 
     """grpc's synchronous server: a thread per open stream instead of one event loop."""
     noop = Noop(hold)
     server = grpc.server(ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(noop.process_sync)}),))
+    server.add_generic_rpc_handlers(noop.handlers(sync=True))
     health = health_sync.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
@@ -133,9 +151,7 @@ def serve_sync(port: int, metrics_port: int, hold: bool, workers: int = 128) -> 
 async def serve(port: int, metrics_port: int, hold: bool) -> None:
     noop = Noop(hold)
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    # No (de)serialisers: the handler sees and returns raw bytes.
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(noop.process)}),))
+    server.add_generic_rpc_handlers(noop.handlers(sync=False))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")

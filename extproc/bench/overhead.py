@@ -4,8 +4,9 @@
 envoy-fast.yaml, pick.yaml), three arms in front of the same zero-work backends
 (extproc.bench.zero_backend, one process per replica):
 
-* ``alone``: the config with its ext_proc filter (and the prefix_router cluster) removed;
-* ``floor``: the config as shipped, its ext_proc cluster pointing at a do-nothing server
+* ``alone``: the config with the filter that calls the router (ext_proc; ext_authz in
+  envoy-fast.yaml) and the prefix_router cluster removed;
+* ``floor``: the config as shipped, its prefix_router cluster pointing at a do-nothing server
   (extproc.bench.noop_extproc: replies at once without parsing; for pick.yaml it holds the
   stream open until the response ends, as pick mode does): what the protocol costs;
 * ``router``: the config as shipped with ``prefix-router serve`` (pick.yaml: with the
@@ -58,8 +59,8 @@ from extproc.settings import metadata_key
 
 ARMS = ("alone", "floor", "router")
 ARM_SUMMARY = {
-    "alone": "Envoy alone: the config without its ext_proc filter",
-    "floor": "Envoy + a do-nothing ext_proc server (replies at once, parses nothing): the protocol's floor",
+    "alone": "Envoy alone: the config without the filter that calls the router (ext_proc or ext_authz)",
+    "floor": "Envoy + a do-nothing server (replies at once, parses nothing): the protocol's floor",
     "router": "Envoy + prefix-router serve, the config as shipped",
 }
 BASELINE = "alone"
@@ -72,7 +73,8 @@ ROUTER_COUNT = "prefix_router_decisions_total"
 SATURATED_SHARE = 0.85  # of one core: a process this busy may be the limit
 FOREIGN_CORES = 0.25  # other processes' CPU (in cores) above which the report warns
 ENVOY_STATS = r"ext_proc\.(streams_started|stream_msgs_sent|failure_mode_allowed|message_timeouts|" \
-              r"spurious_msgs_received)|downstream_rq_total|downstream_rq_[245]xx"
+              r"spurious_msgs_received)|ext_authz\.(ok|denied|error|failure_mode_allowed)|" \
+              r"downstream_rq_total|downstream_rq_[245]xx"
 
 
 class GeneratorMissing(ValueError):
@@ -227,18 +229,9 @@ def is_pick(cfg: envoy_config.Config) -> bool:
     """Does the config's ext_proc filter ask the router for pick mode (stream metadata)?"""
     try:
         service = envoy_config.http_filter(cfg, envoy_config.EXT_PROC)["grpc_service"]
-    except KeyError:
+    except KeyError:  # no ext_proc filter (envoy-fast.yaml's ext_authz cannot pick)
         return False
     return any(m["key"] == metadata_key("mode") and m["value"] == "pick" for m in service.get("initial_metadata", ()))
-
-
-def without_ext_proc(cfg: envoy_config.Config) -> envoy_config.Config:
-    """Envoy alone: the ext_proc filter and its cluster removed, everything else as shipped."""
-    manager = envoy_config.http_manager(cfg)
-    manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] != envoy_config.EXT_PROC]
-    cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
-                                           if c["name"] != "prefix_router"]
-    return cfg
 
 
 @dataclass
@@ -322,7 +315,7 @@ class Rig:
             shaped = envoy_config.localize(loaded[config], listener_port=listener, admin_port=admin, backends=hosts)
             if group:
                 envoy_config.set_endpoints(shaped, "prefix_router", [("127.0.0.1", port) for _, port, _ in group])
-            envoy = Envoy(without_ext_proc(shaped) if arm == "alone" else shaped,
+            envoy = Envoy(envoy_config.drop_prefix_router(shaped) if arm == "alone" else shaped,
                           concurrency=cfg.envoy_concurrency)
             self._stop.callback(envoy.stop)
             self.stacks[(config, arm)] = Stack(config, arm, envoy, [p for p, _, _ in group], [m for _, _, m in group],
@@ -340,15 +333,18 @@ class Rig:
         return {f"backend-{i}": b.process.pid for i, b in enumerate(self.backends) if b.process}
 
     def counts(self, stack: Stack) -> dict[str, float]:
-        """Counters the arms are told apart by: Envoy's ext_proc streams, the noop's and the router's."""
+        """Counters the arms are told apart by: Envoy's calls to the router (ext_proc streams or
+        ext_authz Checks), the noop's and the router's."""
         stats = stack.envoy.stats(ENVOY_STATS)
 
         def stat(suffix: str) -> float:  # the listener's (http.llm.*), not the admin interface's
             return float(sum(v for k, v in stats.items()
                              if k.startswith("http.") and not k.startswith("http.admin.") and k.endswith(suffix)))
 
-        out = {"envoy_streams": stat("ext_proc.streams_started"), "envoy_messages": stat("ext_proc.stream_msgs_sent"),
-               "failure_mode_allowed": stat("ext_proc.failure_mode_allowed"),
+        checks = sum(stat(f"ext_authz.{outcome}") for outcome in ("ok", "denied", "error"))  # one message each
+        out = {"envoy_streams": stat("ext_proc.streams_started") + checks,
+               "envoy_messages": stat("ext_proc.stream_msgs_sent") + checks,
+               "failure_mode_allowed": stat("ext_proc.failure_mode_allowed") + stat("ext_authz.failure_mode_allowed"),
                "message_timeouts": stat("ext_proc.message_timeouts"),
                "spurious_msgs_received": stat("ext_proc.spurious_msgs_received"),
                "served": stat("downstream_rq_total"), "responses_5xx": stat("downstream_rq_5xx")}
@@ -589,7 +585,7 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
     errors = sum(sum(p["errors"].values()) for p in phases)
     if errors:
         out.append(f"{errors} requests failed or timed out (wrk errors); see report.json phases[].errors.")
-    for key, what in (("failure_mode_allowed", "went on without an ext_proc answer (failure_mode_allow)"),
+    for key, what in (("failure_mode_allowed", "went on without the router's answer (failure_mode_allow)"),
                       ("message_timeouts", "hit the ext_proc message timeout"),
                       ("spurious_msgs_received", "got a reply Envoy did not expect (spurious message)")):
         n = sum(p["counts"].get(key, 0) for p in phases)
@@ -643,7 +639,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     detail = ["| config | body | arm | connections | req/s | p50 ms | p99 ms | ext_proc us/req | Envoy us/req "
               "| backends us/req | wrk us/req | ext_proc / Envoy / backends / wrk CPU, % of a core | busiest backend "
-              "| machine busy | other load (cores) | ext_proc streams/req | messages/stream |",
+              "| machine busy | other load (cores) | router calls/req | messages/call |",
               "|---|---:|---|---:|" + "---:|" * 13]
     for row in report["cells"]:
         for c in levels:
