@@ -68,7 +68,7 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):
         if decision is None or decision.key is None:
             ok.headers_to_remove.append(settings.key_header)
             if not body:
-                metrics.DECISIONS.labels(settings.normalize, "empty").inc()
+                metrics.decision_counter(settings.normalize, "empty").inc()
             return reply
         option = ok.headers.add()
         option.header.key = settings.key_header

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -12,6 +14,13 @@ DECISIONS = Counter(
     ["normalize", "fallback"],
     registry=REGISTRY,
 )
+
+
+@lru_cache(maxsize=256)  # a few (mode, fallback) pairs exist; labels() itself costs ~1 us a call
+def decision_counter(normalize: str, fallback: str) -> Counter:
+    return DECISIONS.labels(normalize, fallback)
+
+
 DECISION_SECONDS = Histogram(
     "prefix_router_decision_seconds",
     "Time to normalise a body and compute its key (the router's own work, not the gRPC hop)",

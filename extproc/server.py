@@ -92,6 +92,9 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         self.picker = picker
         self.secret = secret  # tenant isolation's HMAC key; None: isolation cannot be turned on
         self._by_metadata: dict[tuple[bool | tuple[str, str], ...], RouteSettings] = {}
+        self._headers_replies: dict[tuple[str, str], pb.ProcessingResponse] = {}
+        self.open_streams = 0  # read by the streams_active gauge when /metrics is scraped
+        metrics.STREAMS_ACTIVE.set_function(lambda: self.open_streams)
 
     def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None,
                      authz: bool = False) -> RouteSettings:
@@ -135,7 +138,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        metrics.STREAMS_ACTIVE.inc()
+        self.open_streams += 1
         try:
             settings = self.settings_for(context.invocation_metadata())
         except Exception:  # never let the router fail a request
@@ -151,7 +154,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     headers = self.safe_headers(request.request_headers, wanted)
                     yield self.headers_reply(settings)
                     if request.request_headers.end_of_stream:
-                        metrics.DECISIONS.labels(settings.normalize, "empty").inc()
+                        metrics.decision_counter(settings.normalize, "empty").inc()
                         return
                 elif phase == "request_body":
                     # BUFFERED: the whole body. BUFFERED_PARTIAL: the whole body, or its first
@@ -179,7 +182,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                 else:
                     yield _pass_through(phase)
         finally:
-            metrics.STREAMS_ACTIVE.dec()
+            self.open_streams -= 1
 
     @staticmethod
     def safe_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
@@ -190,13 +193,17 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
             metrics.ERRORS.labels("headers").inc()
             return {}
 
-    @staticmethod
-    def headers_reply(settings: RouteSettings) -> pb.ProcessingResponse:
-        reply = pb.ProcessingResponse()
-        # A client-sent key or pick header must never choose the host.
-        removed = reply.request_headers.response.header_mutation.remove_headers
-        removed.append(settings.key_header)
-        removed.append(settings.pick_header)
+    def headers_reply(self, settings: RouteSettings) -> pb.ProcessingResponse:
+        """A client-sent key or pick header must never choose the host: remove both.
+
+        Built once per header pair and shared by every stream (grpc only serialises it).
+        """
+        names = (settings.key_header, settings.pick_header)
+        reply = self._headers_replies.get(names)
+        if reply is None:
+            reply = pb.ProcessingResponse()
+            reply.request_headers.response.header_mutation.remove_headers.extend(names)
+            self._headers_replies[names] = reply
         return reply
 
     def decide(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
@@ -211,7 +218,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
             return None
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         metrics.BODY_BYTES.observe(len(body))
-        metrics.DECISIONS.labels(decision.normalize, decision.fallback or "none").inc()
+        metrics.decision_counter(decision.normalize, decision.fallback or "none").inc()
         if decision.tenant_rejected:
             metrics.TENANTS_REJECTED.labels(decision.tenant_rejected).inc()
         if decision.isolation:

@@ -20,8 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.authz import PrefixAuthz
 from extproc.decide import decide, prefix_key
 from extproc.normalize import normalize
 from extproc.pick.chunks import chunk_hashes
@@ -83,6 +85,20 @@ def wire_messages(body: bytes) -> list[bytes]:
     return [headers.SerializeToString(), message.SerializeToString()]
 
 
+def check_message(body: bytes) -> bytes:
+    """envoy-fast.yaml's one Check for the same request (allowed_headers: none of wrk's are sent)."""
+    message = authz_pb.CheckRequest()
+    http = message.attributes.request.http
+    http.method, http.path, http.host, http.protocol = "POST", "/v1/chat/completions", "127.0.0.1:10000", "HTTP/1.1"
+    http.size, http.raw_body = len(body), body
+    return message.SerializeToString()
+
+
+def check_once(authz: PrefixAuthz, raw: bytes, context: _Context) -> int:
+    """The ext_authz shape's adapter: parse the Check, answer it, serialise the answer."""
+    return len(authz.check(authz_pb.CheckRequest.FromString(raw), context.invocation_metadata()).SerializeToString())
+
+
 def adapter_once(router: PrefixRouter, wire: list[bytes], context: _Context) -> int:
     """One request through the adapter as grpc drives it (parse, Process, serialise), minus the I/O.
 
@@ -130,6 +146,7 @@ def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
         core.release(core.pick(decision, pick_settings))
 
     router = PrefixRouter(hash_settings)
+    authz, check = PrefixAuthz(router), check_message(body)
     wire, context = wire_messages(body), _Context((("x-prefix-router-prefix-length", "4096"),
                                                    ("x-prefix-router-normalize", "prompt")))
     number = 2000 if size_kb <= 4 else 500
@@ -139,6 +156,7 @@ def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
         "key_us": round(_median_us(lambda: prefix_key(None, prefix), number), 1),
         "hash_decide_us": round(_median_us(lambda: decide(body, {}, hash_settings), number), 1),
         "adapter_us": round(_median_us(lambda: adapter_once(router, wire, context), number), 1),
+        "authz_adapter_us": round(_median_us(lambda: check_once(authz, check, context), number), 1),
         "isolated_decide_us": round(_median_us(lambda: decide(body, tenant, isolated, secret=secret), number), 1),
         "pick_choice_us": round(_median_us(choice_once, number), 1),
         "pick_total_us": round(_median_us(pick_once, number), 1),
@@ -157,14 +175,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
-    print("| body | normalise | key | hash mode: decide() | adapter: messages in, replies out | with tenant isolation | pick mode: the choice | "
+    print("| body | normalise | key | hash mode: decide() | adapter: ext_proc (envoy.yaml) | adapter: ext_authz (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
           "pick mode: decide() + choice | of which chunk hashes | of which index match | chunks |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | {r['adapter_us']} | "
+        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | {r['adapter_us']} | {r['authz_adapter_us']} | "
               f"{r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
               f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['chunks']} |")
     print("\nnormalise: parse + normal form (prompt mode); key: xxh3-64 of the first prefix_length (4096) bytes; "
-          "decide(): both, plus the tenant; adapter: envoy.yaml's two messages parsed, the adapter's Process "
-          "(decide() included, metrics too) and its replies serialised, as grpc does it but with no I/O; the choice: pick mode on an already decided body")
+          "decide(): both, plus the tenant; adapter: the request's messages parsed, the adapter run "
+          "(decide() included, metrics too) and its replies serialised, as grpc does it but with no I/O (ext_proc: "
+          "two messages in, two replies out; ext_authz: one Check in, one answer out); the choice: pick mode on an already decided body")
     return 0
