@@ -262,6 +262,40 @@ def test_the_noop_answers_each_phase_unparsed_and_ends_after_the_body_unless_hol
         assert parsed.WhichOneof("response") is not None and not parsed.HasField("dynamic_metadata")
 
 
+def _delaying_headers() -> bytes:
+    msg = pb.ProcessingRequest()
+    msg.request_headers.headers.headers.add(key=":path", raw_value=b"/v1/chat/completions")
+    msg.protocol_config.request_body_mode = msg.protocol_config.STREAMED
+    msg.protocol_config.send_body_without_waiting_for_header_response = True
+    return msg.SerializeToString()
+
+
+def _chunk(end: bool) -> bytes:
+    msg = pb.ProcessingRequest()
+    msg.request_body.body = b"x" * 100
+    msg.request_body.end_of_stream = end
+    return msg.SerializeToString()
+
+
+def test_the_noop_delays_its_headers_reply_until_the_streamed_body_ends() -> None:
+    """docs/results/overhead-streamed's shape: nothing until the last chunk, then headers + one reply per chunk."""
+    async def talk(messages: list[bytes]) -> list[str]:
+        async def requests() -> AsyncIterator[bytes]:
+            for m in messages:
+                yield m
+        noop = noop_extproc.Noop(hold=False)
+        return [pb.ProcessingResponse.FromString(r).WhichOneof("response")
+                async for r in noop.process(requests(), None)]
+
+    assert asyncio.run(talk([_delaying_headers(), _chunk(False), _chunk(True)])) == [
+        "request_headers", "request_body", "request_body"]
+    plain_get = pb.ProcessingRequest()
+    plain_get.request_headers.end_of_stream = True  # ends in the same two bytes, but asks for nothing
+    assert plain_get.SerializeToString().endswith(b"\x18\x01")
+    assert not noop_extproc.delays_headers(plain_get.SerializeToString())
+    assert asyncio.run(talk([plain_get.SerializeToString()])) == ["request_headers"]
+
+
 @pytest.mark.parametrize("shape", noop_extproc.SHAPES)
 def test_every_server_shape_of_the_noop_speaks_ext_proc_and_ext_authz_over_real_grpc(shape: str) -> None:
     port, metrics_port = free_ports(2)

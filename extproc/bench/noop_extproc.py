@@ -1,14 +1,17 @@
-"""A do-nothing ext_proc server: the protocol's floor for the ``overhead`` scenario.
+"""A do-nothing ext_proc (and ext_authz) server: the protocol's floor for the ``overhead`` scenario.
 
 It answers every message at once with a reply serialised in advance, and never parses a
 request: the phase is read from the message's first byte (the tag of the ``request``
 oneof, the lowest field number Envoy writes), so what it costs is the gRPC stack and the
-ext_proc protocol, not our work. It speaks whatever shape the Envoy config asks for: a
-headers reply and a body reply for envoy.yaml and pick.yaml, the single body reply for
-It also answers ext_authz's unary Check (envoy-fast.yaml) with a canned OK. Like the router in hash
-mode it ends the RPC after the body reply; with ``--hold`` it keeps the stream open until Envoy ends it with the HTTP
-response, as the router does in pick mode. Same server shape as ``prefix-router serve``:
-grpc.aio on uvloop, gRPC health, the same message size limits.
+protocol, not our work. It speaks whatever shape the Envoy config asks for: a headers reply
+and a body reply for envoy.yaml and pick.yaml; a body reply alone if the headers are
+skipped; a canned OK to ext_authz's unary Check (envoy-fast.yaml); and, for a STREAMED body
+sent without waiting for the headers reply (a shape measured and rejected,
+docs/results/overhead-streamed), one delayed headers reply after the body's chunks. Like the
+router in hash mode it ends the RPC after the body reply; with ``--hold`` it keeps the
+stream open until Envoy ends it with the HTTP response, as the router does in pick mode.
+Same server shape as ``prefix-router serve``: grpc.aio on uvloop, gRPC health, the same
+message size limits.
 
 Run: ``python -m extproc.bench.noop_extproc --port 50061 --metrics-port 9470 [--hold]``;
 ``/metrics`` on the metrics port counts streams and messages.
@@ -20,7 +23,7 @@ import argparse
 import asyncio
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -61,6 +64,17 @@ def replies() -> dict[int, bytes]:
 REPLIES = replies()
 CHECK_OK = external_auth_pb2.CheckResponse().SerializeToString()  # status OK, nothing changed
 BODY_TAG = (pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_body"].number << 3) | _LENGTH_DELIMITED
+HEADERS_TAG = (pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_headers"].number << 3) | _LENGTH_DELIMITED
+# protocol_config (field 11) is the last field Envoy writes, and send_body_without_waiting_for_header_response
+# (its field 3, true) the last of it: a first message ending so may ask for the delayed-headers shape.
+_SENDS_BODY_WITHOUT_WAITING = b"\x18\x01"
+
+
+def delays_headers(raw: bytes) -> bool:
+    """Does this first message ask for one delayed headers reply (STREAMED body, sent without
+    waiting for it, design.md section 7)? A byte check, and a parse only if it may."""
+    return bool(raw) and raw[0] == HEADERS_TAG and raw.endswith(_SENDS_BODY_WITHOUT_WAITING) and \
+        pb.ProcessingRequest.FromString(raw).protocol_config.send_body_without_waiting_for_header_response
 
 
 class Noop:
@@ -75,20 +89,50 @@ class Noop:
         tag = raw[0] if raw else BODY_TAG
         return REPLIES.get(tag, REPLIES[BODY_TAG]), tag == BODY_TAG and not self.hold
 
+    def stream(self) -> Callable[[bytes], tuple[list[bytes], bool]]:
+        """One stream's answers: message -> (replies to send now, whether the stream ends).
+
+        Usually one canned reply per message. In the delayed-headers shape nothing is sent until
+        the body's last chunk; then the headers reply and one reply per chunk, in order.
+        """
+        held: int | None = None  # body chunks waiting for the delayed headers reply
+        first = True
+
+        def feed(raw: bytes) -> tuple[list[bytes], bool]:
+            nonlocal held, first
+            if first and delays_headers(raw):
+                self.messages += 1
+                first, held = False, 0
+                return [], False
+            first = False
+            if held is None:
+                reply, last = self.answer(raw)
+                return [reply], last
+            self.messages += 1
+            held += 1
+            if not pb.ProcessingRequest.FromString(raw).request_body.end_of_stream:
+                return [], False
+            return [REPLIES[HEADERS_TAG], *[REPLIES[BODY_TAG]] * held], not self.hold
+
+        return feed
+
     async def process(self, requests: AsyncIterator[bytes], _: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         self.streams += 1
+        feed = self.stream()
         async for raw in requests:
-            reply, last = self.answer(raw)
-            yield reply
+            replies, last = feed(raw)
+            for reply in replies:
+                yield reply
             if last:
                 return
 
     def process_sync(self, requests: Iterator[bytes], _: grpc.ServicerContext) -> Iterator[bytes]:
         """The same replies from grpc's thread-pool server (the ``sync`` shape)."""
         self.streams += 1
+        feed = self.stream()
         for raw in requests:
-            reply, last = self.answer(raw)
-            yield reply
+            replies, last = feed(raw)
+            yield from replies
             if last:
                 return
 
