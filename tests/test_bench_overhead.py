@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import orjson
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.auth.v3.external_auth_pb2 import CheckResponse
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -265,7 +266,7 @@ def test_the_noop_answers_each_phase_unparsed_and_ends_after_the_body_unless_hol
 def _delaying_headers() -> bytes:
     msg = pb.ProcessingRequest()
     msg.request_headers.headers.headers.add(key=":path", raw_value=b"/v1/chat/completions")
-    msg.protocol_config.request_body_mode = msg.protocol_config.STREAMED
+    msg.protocol_config.request_body_mode = ProcessingMode.STREAMED
     msg.protocol_config.send_body_without_waiting_for_header_response = True
     return msg.SerializeToString()
 
