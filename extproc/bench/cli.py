@@ -16,7 +16,7 @@ DRILLS = {
               "scale-in/out) under load, hash and pick mode; --param faults=a,b modes=hash warm_s= fault_s= after_s=",
     "soak": "bounded open-loop load for --duration (600 s) per arm, the router's RSS every 30 s and its open "
             "streams after; --arms, --rate, --param sample_s= prefixes=",
-    "overhead": "the ext_proc hop's cost: Envoy alone vs a do-nothing ext_proc (the floor) vs the router, per "
+    "overhead": "the hop's cost: Envoy alone vs a do-nothing server (the floor) vs the router, per "
                 "shipped config and body size, wrk at 1/16/64 connections in interleaved rounds, CPU per request; "
                 "--replicas (backends), --param rounds= phase_s= sizes=2,32 configs= arms= connections=16,64 "
                 "warmup_s= threads= envoy_concurrency= floor_shape=aio-uvloop|aio-asyncio|sync processes=",

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_KB)), help="body sizes in KB (comma list)")
     parser.add_argument("--replicas", type=int, default=8, help="replicas in pick mode's warm index")
     parser.add_argument("--warm-prompts", type=int, default=2000, help="prompts recorded into the index first")
+    parser.add_argument("--index-chunks", type=int, default=50_000,
+                        help="capacity of the full index the unique-prompt column runs on")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -123,7 +125,31 @@ def _median_us(fn: Callable[[], object], number: int) -> float:
     return statistics.median(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
 
 
-def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
+def unique_choice_us(size_kb: int, replicas: int, index_chunks: int, number: int) -> float:
+    """Pick mode's worst case: every prompt new (its every chunk recorded, as many evicted),
+    on an index already at its capacity of ``index_chunks`` chunks."""
+    settings = RouteSettings(mode="pick")
+    core = PickCore(index_max_chunks=index_chunks)
+    core.set_endpoints([f"10.0.0.{i}:8000" for i in range(replicas)])
+    seeds = iter(range(1, 1 << 30))
+
+    def fresh() -> Any:
+        seed = next(seeds)
+        return decide(chat_body(size_kb * 1024, seed, marker=f"{seed:09d} "), {}, settings)
+
+    while core.index.stats().entries < index_chunks * 0.98:
+        core.release(core.pick(fresh(), settings))
+    runs = []
+    for _ in range(5):
+        batch = [fresh() for _ in range(number)]
+        start = timeit.default_timer()
+        for d in batch:
+            core.release(core.pick(d, settings))
+        runs.append((timeit.default_timer() - start) / number * 1e6)
+    return statistics.median(runs)
+
+
+def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 50_000) -> dict[str, Any]:
     size = size_kb * 1024
     body = chat_body(size, 0)
     hash_settings, pick_settings = RouteSettings(), RouteSettings(mode="pick")
@@ -163,27 +189,30 @@ def measure(size_kb: int, replicas: int, warm_prompts: int) -> dict[str, Any]:
         "chunk_hashes_us": round(_median_us(
             lambda: chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS), number), 1),
         "index_match_us": round(_median_us(lambda: core.index.match(chunks), number), 1),
+        "pick_unique_us": round(unique_choice_us(size_kb, replicas, index_chunks, number // 4), 1),
         "chunks": len(chunks),
         "index_entries": core.index.stats().entries,
     }
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [measure(int(kb), args.replicas, args.warm_prompts) for kb in args.sizes.split(",") if kb.strip()]
+    rows = [measure(int(kb), args.replicas, args.warm_prompts, args.index_chunks) for kb in args.sizes.split(",") if kb.strip()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
     print("| body | normalise | key | hash mode: decide() | adapter: ext_proc (envoy.yaml) | adapter: ext_authz (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
-          "pick mode: decide() + choice | of which chunk hashes | of which index match | chunks |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "pick mode: decide() + choice | of which chunk hashes | of which index match | "
+          "pick mode: the choice for a new prompt on a full index | chunks |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | {r['adapter_us']} | {r['authz_adapter_us']} | "
               f"{r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
-              f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['chunks']} |")
+              f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['pick_unique_us']} | {r['chunks']} |")
     print("\nnormalise: parse + normal form (prompt mode); key: xxh3-64 of the first prefix_length (4096) bytes; "
           "decide(): both, plus the tenant; adapter: the request's messages parsed, the adapter run "
           "(decide() included, metrics too) and its replies serialised, as grpc does it but with no I/O (ext_proc: "
-          "two messages in, two replies out; ext_authz: one Check in, one answer out); the choice: pick mode on an already decided body")
+          "two messages in, two replies out; ext_authz: one Check in, one answer out); the choice: pick mode on an already decided body; "
+          f"a new prompt on a full index: its chunks all recorded and as many evicted ({args.index_chunks} chunks held)")
     return 0

@@ -107,7 +107,7 @@ def soak_rss(soak: dict[str, Any], path: Path) -> Path:
 def overhead(report: dict[str, Any], path: Path) -> Path:
     """The overhead scenario (extproc.bench.overhead): added p50 at one connection and the
     throughput ratio to Envoy alone, per config and body size; the floor (do-nothing
-    ext_proc server) drawn beside the router."""
+    server) drawn beside the router."""
     cells = report["cells"]
     groups = list(dict.fromkeys((c["config"], c["size_kb"]) for c in cells))
     levels = [k for k in cells[0]["by_connections"] if k != "1"] if cells else []
@@ -134,13 +134,13 @@ def overhead(report: dict[str, Any], path: Path) -> Path:
                 sub = width / max(1, len(levels))
                 thr.bar(offset - width / 2 + sub * (j + 0.5), ratios, sub, label=f"{arm} @{level} connections",
                         alpha=1.0 if j == 0 else 0.6, **style[arm])
-        labels = [f"{Path(c).stem}\n{s} KB" for c, s in groups]
-        lat.set_xticks(x, labels, fontsize=8)
+        labels = [f"{Path(c).stem.replace('-', chr(10))}\n{s} KB" for c, s in groups]  # long names wrap at '-'
+        lat.set_xticks(x, labels, fontsize=7 if len(groups) > 6 else 8)
         lat.set_ylabel("added p50 at 1 connection (ms) vs Envoy alone")
         lat.margins(y=0.25)
-        lat.set_title("added latency (floor = do-nothing ext_proc)")
+        lat.set_title("added latency (floor = do-nothing server)")
         lat.legend(fontsize=8)
-        thr.set_xticks(x, labels, fontsize=8)
+        thr.set_xticks(x, labels, fontsize=7 if len(groups) > 6 else 8)
         thr.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         thr.set_ylabel("requests/s, ratio to Envoy alone")
         thr.set_ylim(0, 1.1)
