@@ -196,23 +196,26 @@ def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [measure(int(kb), args.replicas, args.warm_prompts, args.index_chunks) for kb in args.sizes.split(",") if kb.strip()]
+    rows = [measure(int(kb), args.replicas, args.warm_prompts, args.index_chunks)
+            for kb in args.sizes.split(",") if kb.strip()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
-    print("| body | normalise | key | hash mode: decide() | adapter: ext_proc (envoy.yaml) | adapter: ext_authz (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
+    print("| body | normalise | key | hash mode: decide() | adapter: ext_proc (envoy.yaml) | "
+          "adapter: ext_authz (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
           "pick mode: decide() + choice | of which chunk hashes | of which index match | "
           "pick mode: the choice for a new prompt on a full index | chunks |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | {r['adapter_us']} | {r['authz_adapter_us']} | "
-              f"{r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
+        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | "
+              f"{r['adapter_us']} | {r['authz_adapter_us']} | {r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
               f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['pick_unique_us']} | {r['chunks']} |")
     print("\nnormalise: parse + normal form (prompt mode); key: xxh3-64 of the first prefix_length (4096) bytes; "
           "decide(): both, plus the tenant; adapter: the request's messages parsed, the adapter run "
-          "(decide() included, metrics too) and its replies serialised, as grpc does it but with no I/O (ext_proc: "
-          "two messages in, two replies out; ext_authz: one Check in, one answer out); the choice: pick mode on an already decided body; "
+          "(decide() included, metrics too) and its replies serialised, as grpc does it but with no I/O "
+          "(ext_proc: two messages in, two replies out; ext_authz: one Check in, one answer out); "
+          "the choice: pick mode on an already decided body; "
           f"a new prompt on a full index: its chunks all recorded and as many evicted ({args.index_chunks} chunks held)")
     return 0

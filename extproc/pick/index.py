@@ -133,13 +133,13 @@ class LearnedIndex:
         bit = self._slot(address)
         lru = self._lru[address]
         owners = self._owners
-        touch, get = lru.move_to_end, owners.get
+        touch = lru.move_to_end
         for h in reversed(chunks):  # the head ends most recent: vLLM evicts a prompt tail first
             if h in lru:
                 touch(h)
             else:
                 lru[h] = None
-                owners[h] = get(h, 0) | bit
+                owners[h] = owners.get(h, 0) | bit
         self._trim(address)
 
     def _drop(self, h: int, bit: int) -> None:
@@ -150,19 +150,10 @@ class LearnedIndex:
             self._owners.pop(h, None)
 
     def _trim(self, address: str) -> None:
-        lru, bit = self._lru[address], self._bit[address]
-        excess = len(lru) - self.capacity(address)
-        if excess <= 0:
-            return
-        # _drop inlined: a new long prompt evicts as many chunks as it records (the hot path)
-        owners, pop, get, keep = self._owners, lru.popitem, self._owners.get, ~bit
-        for _ in range(excess):
-            h = pop(False)[0]
-            left = get(h, 0) & keep
-            if left:
-                owners[h] = left
-            else:
-                owners.pop(h, None)
+        lru, bit, cap = self._lru[address], self._bit[address], self.capacity(address)
+        while len(lru) > cap:
+            h, _ = lru.popitem(last=False)
+            self._drop(h, bit)
 
     def forget(self, address: str, chunks: Iterable[int]) -> None:
         if address not in self._bit:
