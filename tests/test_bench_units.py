@@ -120,9 +120,10 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
         balance = cluster.get("common_lb_config", {}).get("consistent_hashing_lb_config")
         assert bool(balance) == spec.bounded
         if spec.prefix:
-            assert envoy_config.EXT_PROC in names and "prefix_router" in clusters
+            assert envoy_config.router_filter(cfg)[0] in names and "prefix_router" in clusters
+            assert (envoy_config.router_filter(cfg)[0] == envoy_config.EXT_AUTHZ) == (spec.base == "envoy-fast.yaml")
             assert all(r["hash_policy"] == [{"header": {"header_name": "x-prefix-key"}}] for r in routes)
-            meta = {m["key"]: m["value"] for m in envoy_config.http_filter(cfg, envoy_config.EXT_PROC)
+            meta = {m["key"]: m["value"] for m in envoy_config.router_filter(cfg)[1]
                     ["grpc_service"]["initial_metadata"]}
             assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize,
                             **({"x-prefix-router-mode": "pick"} if spec.pick else {}),
@@ -130,7 +131,7 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
             assert ("envoy.filters.http.stateful_session" in names) == spec.pick
             assert all("typed_per_filter_config" not in r for r in envoy_config.routes(cfg))  # nothing overrides it
         else:
-            assert envoy_config.EXT_PROC not in names and "prefix_router" not in clusters
+            assert not set(envoy_config.ROUTER_FILTERS) & set(names) and "prefix_router" not in clusters
             assert all("hash_policy" not in r for r in routes)
         assert arms.ARMS["raw-bytes"].normalize == "raw"
         ok, out = validate(envoy_config.dump(cfg, tmp_path / f"{name}.yaml"))
