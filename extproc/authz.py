@@ -54,9 +54,9 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):
     def check(self, request: pb.CheckRequest,
               invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.CheckResponse:
         attributes = request.attributes
-        per_route = attributes.context_extensions
+        # the route's context_extensions come after the listener's metadata, so they win
         settings = self.router.settings_for(
-            (*(invocation_metadata or ()), *per_route.items()) if per_route else invocation_metadata, authz=True)
+            (*(invocation_metadata or ()), *attributes.context_extensions.items()), authz=True)
         http = attributes.request.http
         sent = http.headers
         headers = {name: sent[name] for name in (*settings.tenant_headers, CONTENT_ENCODING) if name in sent}

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
-
 def venv_tool(name: str) -> str | None:
     """The ``name`` command beside this interpreter (a wheel's pinned binary) before any on PATH."""
     local = Path(sys.executable).parent / name
     return str(local) if local.exists() else shutil.which(name)
+
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so no repeats)."""

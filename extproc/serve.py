@@ -72,6 +72,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         await picker.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     router = PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker, secret)
+    metrics.STREAMS_ACTIVE.set_function(lambda: router.open_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(router, server)
     authz.add_to_server(router, server)  # the same decisions for the ext_authz shape (envoy-fast.yaml)
     health = HealthServicer()

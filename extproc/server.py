@@ -93,8 +93,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         self.secret = secret  # tenant isolation's HMAC key; None: isolation cannot be turned on
         self._by_metadata: dict[tuple[bool | tuple[str, str], ...], RouteSettings] = {}
         self._headers_replies: dict[tuple[str, str], pb.ProcessingResponse] = {}
-        self.open_streams = 0  # read by the streams_active gauge when /metrics is scraped
-        metrics.STREAMS_ACTIVE.set_function(lambda: self.open_streams)
+        self.open_streams = 0  # `serve` has the streams_active gauge read it at scrape time
 
     def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None,
                      authz: bool = False) -> RouteSettings:
