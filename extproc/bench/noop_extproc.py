@@ -112,7 +112,8 @@ class Noop:
             held += 1
             if not pb.ProcessingRequest.FromString(raw).request_body.end_of_stream:
                 return [], False
-            return [REPLIES[HEADERS_TAG], *[REPLIES[BODY_TAG]] * held], not self.hold
+            replies, held = [REPLIES[HEADERS_TAG], *[REPLIES[BODY_TAG]] * held], None  # later messages: one each
+            return replies, not self.hold
 
         return feed
 

@@ -51,7 +51,7 @@ from extproc.bench.microbench import chat_body
 from extproc.bench.noop_extproc import SHAPES
 from extproc.bench.noop_extproc import STREAMS_METRIC as NOOP_COUNT
 from extproc.bench.progress import stop as stop_progress
-from extproc.envoy_proc import Envoy, envoy_binary
+from extproc.envoy_proc import Envoy, envoy_binary, envoy_version
 from extproc.proc_cpu import CpuMeter
 from extproc.procs import Process, free_ports, python_module
 from extproc.realvllm.promtext import fetch_metrics, metric_sum
@@ -293,8 +293,8 @@ class Rig:
         for b in self.backends:
             self._stop.callback(b.stop)
         _parallel(lambda b: b.start(), self.backends)
-        addresses = [u.split("://", 1)[1].rstrip("/") for b in self.backends for u in b.urls]
-        hosts = [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in addresses]
+        hosts = arms_mod.host_ports([u for b in self.backends for u in b.urls])
+        addresses = [f"{h}:{p}" for h, p in hosts]
         loaded = {c: envoy_config.load(c) for c in cfg.configs}
         pairs = [(c, a) for c in cfg.configs for a in cfg.arms]
         with_server = [p for p in pairs if p[1] != "alone"]
@@ -505,7 +505,7 @@ def run(cfg: Config) -> dict[str, Any]:
         "params": drill.params(cfg),
         "arms": {a: ARM_SUMMARY[a] for a in cfg.arms},
         "setup": {
-            "generator": _version([binary, "--version"]), "envoy": _version([envoy_binary(), "--version"]),
+            "generator": _version([binary, "--version"]), "envoy": envoy_version(envoy_binary()),
             "cpus": os.cpu_count(), "envoy_concurrency": cfg.envoy_concurrency, "wrk_threads": cfg.threads,
             "latency_client": f"{GENERATOR} at 1 connection (sequential requests, {GENERATOR}'s own percentiles)",
             "order": "round -> config -> size -> connections -> arm (arm order rotates each round)",
