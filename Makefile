@@ -16,14 +16,17 @@ $(STAMP): pyproject.toml
 $(SCHEMAS): tests/manifests/package.json tests/manifests/package-lock.json
 	npm ci --prefix tests/manifests --no-audit --no-fund --ignore-scripts --loglevel=error
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean machine
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/prefix-router demo
 
-test: $(STAMP) $(SCHEMAS)
+# Debian packages (npm among them) and the Docker engine first: the other prerequisites need them.
+machine:
 	.ci/machine
+
+test: machine $(STAMP) $(SCHEMAS)
 	$(BIN)/python -m pytest -q
 
 clean:

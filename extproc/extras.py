@@ -35,7 +35,7 @@ def requirements(extra: str, requires: list[str]) -> list[str]:
         name = _NAME.match(req)
         if name is None:
             continue
-        if name.group(0).lower() == DIST:
+        if re.sub(r"[-_.]+", "-", name.group(0)).lower() == DIST:  # PEP 503: envoy_prefix_router is us too
             included = _SELF_EXTRAS.search(req)
             for inner in (included.group(1).split(",") if included else []):
                 names += requirements(inner.strip(), requires)

