@@ -324,5 +324,4 @@ def test_microbench_reports_normalise_key_and_the_pick_choice_per_size() -> None
     for key in ("normalize_us", "key_us", "hash_decide_us", "adapter_us", "authz_adapter_us", "pick_unique_us",
                 "pick_choice_us", "pick_total_us"):
         assert row[key] > 0, key
-    assert min(row["adapter_us"], row["authz_adapter_us"]) > row["hash_decide_us"]  # each holds decide() and more
     assert row["body_bytes"] == pytest.approx(2048, abs=64)

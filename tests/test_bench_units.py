@@ -120,8 +120,9 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
         balance = cluster.get("common_lb_config", {}).get("consistent_hashing_lb_config")
         assert bool(balance) == spec.bounded
         if spec.prefix:
-            assert envoy_config.router_filter(cfg)[0] in names and "prefix_router" in clusters
-            assert (envoy_config.router_filter(cfg)[0] == envoy_config.EXT_AUTHZ) == (spec.base == "envoy-fast.yaml")
+            shape = envoy_config.EXT_AUTHZ if spec.base == "envoy-fast.yaml" else envoy_config.EXT_PROC
+            assert shape in names and not (set(envoy_config.ROUTER_FILTERS) - {shape}) & set(names)
+            assert "prefix_router" in clusters
             assert all(r["hash_policy"] == [{"header": {"header_name": "x-prefix-key"}}] for r in routes)
             meta = {m["key"]: m["value"] for m in envoy_config.router_filter(cfg)[1]
                     ["grpc_service"]["initial_metadata"]}

@@ -213,7 +213,11 @@ def test_sigterm_drains_an_open_stream_then_exits() -> None:
             first = next(call)
             assert first.WhichOneof("response") == "request_headers"
             proc.signal(signal.SIGTERM)  # the stream is open: the server must finish it
-            wait_until(lambda: health_command(port).returncode == 1, 10, "health to turn NOT_SERVING in the drain")
+            def failing() -> bool:  # NOT_SERVING, then new RPCs refused while the open stream finishes
+                h = health_command(port)
+                return h.returncode == 1 and ("NOT_SERVING" in h.stdout or "UNAVAILABLE" in h.stderr)
+
+            wait_until(failing, 10, "the health check to fail in the drain", interval=0.2)
             body_sent.set()
             second = next(call)
             assert key_set(second) == decide(BODY, {}, RouteSettings()).key
