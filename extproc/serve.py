@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from extproc import authz, metrics
+from extproc import authz, event_loop, metrics
 from extproc.health import SERVICE
 from extproc.pick.picker import Picker
 from extproc.server import PrefixRouter
@@ -122,12 +122,7 @@ def run(args: argparse.Namespace) -> int:
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        import uvloop  # the cheapest event loop for grpc.aio measured here (design.md s4)
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        runner(serve(server_cfg, route_cfg, secret=secret))
+        event_loop.run(serve(server_cfg, route_cfg, secret=secret))
     except OSError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 1

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from extproc import event_loop
 from extproc.bench import arms as arms_mod
 from extproc.bench import drill, loadgen, progress as progress_mod
 from extproc.bench.backends import SimBackend
 from extproc.bench.report import client_cached_rate
-from extproc.bench.runner import apply_event, run_async, sim_control, start_outside
+from extproc.bench.runner import apply_event, sim_control, start_outside
 from extproc.bench.scenarios import FleetEvent, FleetSpec
 from extproc.bench.trace import Trace
 from extproc.decide import decide
@@ -285,7 +286,7 @@ def run_fault(mode: str, fault: str, cfg: Config, trace: Trace, spec: FleetSpec,
         with arms_mod.RunningArm(arm, fleet.urls, endpoints=members, health_interval=None) as running:
             prog.start(f"{mode} {fault}", len(trace))
             before = _stats(running)
-            result, marks, samples = run_async(_load_with_fault(running, fleet, what, trace, cfg, prog))
+            result, marks, samples = event_loop.run(_load_with_fault(running, fleet, what, trace, cfg, prog))
             after = _stats(running)
     finally:
         fleet.stop()

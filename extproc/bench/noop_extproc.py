@@ -35,6 +35,7 @@ from grpc_health.v1 import health as health_sync
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from extproc import event_loop
 from extproc.authz import SERVICE as AUTHZ_SERVICE
 from extproc.health import SERVICE
 from extproc.serve import SERVER_OPTIONS
@@ -234,12 +235,7 @@ def main() -> None:
     if args.shape == "aio-asyncio":
         asyncio.run(serve(args.port, args.metrics_port, args.hold))
         return
-    try:
-        import uvloop
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
-    run(serve(args.port, args.metrics_port, args.hold))
+    event_loop.run(serve(args.port, args.metrics_port, args.hold))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from extproc import event_loop
 from extproc.bench import arms as arms_mod
 from extproc.bench import backends, loadgen, progress as progress_mod, replica_metrics, report as report_mod
 from extproc.bench.oracle import oracle
@@ -205,7 +206,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
-            result = run_async(_with_events(loadgen.run_load(
+            result = event_loop.run(_with_events(loadgen.run_load(
                 running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
                 duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance),
                 running, backend.urls, events, prog.note))
@@ -232,15 +233,6 @@ def _scrape(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:
         return replica_metrics.scrape_all(urls)
     except OSError:
         return []
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """Run on uvloop when installed (a lighter client), else asyncio."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def _add_notes(report: report_mod.Report) -> None:

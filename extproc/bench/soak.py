@@ -21,7 +21,7 @@ from typing import Any
 from extproc.bench import arms as arms_mod
 from extproc.bench import drill, loadgen
 from extproc.bench.backends import SimBackend
-from extproc.bench.runner import run_async
+from extproc import event_loop
 from extproc.bench.scenarios import FleetSpec
 from extproc.bench.trace import Trace
 from extproc.proc_cpu import process_rss_mb
@@ -108,7 +108,7 @@ def run_arm(name: str, cfg: Config, trace: Trace, spec: FleetSpec) -> dict[str, 
         backend.start()
         with arms_mod.RunningArm(arms_mod.get(name), backend.urls, router_metrics=True) as running:
             cfg.progress.start(f"soak {name}", int(cfg.rate * cfg.duration_s))
-            result = run_async(_load(running, cfg, trace.sessions, series))
+            result = event_loop.run(_load(running, cfg, trace.sessions, series))
             stopped = time.monotonic()
             port = running.metrics_ports[0]
             try:

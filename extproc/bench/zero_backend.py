@@ -11,10 +11,10 @@ per port, like the simulator).
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from aiohttp import web
 
+from extproc import event_loop
 from extproc.signals import stop_on_signals
 
 MODEL = "zero"
@@ -74,12 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ports", required=True, help="comma-separated loopback ports")
     args = parser.parse_args()
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve([int(p) for p in args.ports.split(",")]))
+    event_loop.run(serve([int(p) for p in args.ports.split(",")]))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import urllib.error
 import urllib.request
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from extproc import event_loop
 from extproc.signals import stop_on_signals
 from extproc.sim.profiles import DEFAULT_PROFILE, PROFILES
 
@@ -119,13 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sim: {e}", file=sys.stderr)
         return 2
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    try:
-        return runner(_serve(config))
+        return event_loop.run(_serve(config))
     except OSError as e:
         print(f"sim: cannot bind: {e}", file=sys.stderr)
         return 1
