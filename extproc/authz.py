@@ -18,7 +18,7 @@ happens: a router that denied a request would fail the user.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final
 
 import grpc
@@ -34,6 +34,7 @@ log = logging.getLogger("extproc.authz")
 
 SERVICE: Final = "envoy.service.auth.v3.Authorization"
 PARTIAL_BODY_HEADER: Final = "x-envoy-auth-partial-body"  # Envoy sets it to "true" on a cut body
+CONTENT_LENGTH: Final = "content-length"
 _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
@@ -63,8 +64,7 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):
         body = http.raw_body or http.body.encode()  # raw_body with pack_as_bytes (as envoy-fast.yaml sets)
         reply = pb.CheckResponse()
         ok = reply.ok_response
-        decision = self.router.decide(body, headers, settings, complete=sent.get(PARTIAL_BODY_HEADER) != "true") \
-            if body else None
+        decision = self.router.decide(body, headers, settings, complete=body_is_whole(body, sent)) if body else None
         if decision is None or decision.key is None:
             ok.headers_to_remove.append(settings.key_header)
             if not body:
@@ -75,6 +75,22 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):
         option.header.value = decision.key
         option.append_action = _OVERWRITE
         return reply
+
+
+def body_is_whole(body: bytes, sent: Mapping[str, str]) -> bool:
+    """Whether ``body`` is the whole request body, not only the first ``max_request_bytes``.
+
+    Envoy's partial-body header alone is not enough: it says "false" whenever the buffer
+    holds exactly ``max_request_bytes`` when Envoy asks (it compares what it sends with what
+    it buffered), which happens whenever reads end on that boundary. A declared
+    content-length longer than the body tells the truth in that case (envoy-fast.yaml passes
+    it in ``allowed_headers``); a chunked body cut on the boundary is still taken as whole and
+    is keyed as raw bytes after a parse failure, the same key.
+    """
+    if sent.get(PARTIAL_BODY_HEADER) == "true":
+        return False
+    declared = sent.get(CONTENT_LENGTH, "")
+    return not (declared.isdigit() and int(declared) > len(body))
 
 
 def add_to_server(router: PrefixRouter, server: grpc.aio.Server) -> None:

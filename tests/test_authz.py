@@ -64,6 +64,29 @@ def test_a_cut_body_is_keyed_as_the_start_of_a_body(stub: pb_grpc.AuthorizationS
     assert partial.fallback == "truncated" and key_of(reply) == partial.key
 
 
+def test_a_body_cut_exactly_on_the_limit_is_known_cut_by_its_content_length(
+        stub: pb_grpc.AuthorizationStub) -> None:
+    """Envoy says partial "false" when its buffer holds exactly max_request_bytes (reads ending on
+    the limit): the declared length is what tells the router the body is only its start."""
+    whole = BODY + b" " * 200  # trailing whitespace: the cut start still parses as JSON
+    start = whole[: len(BODY) + 10]
+    sent = {authz.PARTIAL_BODY_HEADER: "false", "content-length": str(len(whole))}
+    as_start = decide(start, {}, RouteSettings(), complete=False)
+    assert as_start.key != decide(start, {}, RouteSettings()).key  # the two readings differ
+    assert key_of(stub.Check(check_request(start, sent), timeout=10)) == as_start.key
+    assert key_of(stub.Check(check_request(whole, sent), timeout=10)) == decide(whole, {}, RouteSettings()).key
+
+
+@pytest.mark.parametrize(("headers", "whole"), [
+    ({}, True), ({authz.PARTIAL_BODY_HEADER: "true"}, False), ({authz.PARTIAL_BODY_HEADER: "false"}, True),
+    ({"content-length": "100"}, True), ({"content-length": "101"}, False), ({"content-length": "junk"}, True),
+    ({authz.PARTIAL_BODY_HEADER: "true", "content-length": "100"}, False),
+])
+def test_body_is_whole_reads_the_partial_header_and_the_declared_length(headers: dict[str, str],
+                                                                        whole: bool) -> None:
+    assert authz.body_is_whole(b"x" * 100, headers) is whole
+
+
 def test_listener_metadata_then_per_route_context_extensions_set_the_settings(
         stub: pb_grpc.AuthorizationStub) -> None:
     listener = (("x-prefix-router-prefix-length", "128"),)
