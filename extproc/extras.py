@@ -1,8 +1,8 @@
 """Which optional extra a subcommand needs, checked before it runs.
 
-A production install (`pip install envoy-prefix-router`) carries only what `serve` needs; the
-simulator and the benchmark sit behind extras. Reading the extras from the installed package's
-own metadata keeps pyproject.toml the one list of what each extra holds.
+The lab's heavier commands (bench, demo) sit behind its ``[bench]`` extra. Reading the extras
+from the installed distribution's own metadata keeps its pyproject.toml the one list of what
+each extra holds.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import importlib.metadata
 import re
 from collections.abc import Callable
 
-DIST = "envoy-prefix-router"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _EXTRA = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 _SELF_EXTRAS = re.compile(r"\[([^\]]+)\]")
@@ -25,8 +24,12 @@ def _installed(name: str) -> bool:
     return True
 
 
-def requirements(extra: str, requires: list[str]) -> list[str]:
-    """Distribution names ``extra`` pulls in, following extras that name this package again."""
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def requirements(dist: str, extra: str, requires: list[str]) -> list[str]:
+    """Distribution names ``extra`` of ``dist`` pulls in, following extras that name ``dist`` again."""
     names: list[str] = []
     for req in requires:
         marker = _EXTRA.search(req)
@@ -35,28 +38,28 @@ def requirements(extra: str, requires: list[str]) -> list[str]:
         name = _NAME.match(req)
         if name is None:
             continue
-        if re.sub(r"[-_.]+", "-", name.group(0)).lower() == DIST:  # PEP 503: envoy_prefix_router is us too
+        if _canonical(name.group(0)) == _canonical(dist):
             included = _SELF_EXTRAS.search(req)
             for inner in (included.group(1).split(",") if included else []):
-                names += requirements(inner.strip(), requires)
+                names += requirements(dist, inner.strip(), requires)
         else:
             names.append(name.group(0))
     return names
 
 
-def missing(extra: str, installed: Callable[[str], bool] | None = None,
+def missing(extra: str, dist: str, installed: Callable[[str], bool] | None = None,
             requires: list[str] | None = None) -> list[str]:
-    """Distributions of ``extra`` that are not installed ([] when run from a bare source tree)."""
+    """Distributions of ``dist[extra]`` that are not installed ([] when ``dist`` is not installed)."""
     installed = installed or _installed
     if requires is None:
         try:
-            requires = importlib.metadata.requires(DIST) or []
+            requires = importlib.metadata.requires(dist) or []
         except importlib.metadata.PackageNotFoundError:
             return []
-    return [name for name in requirements(extra, requires) if not installed(name)]
+    return [name for name in requirements(dist, extra, requires) if not installed(name)]
 
 
-def install_hint(command: str, extra: str, absent: list[str]) -> str:
+def install_hint(command: str, dist: str, extra: str, absent: list[str]) -> str:
     """The one line a user sees instead of a traceback."""
     return (f"prefix-router {command} needs the [{extra}] extra (missing: {', '.join(sorted(absent))}): "
-            f"pip install '{DIST}[{extra}]'")
+            f"pip install '{dist}[{extra}]'")

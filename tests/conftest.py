@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from extproc import envoy_config
-from extproc.envoy_proc import Envoy, envoy_binary, envoy_version
-from extproc.procs import Process, free_ports
+from routerlab.harness import envoy_config
+from routerlab.harness.envoy_proc import Envoy, envoy_binary, envoy_version
+from routerlab.harness.procs import Process, free_ports
 
 from backends import BackendFleet
 from support import start_router

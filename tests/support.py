@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.procs import Process, free_ports, python_module
+from routerlab.harness.procs import Process, free_ports, python_module
 
 
 @dataclass

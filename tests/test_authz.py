@@ -14,9 +14,10 @@ import pytest
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 
-from extproc import authz, metrics, server
-from extproc.decide import decide
-from extproc.settings import RouteSettings
+from extproc import metrics
+from extproc.adapters import ext_authz, ext_proc
+from extproc.core.decide import decide
+from extproc.core.settings import RouteSettings
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
 
@@ -59,7 +60,7 @@ def test_no_body_removes_the_key_header(stub: pb_grpc.AuthorizationStub) -> None
 
 def test_a_cut_body_is_keyed_as_the_start_of_a_body(stub: pb_grpc.AuthorizationStub) -> None:
     start = BODY[:100]
-    reply = stub.Check(check_request(start, {authz.PARTIAL_BODY_HEADER: "true"}), timeout=10)
+    reply = stub.Check(check_request(start, {ext_authz.PARTIAL_BODY_HEADER: "true"}), timeout=10)
     partial = decide(start, {}, RouteSettings(), complete=False)
     assert partial.fallback == "truncated" and key_of(reply) == partial.key
 
@@ -70,7 +71,7 @@ def test_a_body_cut_exactly_on_the_limit_is_known_cut_by_its_content_length(
     the limit): the declared length is what tells the router the body is only its start."""
     whole = BODY + b" " * 200  # trailing whitespace: the cut start still parses as JSON
     start = whole[: len(BODY) + 10]
-    sent = {authz.PARTIAL_BODY_HEADER: "false", "content-length": str(len(whole))}
+    sent = {ext_authz.PARTIAL_BODY_HEADER: "false", "content-length": str(len(whole))}
     as_start = decide(start, {}, RouteSettings(), complete=False)
     assert as_start.key != decide(start, {}, RouteSettings()).key  # the two readings differ
     assert key_of(stub.Check(check_request(start, sent), timeout=10)) == as_start.key
@@ -78,13 +79,13 @@ def test_a_body_cut_exactly_on_the_limit_is_known_cut_by_its_content_length(
 
 
 @pytest.mark.parametrize(("headers", "whole"), [
-    ({}, True), ({authz.PARTIAL_BODY_HEADER: "true"}, False), ({authz.PARTIAL_BODY_HEADER: "false"}, True),
+    ({}, True), ({ext_authz.PARTIAL_BODY_HEADER: "true"}, False), ({ext_authz.PARTIAL_BODY_HEADER: "false"}, True),
     ({"content-length": "100"}, True), ({"content-length": "101"}, False), ({"content-length": "junk"}, True),
-    ({authz.PARTIAL_BODY_HEADER: "true", "content-length": "100"}, False),
+    ({ext_authz.PARTIAL_BODY_HEADER: "true", "content-length": "100"}, False),
 ])
 def test_body_is_whole_reads_the_partial_header_and_the_declared_length(headers: dict[str, str],
                                                                         whole: bool) -> None:
-    assert authz.body_is_whole(b"x" * 100, headers) is whole
+    assert ext_authz.body_is_whole(b"x" * 100, headers) is whole
 
 
 def test_listener_metadata_then_per_route_context_extensions_set_the_settings(
@@ -98,7 +99,7 @@ def test_listener_metadata_then_per_route_context_extensions_set_the_settings(
 
 
 def test_pick_and_tenant_isolation_asked_of_the_authz_shape_are_ignored_once_counted() -> None:
-    router = server.PrefixRouter(RouteSettings(), secret=b"0123456789abcdef0123456789abcdef")
+    router = ext_proc.PrefixRouter(RouteSettings(), secret=b"0123456789abcdef0123456789abcdef")
     asked = [("x-prefix-router-mode", "pick"), ("x-prefix-router-tenant-isolation", "on")]
     before = metrics.METADATA_ERRORS._value.get()
     for _ in range(3):  # the same route's calls: counted once
@@ -110,14 +111,14 @@ def test_pick_and_tenant_isolation_asked_of_the_authz_shape_are_ignored_once_cou
 
 
 def test_a_process_default_of_tenant_isolation_is_dropped_for_the_authz_shape() -> None:
-    router = server.PrefixRouter(RouteSettings(tenant_isolation=True), secret=b"0123456789abcdef0123456789abcdef")
+    router = ext_proc.PrefixRouter(RouteSettings(tenant_isolation=True), secret=b"0123456789abcdef0123456789abcdef")
     assert router.settings_for([], authz=True).tenant_isolation is False
     assert router.settings_for([]).tenant_isolation is True
 
 
 def test_an_exception_answers_ok_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in the router must cost the request its key, never deny it."""
-    router = server.PrefixRouter(RouteSettings())
+    router = ext_proc.PrefixRouter(RouteSettings())
 
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("injected")
@@ -127,7 +128,7 @@ def test_an_exception_answers_ok_without_a_key(monkeypatch: pytest.MonkeyPatch) 
 
     async def run() -> pb.CheckResponse:
         srv = grpc.aio.server()
-        authz.add_to_server(router, srv)
+        ext_authz.add_to_server(router, srv)
         port = srv.add_insecure_port("127.0.0.1:0")
         await srv.start()
         try:

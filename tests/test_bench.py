@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench import report as report_mod
-from extproc.bench.runner import BenchConfig, run_bench
-from extproc.bench.scenarios import ENVOY_ARMS
 from extproc.cli import main as cli_main
+from routerlab.bench import report as report_mod
+from routerlab.bench.runner import BenchConfig, run_bench
+from routerlab.bench.scenarios import ENVOY_ARMS
 
 REPORT_KEYS = {"success_rate", "ttft_ms", "kv_hit_rate", "oracle_hit_rate", "throughput_rps",
                "requests_per_replica", "e2e_ms", "tpot_ms", "output_tokens_per_s", "client"}

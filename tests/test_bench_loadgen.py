@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from extproc.bench.loadgen import ClientStats, LoadResult, run_load
-from extproc.bench.trace import Request, Session
+from routerlab.bench.loadgen import ClientStats, LoadResult, run_load
+from routerlab.bench.trace import Request, Session
 
 Script = Callable[[web.StreamResponse, dict[str, int]], Awaitable[None]]
 
@@ -132,7 +132,7 @@ def test_load_stops_at_its_duration_and_counts_what_it_never_sent(mode: str) -> 
     assert len(load.results) + load.cancelled + load.unsent == len(sessions)
     assert load.client.wall_s < 5  # the bound, not the trace, ended it
     # A bound is not a routing failure: success is over finished requests, coverage apart.
-    from extproc.bench.report import summarize
+    from routerlab.bench.report import summarize
 
     summary = summarize(load, None, oracle_hit_rate=0.0, total_requests=len(sessions), backend_urls=[],
                         cpu={}, envoy={})

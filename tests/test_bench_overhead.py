@@ -22,13 +22,13 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.auth.v3.external_auth_pb2 import CheckResponse
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import envoy_config
-from extproc.authz import SERVICE as AUTHZ_SERVICE
-from extproc.bench import microbench, noop_extproc, overhead
+from extproc.adapters.ext_authz import SERVICE as AUTHZ_SERVICE
 from extproc.cli import main as cli_main
-from extproc.health import SERVICE
-from extproc.procs import Process, free_ports, python_module
-from extproc.realvllm.promtext import fetch_metrics, metric_sum
+from extproc.process.health import SERVICE
+from routerlab.bench import microbench, noop_extproc, overhead
+from routerlab.harness import envoy_config
+from routerlab.harness.procs import Process, free_ports, python_module
+from routerlab.realvllm.promtext import fetch_metrics, metric_sum
 
 RUN = dict(rounds=1, phase_s=1, sizes=(32,), connections=(16,), warmup_s=0)
 MESSAGES_PER_STREAM = {"envoy.yaml": 2, "envoy-fast.yaml": 1, "pick.yaml": 2}  # headers + body, or one Check
@@ -302,7 +302,7 @@ def test_the_noop_delays_its_headers_reply_until_the_streamed_body_ends() -> Non
 @pytest.mark.parametrize("shape", noop_extproc.SHAPES)
 def test_every_server_shape_of_the_noop_speaks_ext_proc_and_ext_authz_over_real_grpc(shape: str) -> None:
     port, metrics_port = free_ports(2)
-    proc = Process(python_module("extproc.bench.noop_extproc", "--port", str(port), "--metrics-port",
+    proc = Process(python_module("routerlab.bench.noop_extproc", "--port", str(port), "--metrics-port",
                                  str(metrics_port), "--shape", shape), name=f"noop {shape}")
     try:
         proc.wait_for_line("ready on", timeout=30)

@@ -7,16 +7,17 @@ import random
 import orjson
 import pytest
 
-from extproc import envoy_config
-from extproc.bench import arms, scenarios
-from extproc.bench.loadgen import ClientStats, LoadResult, Result
-from extproc.bench.oracle import oracle, parse as oracle_parse
-from extproc.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
-from extproc.bench.report import Report, markdown_table, summarize
-from extproc.bench.trace import Request, TextSource, chat_body, encode
-from extproc.envoy_proc import validate
-from extproc.normalize import normalize
-from extproc.settings import metadata_key
+from extproc.core.normalize import normalize
+from extproc.core.settings import metadata_key
+from routerlab.bench import arms, scenarios
+from routerlab.bench.loadgen import ClientStats, LoadResult, Result
+from routerlab.bench.oracle import oracle
+from routerlab.bench.oracle import parse as oracle_parse
+from routerlab.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
+from routerlab.bench.report import Report, markdown_table, summarize
+from routerlab.bench.trace import Request, TextSource, chat_body, encode
+from routerlab.harness import envoy_config
+from routerlab.harness.envoy_proc import validate
 
 MODEL = "m"
 
@@ -189,7 +190,7 @@ def test_requests_of_a_group_share_the_bytes_the_router_hashes(name: str, quick:
 
 def test_an_interrupted_start_still_stops_every_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the fleet or Envoy is starting must not leave either running."""
-    from extproc.bench import runner
+    from routerlab.bench import runner
 
     class Interrupted(BaseException):
         pass

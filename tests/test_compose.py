@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc import envoy_proc
-from extproc.procs import free_ports, venv_tool, wait_until
+from routerlab.harness import envoy_proc
+from routerlab.harness.procs import free_ports, venv_tool, wait_until
 
 from support import send
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.decide import decide
-from extproc.normalize import normalize
-from extproc.settings import RouteSettings
+from extproc.core.decide import decide
+from extproc.core.normalize import normalize
+from extproc.core.settings import RouteSettings
 
 PROMPT = RouteSettings()
 SYSTEM = "You answer questions about the ACME product catalogue. " * 20

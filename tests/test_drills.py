@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench import faults, soak
-from extproc.bench.loadgen import Result
+from routerlab.bench import faults, soak
+from routerlab.bench.loadgen import Result
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,15 @@ import json
 from collections import Counter
 
 import pytest
-from backends import SSE_CHUNKS, BackendFleet
 from conftest import EnvoyFactory
+
+from routerlab.harness import envoy_config
+from routerlab.harness.procs import wait_until
+
+from backends import SSE_CHUNKS, BackendFleet
 from support import send, start_router
 
-from extproc import envoy_config
-from extproc.procs import wait_until
-
-# The two hash-mode shapes: ext_proc's two-message stream, and ext_authz's one Check (extproc.authz).
+# The two hash-mode shapes: ext_proc's two-message stream, and ext_authz's one Check (extproc.adapters.ext_authz).
 SHAPES = pytest.mark.parametrize("config", ["envoy.yaml", "envoy-fast.yaml"])
 FILTER_STATS = {"envoy.yaml": "ext_proc", "envoy-fast.yaml": "ext_authz"}
 SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~5.7 KB > 4096
@@ -233,8 +234,8 @@ def test_ab_split_follows_runtime_share(backends: BackendFleet, make_envoy: Envo
 
 def test_fast_shape_keys_by_body_and_tenant_attribute(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
     """envoy-fast.yaml: one ext_proc message per request, key via dynamic metadata."""
-    from extproc.decide import decide
-    from extproc.settings import RouteSettings
+    from extproc.core.decide import decide
+    from extproc.core.settings import RouteSettings
 
     _, port = make_envoy(backends, name="envoy-fast.yaml")
     body = chat(SYSTEM, "q")

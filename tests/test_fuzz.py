@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from extproc import cli, fuzz
-from extproc.decide import Decision, decide
-from extproc.normalize import MODES, normalize
-from extproc.pick.choose import REASONS
-from extproc.pick.picker import PickCore
-from extproc.settings import RouteSettings
-
 from test_core import SAMPLING
+
+from extproc import cli
+from extproc.core.decide import Decision, decide
+from extproc.core.normalize import MODES, normalize
+from extproc.core.settings import RouteSettings
+from extproc.pick.choose import REASONS
+from extproc.pick.core import PickCore
+from routerlab import fuzz
 
 FAST = settings(max_examples=300, deadline=None)
 

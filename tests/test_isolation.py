@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import EnvoyFactory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends import BackendFleet
-from conftest import EnvoyFactory
-from support import send, start_router
+from extproc.core.decide import decide
+from extproc.core.isolation import salted_body, tenant_salt
+from extproc.core.settings import RouteSettings
+from routerlab.harness import envoy_config
+from routerlab.harness.procs import Process, python_module
 
-from extproc import envoy_config
-from extproc.decide import decide
-from extproc.isolation import salted_body, tenant_salt
-from extproc.procs import Process, python_module
-from extproc.settings import RouteSettings
+from backends import BackendFleet
+from support import send, start_router
 
 SECRET = b"0123456789abcdef-test-secret"
 ISOLATED = RouteSettings(tenant_isolation=True)

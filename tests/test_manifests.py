@@ -30,9 +30,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc import envoy_config, envoy_proc, settings
 from extproc.cli import build_parser
-from extproc.procs import venv_tool
+from extproc.core import settings
+from routerlab.harness import envoy_config, envoy_proc
+from routerlab.harness.procs import venv_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -9,20 +9,22 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
-from extproc.decide import decide
+from extproc.core.decide import decide
+from extproc.core.settings import RouteSettings, ServerSettings, SettingError, server_settings
 from extproc.pick import choose as choose_mod
 from extproc.pick.choose import choose, cost, rendezvous
 from extproc.pick.chunks import chunk_hashes
+from extproc.pick.core import PickCore
 from extproc.pick.endpoints import EndpointWatcher, parse_endpoint_lines
 from extproc.pick.index import BYTES_PER_ENTRY, LearnedIndex
 from extproc.pick.load import LoadTracker, Sample
-from extproc.pick.picker import PickCore
 from extproc.pick.scrape import parse_metrics
 from extproc.pick.state import ReplicaState, Snapshot
-from extproc.procs import python_module
-from extproc.settings import RouteSettings, ServerSettings, SettingError, server_settings
+from routerlab.harness.procs import python_module
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
@@ -201,8 +203,8 @@ def test_queued_prefill_drains_at_the_prefill_rate_and_never_outlives_its_reques
 
 
 def test_parse_metrics_reads_the_simulators_real_page() -> None:
-    from extproc.sim.metrics import ReplicaMetrics
-    from extproc.sim.profiles import get_profile
+    from routerlab.sim.metrics import ReplicaMetrics
+    from routerlab.sim.profiles import get_profile
 
     profile = get_profile("llama-3.1-70b-h100-tp8")
     m = ReplicaMetrics("m", profile)

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import EnvoyFactory
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from backends import BackendFleet
-from conftest import EnvoyFactory
-from support import send, start_router
+from routerlab.harness import envoy_config
+from routerlab.harness.procs import python_module, wait_until
 
-from extproc import envoy_config
-from extproc.procs import python_module, wait_until
+from backends import BackendFleet
+from support import send, start_router
 
 SYSTEM = "You are the on-call assistant of the ACME platform team; answer with runbook steps. " * 200  # 17 KB
 
@@ -89,7 +89,7 @@ def pick_envoy(make_envoy: EnvoyFactory, backends: BackendFleet, router: PickRou
 
 
 def test_pick_yaml_validates() -> None:
-    from extproc.envoy_proc import validate
+    from routerlab.harness.envoy_proc import validate
 
     ok, out = validate(envoy_config.ENVOY_DIR / "pick.yaml")
     assert ok, out
@@ -225,7 +225,7 @@ def test_a_client_sent_pick_never_chooses_the_host_router_up_or_down(
 
 
 def test_a_dead_replica_is_avoided_within_one_scrape(backends: BackendFleet, tmp_path: Path) -> None:
-    from extproc.procs import free_ports
+    from routerlab.harness.procs import free_ports
 
     dead = free_ports(1)[0]  # nothing listens here
     path = tmp_path / "endpoints"

@@ -1,4 +1,4 @@
-"""CI-sized tests for extproc.realvllm: no vLLM, no torch.
+"""CI-sized tests for routerlab.realvllm: no vLLM, no torch.
 
 Real vLLM (3 GB) is not run here; docs/fidelity.md has the result of the real comparison.
 What runs: the token-id trace and its reference prefix-cache model, the Prometheus parser,
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from extproc.procs import free_port_run
-from extproc.realvllm import promtext
-from extproc.realvllm.fidelity import Row, SimProcess, format_row, markdown_table, summarize
-from extproc.realvllm.launcher import VllmFleet, VllmStartError, _port_free
-from extproc.realvllm.trace import ReferenceCache, build_trace
+from routerlab.harness.procs import free_port_run
+from routerlab.realvllm import promtext
+from routerlab.realvllm.fidelity import Row, SimProcess, format_row, markdown_table, summarize
+from routerlab.realvllm.launcher import VllmFleet, VllmStartError, _port_free
+from routerlab.realvllm.trace import ReferenceCache, build_trace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -286,8 +286,8 @@ def test_launcher_reports_a_crashed_server(fake_vllm):
 
 # --------------------------------------------------------------------------- misc
 def test_tiny_model_module_imports_without_torch():
-    code = ("import sys, extproc.realvllm.tiny_model as t, extproc.realvllm.fidelity, "
-            "extproc.realvllm.launcher; "
+    code = ("import sys, routerlab.realvllm.tiny_model as t, routerlab.realvllm.fidelity, "
+            "routerlab.realvllm.launcher; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
             "c = t.generate_corpus(3, 50); assert c == t.generate_corpus(3, 50) != t.generate_corpus(4, 50); "
             "import tempfile; assert not t.is_complete(tempfile.mkdtemp()); print('ok')")

@@ -19,12 +19,15 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import send, start_router
 
-from extproc import envoy_config, envoy_proc, metrics, server
-from extproc.procs import wait_until
-from extproc.decide import decide
-from extproc.settings import RouteSettings, SettingError, route_settings, with_metadata
+from extproc import metrics
+from extproc.adapters import ext_proc
+from extproc.core.decide import decide
+from extproc.core.settings import RouteSettings, SettingError, route_settings, with_metadata
+from routerlab.harness import envoy_config, envoy_proc
+from routerlab.harness.procs import wait_until
+
+from support import send, start_router
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
 
@@ -90,7 +93,7 @@ def test_metadata_overrides_per_stream_and_bad_values_are_ignored(channel: grpc.
 
 
 def test_pick_mode_asked_of_a_router_without_endpoints_falls_back_to_hash_once_counted() -> None:
-    router = server.PrefixRouter(RouteSettings())
+    router = ext_proc.PrefixRouter(RouteSettings())
     before = metrics.METADATA_ERRORS._value.get()
     for _ in range(3):  # the same route's streams: counted once
         assert router.settings_for([("x-prefix-router-mode", "pick")]).mode == "hash"
@@ -106,11 +109,11 @@ class _NoMetadata:
 def test_a_pick_stream_closed_at_any_point_releases_the_replica(close_after: int) -> None:
     """Envoy may end the stream (a fast response) before the router resumes after its pick
     reply; the generator is then closed at that yield, and the pick must still be released."""
-    from extproc.pick.picker import PickCore
+    from extproc.pick.core import PickCore
 
     core = PickCore(chunk_bytes=64)
     core.set_endpoints(["127.0.0.1:9001", "127.0.0.1:9002"])
-    router = server.PrefixRouter(RouteSettings(mode="pick"), picker=core)
+    router = ext_proc.PrefixRouter(RouteSettings(mode="pick"), picker=core)
 
     async def requests() -> AsyncIterator[pb.ProcessingRequest]:
         yield body_msg(BODY)
@@ -119,7 +122,7 @@ def test_a_pick_stream_closed_at_any_point_releases_the_replica(close_after: int
     async def run() -> list[int]:
         stream = router.Process(requests(), _NoMetadata())
         reply = await stream.__anext__()
-        picked = reply.dynamic_metadata.fields[server.LB_NAMESPACE].struct_value.fields[server.DESTINATION_ENDPOINT]
+        picked = reply.dynamic_metadata.fields[ext_proc.LB_NAMESPACE].struct_value.fields[ext_proc.DESTINATION_ENDPOINT]
         held = [core.load.own(picked.string_value)]
         if close_after == 2:
             pending = asyncio.ensure_future(stream.__anext__())
@@ -177,12 +180,12 @@ def test_an_exception_in_the_router_passes_the_request_on(monkeypatch: pytest.Mo
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(server, "decide", broken)
+    monkeypatch.setattr(ext_proc, "decide", broken)
     before = metrics.ERRORS.labels("decide")._value.get()
 
     async def run() -> list[pb.ProcessingResponse]:
         srv = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(server.PrefixRouter(RouteSettings()), srv)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ext_proc.PrefixRouter(RouteSettings()), srv)
         port = srv.add_insecure_port("127.0.0.1:0")
         await srv.start()
         try:
@@ -277,7 +280,7 @@ def test_every_envoy_file_validates(name: str) -> None:
 
 
 def test_explain_compares_two_bodies(tmp_path) -> None:
-    from extproc.explain import compare
+    from extproc.process.explain import compare
 
     system = "You answer questions about ACME. " * 10
     a = json.dumps({"model": "m", "temperature": 1, "messages": [{"role": "system", "content": system},

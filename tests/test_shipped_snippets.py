@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from extproc import envoy_config
+from routerlab.harness import envoy_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from extproc.sim import chat_template, tokenizer
-from extproc.sim.kv_cache import KVCache, block_hashes, extra_keys, root_hash
-from extproc.sim.profiles import PROFILES, get_profile
-from extproc.sim.scheduler import Scheduler, Sequence
+from routerlab.sim import chat_template, tokenizer
+from routerlab.sim.kv_cache import KVCache, block_hashes, extra_keys, root_hash
+from routerlab.sim.profiles import PROFILES, get_profile
+from routerlab.sim.scheduler import Scheduler, Sequence
 
 _ids = itertools.count()
 

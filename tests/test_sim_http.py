@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.sim import tokenizer
-from extproc.procs import free_port_run
-from extproc.sim.fleet import FleetThread, SimConfig
+from routerlab.harness.procs import free_port_run
+from routerlab.sim import tokenizer
+from routerlab.sim.fleet import FleetThread, SimConfig
 
 MODEL = "sim-tiny"
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,9 +7,9 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.sim.kv_cache import KVCache, block_hashes, extra_keys, root_hash
-from extproc.sim.profiles import get_profile
-from extproc.sim.scheduler import Scheduler, Sequence
+from routerlab.sim.kv_cache import KVCache, block_hashes, extra_keys, root_hash
+from routerlab.sim.profiles import get_profile
+from routerlab.sim.scheduler import Scheduler, Sequence
 
 _ids = itertools.count()
 

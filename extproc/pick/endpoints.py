@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 
-from extproc.settings import ServerSettings, SettingError, host_address, parse_value
+from extproc.core.settings import ServerSettings, SettingError, host_address, parse_value
 
 log = logging.getLogger("extproc.pick.endpoints")
 

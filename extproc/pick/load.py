@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from extproc.pick.state import ReplicaState, Snapshot
 
-
 DOWN_AFTER_TIMEOUTS = 3
 
 

@@ -1,150 +1,15 @@
-"""Pick mode as one object: endpoints, load and the learned index around the pure choice.
+"""Pick mode as one object: the request path (``PickCore``) plus what gathers its state.
 
-The gRPC adapter calls ``pick`` with the hash-mode decision (the normalised prompt and
-its key) and ``release`` when the request's ext_proc stream ends. Everything that gathers
-state runs in the background tasks ``start`` launches; ``pick`` itself does no I/O.
+Endpoint discovery and metric scraping run as background tasks that ``start`` launches;
+the request path itself does no I/O.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
-
-from extproc import metrics
-from extproc.decide import Decision
-from extproc.pick.choose import REASONS, Choice, choose, prefill_tokens
-from extproc.pick.chunks import chunk_hashes
+from extproc.core.settings import ServerSettings
+from extproc.pick.core import PickCore
 from extproc.pick.endpoints import EndpointWatcher
-from extproc.pick.index import LearnedIndex, PrefixIndex
-from extproc.pick.load import LoadTracker, Sample
 from extproc.pick.scrape import Scraper
-from extproc.pick.state import ReplicaState
-from extproc.settings import RouteSettings, ServerSettings
-
-# A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
-# hashing would cost more than any cache it could find is worth.
-MAX_REQUEST_CHUNKS: Final = 4096
-LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage")
-_PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in REASONS}  # every series from 0
-
-
-class PickCore:
-    """The index + load view + choice, without background tasks (``explain`` uses it alone)."""
-
-    def __init__(self, chunk_bytes: int = 512, bytes_per_token: float = 4.0, kv_capacity_tokens: int = 0,
-                 index_max_chunks: int = 2_000_000, prefill_tokens_per_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.bytes_per_token = bytes_per_token
-        self.chunk_tokens = chunk_bytes / bytes_per_token
-        self.kv_capacity_tokens = kv_capacity_tokens
-        self.index: PrefixIndex = LearnedIndex(index_max_chunks, self.chunks_for(kv_capacity_tokens))
-        self.load = LoadTracker(prefill_tokens_per_s)
-        self.clock = clock
-
-    def chunks_for(self, tokens: int) -> int:
-        return int(tokens // self.chunk_tokens) if tokens else 0
-
-    def tokens(self, nbytes: int) -> int:
-        return math.ceil(nbytes / self.bytes_per_token)
-
-    # --- state updates -----------------------------------------------------------------
-    def set_endpoints(self, addresses: Sequence[str]) -> None:
-        _, removed = self.load.set_addresses(addresses)
-        for address in removed:
-            self.index.remove(address)
-            for kind in LOAD_KINDS:
-                _forget_series(metrics.REPLICA_LOAD, address, kind)
-            _forget_series(metrics.REPLICA_UP, address)
-        metrics.ENDPOINTS.set(len(self.load.addresses()))
-
-    def on_sample(self, address: str, sample: Sample | None) -> None:
-        metrics.REPLICA_UP.labels(address).set(0 if sample is None else 1)
-        if sample is not None and sample.capacity_tokens and not self.kv_capacity_tokens:
-            self.index.set_capacity(address, self.chunks_for(sample.capacity_tokens))
-
-    # --- the request path --------------------------------------------------------------
-    def evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int]]:
-        """The choice for a request, without recording it (``explain`` stops here)."""
-        chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
-        held = self.index.match(chunks) if chunks else {}
-        cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
-        choice = choose(decision.key, self.tokens(len(decision.normalized)), cached,
-                        self.load.snapshot(self.clock()), settings)
-        return choice, chunks
-
-    def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
-        choice, chunks = self.evaluate(decision, settings)
-        _PICKS[choice.reason].inc()
-        if choice.address is not None:
-            if chunks:
-                self.index.record(choice.address, chunks)
-            self.load.assign(choice.address, _prefill(choice), self.clock())
-        return choice
-
-    def release(self, choice: Choice) -> None:
-        """The picked request ended (Envoy closed its stream)."""
-        if choice.address is not None:
-            self.load.release(choice.address, _prefill(choice))
-
-    # --- observation -------------------------------------------------------------------
-    def publish_metrics(self) -> None:
-        """Index and per-replica load gauges, set when /metrics is read (not on every scrape)."""
-        stats = self.index.stats()
-        metrics.INDEX_ENTRIES.set(stats.entries)
-        metrics.INDEX_BYTES.set(stats.bytes)
-        for r in self.load.snapshot().replicas:
-            values = (r.in_flight, self.load.own(r.address), r.running, r.waiting, r.kv_usage)
-            for kind, value in zip(LOAD_KINDS, values):
-                metrics.REPLICA_LOAD.labels(r.address, kind).set(value)
-
-    def state(self) -> dict[str, Any]:
-        """Everything the choice reads, as JSON (``/debug/state``, ``explain --state``)."""
-        stats = self.index.stats()
-        return {
-            "chunk_bytes": self.chunk_bytes,
-            "bytes_per_token": self.bytes_per_token,
-            "index": {"entries": stats.entries, "chunks": stats.chunks, "bytes": stats.bytes},
-            "replicas": [
-                {"address": r.address, "healthy": r.healthy, "in_flight": r.in_flight,
-                 "own_in_flight": self.load.own(r.address), "running": r.running,
-                 "waiting": r.waiting, "kv_usage": r.kv_usage, "capacity_tokens": r.capacity_tokens,
-                 "backlog_tokens": r.backlog_tokens,
-                 "index_capacity_chunks": self.index.capacity(r.address),
-                 "chunks": [f"{h:016x}" for h in self.index.holds(r.address)]}
-                for r in self.load.snapshot(self.clock()).replicas
-            ],
-        }
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> "PickCore":
-        """A core that sees what a saved ``state()`` saw (loads frozen as they were)."""
-        core = cls(int(state.get("chunk_bytes", 512)), float(state.get("bytes_per_token", 4.0)))
-        replicas = state.get("replicas", [])
-        core.load.set_addresses([r["address"] for r in replicas])
-        for r in replicas:
-            core.index.set_capacity(r["address"], int(r.get("index_capacity_chunks", 0)))  # 0: unknown
-            core.load.restore(ReplicaState(
-                r["address"], bool(r.get("healthy", True)), int(r.get("in_flight", 0)),
-                kv_usage=float(r.get("kv_usage", 0)), capacity_tokens=int(r.get("capacity_tokens", 0)),
-                backlog_tokens=int(r.get("backlog_tokens", 0))))
-        core.index.load({r["address"]: [int(h, 16) for h in r.get("chunks", [])] for r in replicas})
-        return core
-
-
-def _prefill(choice: Choice) -> int:
-    """Prefill tokens the chosen replica computes for this request (its cost's first term)."""
-    held = next((c.cached_tokens for c in choice.candidates if c.address == choice.address), 0)
-    return prefill_tokens(choice.prompt_tokens, held)
-
-
-def _forget_series(gauge: Any, *labels: str) -> None:
-    try:
-        gauge.remove(*labels)
-    except KeyError:
-        pass
 
 
 class Picker(PickCore):

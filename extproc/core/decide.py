@@ -1,0 +1,119 @@
+"""The routing core: body bytes + headers + settings in, a prefix-key decision out.
+
+Pure and synchronous (no I/O, no clocks), so the gRPC adapter, ``explain`` and the
+tests all share it and it is testable in microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import orjson
+import xxhash
+
+from extproc.core import isolation
+from extproc.core.normalize import CONTENT_ENCODED, Normalized, normalize, normalize_document
+from extproc.core.settings import RouteSettings
+from extproc.core.tenant import BODY_FIELD_BYTES, body_tenant, header_tenant, tenant_problem
+
+TENANT_SEPARATOR: Final = b"\x00"
+CONTENT_ENCODING: Final = "content-encoding"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the router decided for one request, and enough to explain why."""
+
+    key: str | None  # None: no key, Envoy picks a host at random
+    tenant: str | None
+    tenant_source: str | None  # header name, "body", or None
+    normalize: str  # the mode actually used, after any fallback
+    fallback: str | None  # why the requested mode was not used, or None
+    prefix_bytes: int  # how many bytes of the normalised form were hashed
+    normalized_bytes: int  # length of the whole normalised form
+    preview: bytes  # the start of the hashed bytes, for `explain`
+    normalized: bytes = field(default=b"", repr=False)  # the whole normalised form (pick mode chunks it)
+    tenant_rejected: str | None = None  # why a sent tenant id was refused (too_long, bad_chars), or None
+    body: bytes | None = field(default=None, repr=False)  # tenant isolation: the body to send instead
+    isolation: str | None = None  # tenant isolation's outcome (extproc.core.isolation), None when off
+
+
+def prefix_key(tenant: str | None, prefix: bytes) -> str:
+    """xxh3-64 hex over tenant, a separator, and the prefix bytes."""
+    h = xxhash.xxh3_64()
+    if tenant:
+        h.update(tenant.encode("utf-8", "surrogatepass"))
+    h.update(TENANT_SEPARATOR)
+    h.update(prefix)
+    return h.hexdigest()
+
+
+def _parsed_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _isolate(body: bytes, norm: Normalized, doc: dict[str, Any] | None, mode: str, tenant: str | None,
+             secret: bytes, complete: bool) -> tuple[Normalized, bytes | None, str]:
+    """The salted body, its normal form (so keys and pick mode's index see the salt too), the outcome."""
+    if norm.fallback == CONTENT_ENCODED:
+        return norm, None, isolation.ENCODED
+    client = doc.get(isolation.SALT_FIELD) if doc else None
+    salt = isolation.tenant_salt(secret, tenant, client if isinstance(client, str) else None)
+    salted = isolation.salted_body(body, doc, salt, complete)
+    if salted is None:
+        return norm, None, isolation.NOT_OBJECT
+    if not complete:
+        return Normalized(salted, "raw", norm.fallback, None), salted, isolation.SALTED_PARTIAL
+    assert doc is not None
+    if norm.mode == "raw":
+        return Normalized(salted, "raw", norm.fallback, doc), salted, isolation.SALTED
+    return normalize_document({**doc, isolation.SALT_FIELD: salt}, mode, salted), salted, isolation.SALTED
+
+
+def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, preview_bytes: int = 160,
+           complete: bool = True, secret: bytes | None = None) -> Decision:
+    """Compute the prefix key of one request. Never raises for any body or headers.
+
+    ``complete=False`` when ``body`` is only the start of the request body. With
+    ``settings.tenant_isolation`` and a ``secret``, the decision also carries the body with
+    the tenant's cache_salt (extproc.core.isolation), and the key is computed over that body.
+    """
+    norm = normalize(body, settings.normalize, complete, headers.get(CONTENT_ENCODING, ""))
+    doc = norm.document
+    if doc is None and complete and norm.mode == "raw" and norm.fallback is None and (
+            settings.tenant_isolation or BODY_FIELD_BYTES in body):
+        doc = _parsed_object(body)  # raw mode hashes the bytes but still reads the tenant (and salt) fields
+    tenant, source = header_tenant(headers, settings)
+    if tenant is None:
+        tenant = body_tenant(doc)
+        source = "body" if tenant else None
+    rejected = tenant_problem(tenant) if tenant else None
+    if rejected:
+        tenant = source = None
+    salted, outcome = None, None
+    if settings.tenant_isolation and secret is not None and body:
+        trusted = tenant if source in settings.tenant_headers else None  # never a body field
+        norm, salted, outcome = _isolate(body, norm, doc, settings.normalize, trusted, secret, complete)
+    if not norm.data:
+        return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected)
+    prefix = norm.data[: settings.prefix_length]
+    return Decision(
+        key=prefix_key(tenant, prefix),
+        tenant=tenant,
+        tenant_source=source,
+        normalize=norm.mode,
+        fallback=norm.fallback,
+        prefix_bytes=len(prefix),
+        normalized_bytes=len(norm.data),
+        preview=prefix[:preview_bytes],
+        normalized=norm.data,
+        tenant_rejected=rejected,
+        body=salted,
+        isolation=outcome,
+    )

@@ -1,0 +1,308 @@
+"""One source of truth for settings: defaults, flags, env vars and per-stream metadata.
+
+Every setting has one spec (parser + allowed values). The same spec checks a CLI flag
+(``--prefix-length``), an environment variable (``PREFIX_ROUTER_PREFIX_LENGTH``) and, for
+routing settings, the gRPC metadata key envoy.yaml sets per listener or per route
+(``x-prefix-router-prefix-length``). Start-up errors are fatal and name the setting;
+metadata errors are reported to the caller, which logs them and keeps the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from extproc.core.isolation import MIN_SECRET_BYTES
+from extproc.core.normalize import MODES
+
+ROUTING_MODES: Final = ("hash", "pick")
+ENDPOINT_SOURCES: Final = ("endpoints", "endpoints_file", "endpoints_dns")  # ServerSettings fields; one at most
+
+ENV_PREFIX: Final = "PREFIX_ROUTER_"
+TENANT_SECRET_ENV: Final = "PREFIX_ROUTER_TENANT_SECRET"
+METADATA_PREFIX: Final = "x-prefix-router-"
+DEFAULT_TENANT_HEADERS: Final = ("x-prefix-aware-id", "x-amzn-sagemaker-prefix-aware-id")
+PREFIX_LENGTH_RANGE: Final = (64, 65536)
+_HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+class SettingError(ValueError):
+    """A setting value outside what is allowed; the message names the setting."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSettings:
+    """What decides a request's key; overridable per stream by envoy.yaml metadata."""
+
+    prefix_length: int = 4096
+    normalize: str = "prompt"
+    key_header: str = "x-prefix-key"
+    tenant_headers: tuple[str, ...] = DEFAULT_TENANT_HEADERS
+    mode: str = "hash"  # hash: Envoy hashes the key; pick: the router names the replica
+    pick_header: str = "x-prefix-pick"  # pick mode: base64(ip:port) for Envoy's stateful_session
+    concurrency_threshold: int = 0  # pick mode: SageMaker's per-replica cap on requests in flight; 0 = none
+    load_tokens: int = 512  # pick mode: prefill tokens one request in flight is worth in the cost
+    backlog_weight: float = 0.5  # pick mode: weight of the prefill already queued on a replica
+    tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
+    tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Process-wide settings of ``prefix-router serve``."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9464
+    drain_seconds: float = 10.0
+    log_level: str = "INFO"
+    metadata_namespace: str = "prefix_router"
+    # Pick mode: where the replicas are (the same ip:port hosts as Envoy's cluster) and how
+    # the router learns their state. Exactly one endpoint source may be set.
+    endpoints: tuple[str, ...] = ()
+    endpoints_file: str = ""
+    endpoints_dns: str = ""  # name:port, e.g. a Kubernetes headless service
+    dns_interval: float = 5.0
+    scrape_interval: float = 1.0
+    chunk_bytes: int = 512  # the learned index cuts the normalised prompt into chunks of this size
+    bytes_per_token: float = 4.0  # normalised prompt bytes per model token, to size chunks in tokens
+    kv_capacity_tokens: int = 0  # per replica; 0 = read vllm:cache_config_info (num_gpu_blocks x block_size)
+    prefill_tokens_per_s: float = 20000.0  # per replica, drains the queued-prefill estimate; 0 = no estimate
+    index_max_chunks: int = 2_000_000  # memory bound of the learned index over all replicas
+    # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
+    # command lines are visible to every local user).
+    tenant_secret_file: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    parse: Callable[[str], Any]
+    allowed: str
+
+
+def _number_in(kind: Callable[[str], Any], lo: float, hi: float) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        value = kind(raw.strip())
+        if not lo <= value <= hi:
+            raise ValueError
+        return value
+    return parse
+
+
+_SWITCH: Final = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def _switch(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in _SWITCH:
+        raise ValueError
+    return _SWITCH[value]
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError
+        return value
+    return parse
+
+
+def _header_name(raw: str) -> str:
+    value = raw.strip().lower()
+    if not _HEADER_NAME.match(value):
+        raise ValueError
+    return value
+
+
+def _header_list(raw: str) -> tuple[str, ...]:
+    names = tuple(_header_name(part) for part in raw.split(",") if part.strip())
+    if not names:
+        raise ValueError
+    return names
+
+
+def _host_and_port(raw: str) -> tuple[str, int]:
+    host, sep, port = raw.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError
+    return host, int(port)
+
+
+def host_address(ip: str, port: int) -> str:
+    """``ip:port`` (IPv6 as ``[ip]:port``), the way Envoy names a cluster host."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _address(raw: str) -> str:
+    host, port = _host_and_port(raw)
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ValueError from None
+    return host_address(str(ip), port)
+
+
+def _address_list(raw: str) -> tuple[str, ...]:
+    return tuple(_address(part) for part in raw.replace("\n", ",").split(",") if part.strip())
+
+
+def _dns_target(raw: str) -> str:
+    host, port = _host_and_port(raw)
+    if " " in host:
+        raise ValueError
+    return f"{host}:{port}"
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    return lambda raw: parse(raw) if raw.strip() else ""
+
+
+def _non_empty(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError
+    return raw.strip()
+
+
+SPECS: Final[dict[str, _Spec]] = {
+    "prefix_length": _Spec(_number_in(int, *PREFIX_LENGTH_RANGE), "an integer in 64..65536 (bytes)"),
+    "normalize": _Spec(_choice(*MODES), "one of " + ", ".join(MODES)),
+    "key_header": _Spec(_header_name, "a lower-case HTTP header name"),
+    "tenant_headers": _Spec(_header_list, "a comma-separated list of HTTP header names"),
+    "host": _Spec(_non_empty, "an address to bind, e.g. 127.0.0.1"),
+    "port": _Spec(_number_in(int, 0, 65535), "a TCP port in 0..65535"),
+    "metrics_port": _Spec(_number_in(int, 0, 65535), "a TCP port in 0..65535 (0 disables metrics)"),
+    "drain_seconds": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),
+    "log_level": _Spec(_choice("debug", "info", "warning", "error"), "one of debug, info, warning, error"),
+    "metadata_namespace": _Spec(_non_empty, "a non-empty dynamic metadata namespace"),
+    "mode": _Spec(_choice(*ROUTING_MODES), "one of " + ", ".join(ROUTING_MODES)),
+    "pick_header": _Spec(_header_name, "a lower-case HTTP header name"),
+    "concurrency_threshold": _Spec(_number_in(int, 0, 1024), "an integer in 1..1024 (requests in flight), or 0 for none"),
+    "load_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens per request in flight)"),
+    "backlog_weight": _Spec(_number_in(float, 0.0, 4.0), "a number in 0..4"),
+    "tie_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),
+    "endpoints": _Spec(_address_list, "a comma-separated list of ip:port"),
+    "endpoints_file": _Spec(_optional(str.strip), "a file path"),
+    "endpoints_dns": _Spec(_optional(_dns_target), "name:port"),
+    "dns_interval": _Spec(_number_in(float, 0.1, 3600.0), "seconds in 0.1..3600"),
+    "scrape_interval": _Spec(_number_in(float, 0.05, 60.0), "seconds in 0.05..60"),
+    "chunk_bytes": _Spec(_number_in(int, 16, 65536), "an integer in 16..65536 (bytes)"),
+    "bytes_per_token": _Spec(_number_in(float, 0.5, 64.0), "a number in 0.5..64"),
+    "kv_capacity_tokens": _Spec(_number_in(int, 0, 10**10), "tokens per replica (0: read from vLLM's metrics)"),
+    "prefill_tokens_per_s": _Spec(_number_in(float, 0.0, 1e9), "tokens per second, 0 or more (0: no backlog estimate)"),
+    "index_max_chunks": _Spec(_number_in(int, 1, 10**9), "an integer in 1..1000000000"),
+    "tenant_isolation": _Spec(_switch, "on or off"),
+    "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
+}
+ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))
+SERVER_FIELDS: Final = tuple(f.name for f in dataclasses.fields(ServerSettings))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def metadata_key(name: str) -> str:
+    return METADATA_PREFIX + name.replace("_", "-")
+
+
+def parse_value(name: str, raw: str, source: str) -> Any:
+    """Parse one setting or raise SettingError naming ``source`` and the allowed values."""
+    try:
+        return SPECS[name].parse(raw)
+    except (ValueError, TypeError):
+        raise SettingError(f"invalid {source} {raw!r}: must be {SPECS[name].allowed}") from None
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """Flags for ``names``, kept as raw strings (default None) so env vars can fill gaps."""
+    for name in names:
+        default = getattr(RouteSettings(), name, None) if name in ROUTE_FIELDS else getattr(ServerSettings(), name)
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        parser.add_argument(
+            flag(name), dest=name, default=None, metavar=name.upper(),
+            help=f"{SPECS[name].allowed} (default {shown}; env {env_var(name)})",
+        )
+
+
+def _resolve(cls: type, args: argparse.Namespace | None, env: Mapping[str, str]) -> Any:
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        raw = getattr(args, field.name, None) if args is not None else None
+        if raw is not None:
+            values[field.name] = parse_value(field.name, str(raw), flag(field.name))
+        elif env_var(field.name) in env:
+            values[field.name] = parse_value(field.name, env[env_var(field.name)], env_var(field.name))
+    return cls(**values)
+
+
+def route_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> RouteSettings:
+    """Flags win over env vars, which win over defaults. Raises SettingError."""
+    return _resolve(RouteSettings, args, env)
+
+
+def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> ServerSettings:
+    """Like route_settings; also refuses more than one pick-mode endpoint source."""
+    cfg: ServerSettings = _resolve(ServerSettings, args, env)
+    sources = [flag(n) for n in ENDPOINT_SOURCES if getattr(cfg, n)]
+    if len(sources) > 1:
+        raise SettingError(f"{' and '.join(sources)} both set: give pick mode one endpoint source")
+    return cfg
+
+
+def tenant_secret(cfg: ServerSettings, route: RouteSettings, env: Mapping[str, str]) -> bytes | None:
+    """Tenant isolation's secret (``--tenant-secret-file``, else $PREFIX_ROUTER_TENANT_SECRET), or None.
+
+    Raises SettingError if the file cannot be read, the secret is under 16 bytes, or
+    ``--tenant-isolation on`` has no secret at all.
+    """
+    if cfg.tenant_secret_file:
+        try:
+            with open(cfg.tenant_secret_file, "rb") as f:
+                secret: bytes | None = f.read().strip()
+        except OSError as exc:
+            raise SettingError(f"{flag('tenant_secret_file')} {cfg.tenant_secret_file!r}: {exc.strerror}") from None
+        source = flag("tenant_secret_file")
+    else:
+        secret = env[TENANT_SECRET_ENV].strip().encode() if env.get(TENANT_SECRET_ENV, "").strip() else None
+        source = TENANT_SECRET_ENV
+    if secret is not None and len(secret) < MIN_SECRET_BYTES:
+        raise SettingError(f"{source}: the tenant secret must be at least {MIN_SECRET_BYTES} bytes")
+    if secret is None and route.tenant_isolation:
+        raise SettingError(f"{flag('tenant_isolation')} on needs a secret: {flag('tenant_secret_file')} "
+                           f"or {TENANT_SECRET_ENV}")
+    return secret
+
+
+def has_endpoints(cfg: ServerSettings) -> bool:
+    return any(getattr(cfg, n) for n in ENDPOINT_SOURCES)
+
+
+_METADATA_FIELDS: Final = {metadata_key(name): name for name in ROUTE_FIELDS}
+
+
+def with_metadata(
+    base: RouteSettings, metadata: Iterable[tuple[str, str | bytes]]
+) -> tuple[RouteSettings, list[str]]:
+    """Apply ``x-prefix-router-*`` gRPC metadata; bad values are skipped and reported."""
+    changes: dict[str, Any] = {}
+    errors: list[str] = []
+    for key, raw in metadata:
+        name = _METADATA_FIELDS.get(key.lower())
+        if name is None:
+            continue
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        try:
+            changes[name] = parse_value(name, text, f"metadata {key}")
+        except SettingError as exc:
+            errors.append(str(exc))
+    return (dataclasses.replace(base, **changes) if changes else base), errors

@@ -1,0 +1,141 @@
+"""`prefix-router serve`: run the ext_proc (and ext_authz) server, gRPC health, and Prometheus metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import grpc
+import orjson
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from extproc import metrics
+from extproc.adapters import ext_authz
+from extproc.adapters.ext_proc import PrefixRouter
+from extproc.core.settings import (
+    ROUTE_FIELDS,
+    SERVER_FIELDS,
+    RouteSettings,
+    ServerSettings,
+    SettingError,
+    add_flags,
+    has_endpoints,
+    route_settings,
+    server_settings,
+    tenant_secret,
+)
+from extproc.pick.picker import Picker
+from extproc.process import event_loop
+from extproc.process.health import SERVICE
+from extproc.process.signals import stop_on_signals
+
+log = logging.getLogger("extproc.process.serve")
+
+# Envoy sends a BUFFERED body as one gRPC message; gRPC's default 4 MiB limit would reject
+# long-context bodies below the listener's buffer limit (8 MiB in envoy.yaml), and those
+# requests would go on unkeyed. 64 MiB is above any sane buffer limit.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# One process per port (no SO_REUSEPORT: a second copy on the same port must fail to bind).
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, SERVER_FIELDS)
+    add_flags(parser, ROUTE_FIELDS)
+
+
+async def start_http(server_cfg: ServerSettings, picker: Picker | None) -> web.AppRunner:
+    """Prometheus metrics on /metrics and, in pick mode, what the choice sees on /debug/state."""
+    async def metrics_page(_: web.Request) -> web.Response:
+        if picker is not None:
+            picker.publish_metrics()
+        return web.Response(body=generate_latest(metrics.REGISTRY), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def state_page(_: web.Request) -> web.Response:
+        if picker is None:
+            return web.Response(status=404, text="pick mode is not configured (no endpoints)\n")
+        return web.Response(body=orjson.dumps(picker.state()), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/debug/state", state_page)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, server_cfg.host, server_cfg.metrics_port).start()
+    return runner
+
+
+async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyncio.Event | None = None,
+                secret: bytes | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or ``stop``), then drain open streams and return."""
+    picker = Picker(server_cfg) if has_endpoints(server_cfg) else None
+    if picker is not None:
+        await picker.start()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    router = PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker, secret)
+    metrics.STREAMS_ACTIVE.set_function(lambda: router.open_streams)
+    pb_grpc.add_ExternalProcessorServicer_to_server(router, server)
+    ext_authz.add_to_server(router, server)  # the same decisions for the ext_authz shape (envoy-fast.yaml)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = f"{server_cfg.host}:{server_cfg.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the gRPC port {address}")
+    http = await start_http(server_cfg, picker) if server_cfg.metrics_port else None
+    await server.start()
+    for name in ("", SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "serving ext_proc and ext_authz on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
+        "tenant_isolation=%s%s",
+        server_cfg.host, port, server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
+        route_cfg.prefix_length, route_cfg.key_header,
+        "on" if route_cfg.tenant_isolation else ("per route" if secret else "off"),
+        f" endpoints={len(picker.load.addresses())}" if picker else "",
+    )
+    print(f"prefix-router ready on {server_cfg.host}:{port}", flush=True)
+    await stop_on_signals(stop).wait()
+    log.info("draining open streams for up to %.1f s", server_cfg.drain_seconds)
+    for name in ("", SERVICE):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=server_cfg.drain_seconds)
+    if picker is not None:
+        await picker.stop()
+    if http is not None:
+        await http.cleanup()
+    log.info("stopped")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        server_cfg = server_settings(args, os.environ)
+        route_cfg = route_settings(args, os.environ)
+        secret = tenant_secret(server_cfg, route_cfg, os.environ)
+    except SettingError as exc:
+        print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 2
+    if route_cfg.mode == "pick" and not has_endpoints(server_cfg):
+        print("prefix-router serve: --mode pick needs the replicas: set --endpoints, --endpoints-file or "
+              "--endpoints-dns", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        event_loop.run(serve(server_cfg, route_cfg, secret=secret))
+    except OSError as exc:
+        print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

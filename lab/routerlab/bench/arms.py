@@ -1,0 +1,287 @@
+"""The arms of the A/B: stock Envoy routing, our prefix routing, and peer routers.
+
+Every Envoy arm is built from envoy/envoy.yaml (the drop-in example users deploy), so the
+benchmark measures exactly what the README ships:
+
+* stock arms drop the ext_proc filter, the hash policy and the consistent-hashing config
+  and set ``lb_policy`` (ROUND_ROBIN, LEAST_REQUEST, RANDOM);
+* prefix arms keep them and choose MAGLEV (plain or bounded with ``hash_balance_factor``)
+  or RING_HASH; ``raw-bytes`` asks the router to key on raw body bytes (SageMaker's
+  native-API behaviour) through the listener's stream metadata;
+* ``prefix-pick`` runs envoy/pick.yaml with the router in pick mode, its endpoints in a
+  file (so a scenario can add and remove replicas mid-run).
+
+All arms add a response header naming the upstream replica, so the client can tell how a
+prefix group was spread. Peer routers front the same fleet without Envoy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import secrets
+import tempfile
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from extproc.core.settings import TENANT_SECRET_ENV, metadata_key
+from routerlab.harness import envoy_config
+from routerlab.harness.envoy_proc import Envoy
+from routerlab.harness.procs import Process, free_ports, port_open, python_module
+
+UPSTREAM_HEADER = "x-upstream-host"
+# Every benchmark router can salt tenants' caches when an arm asks (a fresh secret per run).
+ROUTER_ENV = {TENANT_SECRET_ENV: secrets.token_hex(16)}
+DEFAULT_BALANCE_FACTOR = 110  # as shipped in envoy/envoy.yaml
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    name: str
+    summary: str
+    lb_policy: str = "MAGLEV"
+    prefix: bool = False
+    normalize: str = "prompt"
+    bounded: bool = False
+    peer: str | None = None  # python module of a peer router
+    base: str = "envoy.yaml"  # the shipped config this arm starts from
+    pick: bool = False  # the router chooses the replica (pick mode)
+    routers: int = 1  # router processes behind the prefix_router cluster (Envoy spreads streams over them)
+    settings: tuple[tuple[str, str], ...] = ()  # router settings sent as stream metadata (before --router-setting)
+
+    @property
+    def available(self) -> bool:
+        return self.peer is None or importlib.util.find_spec(self.peer) is not None
+
+
+ARMS: dict[str, ArmSpec] = {a.name: a for a in (
+    ArmSpec("round-robin", "stock Envoy ROUND_ROBIN", "ROUND_ROBIN"),
+    ArmSpec("least-request", "stock Envoy LEAST_REQUEST (power of two choices)", "LEAST_REQUEST"),
+    ArmSpec("random", "stock Envoy RANDOM", "RANDOM"),
+    ArmSpec("prefix-maglev", "prefix key + Maglev (default settings)", "MAGLEV", prefix=True),
+    ArmSpec("prefix-ring", "prefix key + ring hash", "RING_HASH", prefix=True),
+    ArmSpec("prefix-bounded", "prefix key + Maglev with bounded load (hash_balance_factor)",
+            "MAGLEV", prefix=True, bounded=True),
+    ArmSpec("prefix-fast", "envoy-fast.yaml: one ext_authz Check per request, bounded Maglev",
+            "MAGLEV", prefix=True, bounded=True, base="envoy-fast.yaml"),
+    ArmSpec("prefix-pick", "pick.yaml: the router picks by cached prefix and load, Envoy gates health",
+            "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True),
+    ArmSpec("prefix-pick-2routers", "prefix-pick with two independent router processes (each learns from "
+            "half the picks; they share only what they scrape)", "MAGLEV", prefix=True, bounded=True,
+            base="pick.yaml", pick=True, routers=2),
+    ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
+            "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
+    ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",
+            "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True, settings=(("tenant_isolation", "on"),)),
+    ArmSpec("raw-bytes", "key over raw body bytes + Maglev (SageMaker native API)", "MAGLEV",
+            prefix=True, normalize="raw"),
+    ArmSpec("sglang-router", "SGLang model gateway, cache_aware policy (no Envoy)", peer="sglang_router"),
+    ArmSpec("vllm-router", "vllm-router, cache_aware policy (no Envoy)", peer="vllm_router"),
+)}
+
+
+def get(name: str) -> ArmSpec:
+    try:
+        return ARMS[name]
+    except KeyError:
+        raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARMS)}") from None
+
+
+def host_ports(urls: Sequence[str]) -> list[tuple[str, int]]:
+    """``http://host:port/`` -> (host, port), as Envoy's endpoints want them."""
+    out = []
+    for url in urls:
+        host, _, port = url.split("://", 1)[1].rstrip("/").rpartition(":")
+        out.append((host, int(port)))
+    return out
+
+
+def _strip_prefix_routing(cfg: envoy_config.Config) -> None:
+    envoy_config.drop_prefix_router(cfg)
+    for route in envoy_config.routes(cfg):
+        route.get("route", {}).pop("hash_policy", None)
+
+
+def envoy_config_for(
+    arm: ArmSpec,
+    backends: list[tuple[str, int]],
+    *,
+    listener_port: int,
+    admin_port: int,
+    extproc_port: int | None,
+    prefix_length: int = 4096,
+    balance_factor: int = DEFAULT_BALANCE_FACTOR,
+    router_settings: Mapping[str, str] | None = None,
+    health_interval: float | None = 0.5,
+) -> envoy_config.Config:
+    """The arm's shipped config localised to our ports and changed only where the arm differs.
+
+    Health checks run every ``health_interval`` seconds (fleet changes register fast), or as
+    shipped when None (the fault drill measures the shipped detection times).
+    """
+    cfg = envoy_config.localize(envoy_config.load(arm.base), listener_port=listener_port, admin_port=admin_port,
+                                backends=backends, extproc_port=extproc_port, health_interval=health_interval)
+    vllm = envoy_config.cluster(cfg, "vllm")
+    vllm["lb_policy"] = arm.lb_policy
+    common = vllm.setdefault("common_lb_config", {})
+    if arm.prefix:
+        envoy_config.set_stream_metadata(cfg, {
+            "x-prefix-router-prefix-length": str(prefix_length), "x-prefix-router-normalize": arm.normalize,
+            **({"x-prefix-router-mode": "pick"} if arm.pick else {}),
+            **{metadata_key(k): str(v) for k, v in (*arm.settings, *(router_settings or {}).items())}})
+        if arm.bounded:
+            common["consistent_hashing_lb_config"] = {"hash_balance_factor": balance_factor}
+        else:
+            common.pop("consistent_hashing_lb_config", None)
+    else:
+        _strip_prefix_routing(cfg)
+        common.pop("consistent_hashing_lb_config", None)
+    vhost = envoy_config.http_manager(cfg)["route_config"]["virtual_hosts"][0]
+    vhost["response_headers_to_add"] = [
+        {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
+    return cfg
+
+
+class RunningArm:
+    """The processes of one arm in front of a running backend; ``url`` takes the traffic."""
+
+    def __init__(self, arm: ArmSpec, backend_urls: list[str], *, prefix_length: int = 4096,
+                 balance_factor: int = DEFAULT_BALANCE_FACTOR, router_settings: Mapping[str, str] | None = None,
+                 endpoints: Sequence[int] | None = None, router_metrics: bool = False,
+                 health_interval: float | None = 0.5) -> None:
+        self.arm = arm
+        self.health_interval = health_interval
+        self.router_metrics = router_metrics  # serve each router's /metrics (metrics_ports[i])
+        self.metrics_ports: list[int] = []
+        self.backend_urls = backend_urls
+        self.prefix_length = prefix_length
+        self.balance_factor = balance_factor
+        self.router_settings = dict(router_settings or {})
+        # pick mode: the indexes of backend_urls the router starts with (default all)
+        self.endpoints = list(range(len(backend_urls)) if endpoints is None else endpoints)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.endpoints_file: Path | None = None
+        self.envoy: Envoy | None = None
+        self.routers: list[Process] = []
+        self.peer: Process | None = None
+        self.url = ""
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "RunningArm":
+        try:
+            if self.arm.peer:
+                self._start_peer()
+            else:
+                self._start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _backends(self) -> list[tuple[str, int]]:
+        return host_ports(self.backend_urls)
+
+    def set_endpoints(self, indexes: Sequence[int]) -> None:
+        """Pick mode: the replicas the router chooses among (it re-reads the file within ~1 s)."""
+        self.endpoints = list(indexes)
+        if self.endpoints_file is not None:
+            backends = self._backends()
+            tmp = self.endpoints_file.with_suffix(".tmp")
+            tmp.write_text("".join(f"{backends[i][0]}:{backends[i][1]}\n" for i in self.endpoints))
+            tmp.replace(self.endpoints_file)
+
+    def _start_envoy(self) -> None:
+        routers = self.arm.routers if self.arm.prefix else 0  # stock arms start no router
+        # every port in one call, so none of them is handed out twice
+        listener, admin, *ports = free_ports(2 + routers * (2 if self.router_metrics else 1))
+        grpc_ports = ports[:routers]
+        self.metrics_ports = ports[routers:]
+        if self.arm.pick:
+            self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
+            self.endpoints_file = Path(self._tmp.name) / "endpoints"
+            self.set_endpoints(self.endpoints)
+        for grpc_port, metrics_port in zip(grpc_ports, self.metrics_ports or itertools.repeat(0)):
+            argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", str(metrics_port),
+                                 "--log-level", "warning", "--drain-seconds", "1")
+            if self.endpoints_file is not None:
+                argv += ["--endpoints-file", str(self.endpoints_file)]
+            # appended before the wait, so stop() reaches it
+            self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))
+            self.routers[-1].wait_for_line("prefix-router ready", timeout=30)
+        cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
+                               extproc_port=grpc_ports[0] if self.arm.prefix else None,
+                               prefix_length=self.prefix_length, balance_factor=self.balance_factor,
+                               router_settings=self.router_settings, health_interval=self.health_interval)
+        if self.arm.prefix:
+            envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in grpc_ports])
+        self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
+        self.envoy.start()
+        self.envoy.wait_healthy("vllm", len(self.endpoints))
+        if self.arm.prefix:
+            self.envoy.wait_healthy("prefix_router", len(self.routers))
+        self.url = f"http://127.0.0.1:{listener}"
+
+    def restart_router(self, i: int) -> None:
+        """Start router ``i`` again on its port (after a fault drill killed it)."""
+        self.routers[i].stop(grace=0)
+        self.routers[i] = Process(self.routers[i].argv, name="prefix-router", env=ROUTER_ENV)
+        self.routers[i].wait_for_line("prefix-router ready", timeout=30)
+
+    def _start_peer(self) -> None:
+        if len(self.endpoints) != len(self.backend_urls):
+            raise RuntimeError(f"{self.arm.name}: a fleet that changes during the run needs an Envoy arm")
+        if not self.arm.available:
+            raise RuntimeError(f"{self.arm.name} is not installed (pip install '.[peers]')")
+        port, metrics = free_ports(2)
+        # sglang-router and vllm-router (its fork) share the launcher's flags.
+        argv = python_module(f"{self.arm.peer}.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+                             "--policy", "cache_aware", "--worker-urls", *self.backend_urls)
+        self.peer = Process(argv, name=self.arm.name)
+        self.peer.wait_ready(lambda: port_open(port) and _get_ok(f"http://127.0.0.1:{port}/health"), timeout=60)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        for part in (self.envoy, *self.routers, self.peer):
+            if part is not None:
+                part.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "RunningArm":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- observations ------------------------------------------------------------------
+    @property
+    def pids(self) -> dict[str, int]:
+        out = {}
+        if self.envoy:
+            out["envoy"] = self.envoy.process.pid
+        for i, router in enumerate(self.routers):
+            out["prefix_router" + (f"_{i}" if i else "")] = router.pid
+        if self.peer:
+            out[self.arm.name] = self.peer.pid
+        return out
+
+    def envoy_stats(self) -> dict[str, Any]:
+        """ext_proc health of the run: unkeyed requests would blur the comparison."""
+        if not self.envoy:
+            return {}
+        stats = self.envoy.stats(r"ext_proc|upstream_rq_(2xx|5xx|retry)|lb_healthy_panic")
+        keep = ("failure_mode_allowed", "streams_started", "message_timeouts", "stream_msgs_sent",
+                "upstream_rq_2xx", "upstream_rq_5xx", "upstream_rq_retry", "lb_healthy_panic")
+        return {k: v for k, v in stats.items() if k.startswith(("http.", "cluster.vllm.")) and k.endswith(keep)}
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,131 @@
+"""The replicas an arm routes to: a fresh simulated fleet, zero-work servers, or URLs.
+
+Every arm gets a fresh fleet (cold caches, zeroed counters) when we start it; external
+servers cannot be restarted, so between arms their prefix cache is reset with vLLM's
+``POST /reset_prefix_cache`` (needs ``VLLM_SERVER_DEV_MODE=1``), best effort.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from routerlab.bench.scenarios import FleetSpec
+from routerlab.harness.procs import Process, free_ports, python_module
+from routerlab.realvllm.promtext import reset_prefix_cache
+
+_READY = re.compile(r"replica (\d+) ready on (http://\S+)")
+
+
+class Backend(Protocol):
+    urls: list[str]
+    block_size: int
+
+    def start(self) -> "Backend": ...
+    def stop(self) -> None: ...
+    @property
+    def pids(self) -> dict[str, int]: ...
+
+
+def _ready_urls(proc: Process, n: int) -> list[str]:
+    found: dict[int, str] = {}
+    for line in list(proc.lines):
+        m = _READY.search(line)
+        if m:
+            found[int(m.group(1))] = m.group(2)
+    return [found[i] for i in range(n)] if len(found) >= n else []
+
+
+class _ChildFleet:
+    """A child process serving ``replicas`` loopback ports, each announced by a ready line."""
+
+    name = "backend"
+    urls: list[str]
+    process: Process | None
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def count(self) -> int:
+        raise NotImplementedError
+
+    def start(self) -> "_ChildFleet":
+        self.process = proc = Process(self.argv(), name=self.name)
+        proc.wait_ready(lambda: bool(_ready_urls(proc, self.count())), timeout=60)
+        self.urls = _ready_urls(proc, self.count())
+        return self
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {self.name: self.process.pid} if self.process else {}
+
+
+@dataclass
+class SimBackend(_ChildFleet):
+    """``prefix-router sim`` in a child process, on ephemeral loopback ports."""
+
+    spec: FleetSpec
+    urls: list[str] = field(default_factory=list)
+    process: Process | None = None
+    base_port: int = 0  # 0: ephemeral ports; else replica i on base_port + i (a restart keeps the port)
+    name = "sim"
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def count(self) -> int:
+        return self.spec.replicas
+
+    def argv(self) -> list[str]:
+        s = self.spec
+        argv = python_module("extproc", "sim", "--replicas", str(s.replicas), "--base-port", str(self.base_port),
+                             "--profile", s.profile, "--time-scale", str(s.time_scale),
+                             "--block-size", str(s.block_size))
+        for flag, value in (("--num-blocks", s.num_blocks), ("--max-num-seqs", s.max_num_seqs),
+                            ("--max-num-batched-tokens", s.max_num_batched_tokens)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+
+@dataclass
+class ZeroBackend(_ChildFleet):
+    """Zero-work servers (the overhead scenario)."""
+
+    replicas: int
+    urls: list[str] = field(default_factory=list)
+    process: Process | None = None
+    block_size: int = 16
+    name = "backend"
+
+    def count(self) -> int:
+        return self.replicas
+
+    def argv(self) -> list[str]:
+        return python_module("routerlab.bench.zero_backend", "--ports", ",".join(map(str, free_ports(self.replicas))))
+
+
+@dataclass
+class ExternalBackend:
+    """Servers someone else runs (``--backend-url``); caches are reset between arms."""
+
+    urls: list[str]
+    block_size: int = 16
+    reset_ok: bool | None = None
+
+    def start(self) -> "ExternalBackend":
+        self.reset_ok = all(reset_prefix_cache(u) for u in self.urls)
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {}

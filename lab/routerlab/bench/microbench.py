@@ -1,0 +1,223 @@
+"""`prefix-router microbench`: the router's own work per request, without gRPC or Envoy.
+
+Times the pure core on chat bodies of several sizes (2, 4 and 32 KB by default): hash
+mode's ``decide`` and its two parts, normalise (parse + normal form) and key (xxh3 of the
+prefix); the same with tenant isolation (HMAC salt and body edit); pick mode's choice
+alone (chunk hashes, index match over a warm index, the cost ranking, recording the
+pick) and with its ``decide``. Medians of repeated runs, in microseconds; compare the rows
+of one run, not runs across machines. The whole hop (gRPC, Envoy) is ``prefix-router
+bench --scenario overhead``, which sends bodies from the same ``chat_body``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import external_auth_pb2 as authz_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.adapters.ext_authz import PrefixAuthz
+from extproc.adapters.ext_proc import PrefixRouter
+from extproc.core.decide import decide, prefix_key
+from extproc.core.normalize import normalize
+from extproc.core.settings import RouteSettings
+from extproc.pick.chunks import chunk_hashes
+from extproc.pick.core import MAX_REQUEST_CHUNKS, PickCore
+
+SIZES_KB = (2, 4, 32)
+INDEX_CHUNKS = 50_000  # capacity of the full index the new-prompt column runs on
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES_KB)), help="body sizes in KB (comma list)")
+    parser.add_argument("--replicas", type=int, default=8, help="replicas in pick mode's warm index")
+    parser.add_argument("--warm-prompts", type=int, default=2000, help="prompts recorded into the index first")
+    parser.add_argument("--index-chunks", type=int, default=INDEX_CHUNKS,
+                        help="capacity of the full index the unique-prompt column runs on")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def chat_body(size: int, seed: int, marker: str = "", model: str = "llama") -> bytes:
+    """A chat body of about ``size`` bytes: a shared system prompt and a distinct question.
+
+    ``marker`` starts the system prompt (the overhead scenario puts a per-request id there,
+    inside the hashed prefix, so no two requests share a key).
+    """
+    rng = random.Random(seed)
+    words = "the cache token prefix route replica envoy model server request latency".split()
+    question = " ".join(rng.choices(words, k=max(8, size // 70)))
+    shell = {"model": model, "messages": [{"role": "system", "content": marker},
+                                          {"role": "user", "content": question}],
+             "temperature": 0.2, "stream": True}
+    filler = max(0, size - len(json.dumps(shell)))
+    shell["messages"][0]["content"] = marker + ("You are a helpful assistant. " * (filler // 29 + 1))[:filler]
+    return json.dumps(shell).encode()
+
+
+# What Envoy 1.40 sends with envoy.yaml for a wrk request (Envoy adds the x-forwarded-* and x-request-id),
+# content-length aside.
+_WIRE_HEADERS = (":authority", "127.0.0.1:10000"), (":path", "/v1/chat/completions"), (":method", "POST"), \
+    (":scheme", "http"), ("content-type", "application/json"), \
+    ("x-forwarded-proto", "http"), ("x-request-id", "5b0c8f0e-4d1e-4f7a-9d7b-0a3c2f1e6d5c")
+
+
+class _Context:
+    """The one thing the adapter asks of grpc's ServicerContext."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+
+def wire_messages(body: bytes) -> list[bytes]:
+    """envoy.yaml's two ext_proc messages for one request, serialised as Envoy sends them."""
+    headers = pb.ProcessingRequest()
+    for k, v in (*_WIRE_HEADERS, ("content-length", str(len(body)))):
+        headers.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    message = pb.ProcessingRequest()
+    message.request_body.body = body
+    message.request_body.end_of_stream = True
+    return [headers.SerializeToString(), message.SerializeToString()]
+
+
+def check_message(body: bytes) -> bytes:
+    """envoy-fast.yaml's one Check for the same request (allowed_headers: none of wrk's are sent)."""
+    message = authz_pb.CheckRequest()
+    http = message.attributes.request.http
+    http.method, http.path, http.host, http.protocol = "POST", "/v1/chat/completions", "127.0.0.1:10000", "HTTP/1.1"
+    http.size, http.raw_body = len(body), body
+    return message.SerializeToString()
+
+
+def check_once(authz: PrefixAuthz, raw: bytes, context: _Context) -> int:
+    """The ext_authz shape's adapter: parse the Check, answer it, serialise the answer."""
+    return len(authz.check(authz_pb.CheckRequest.FromString(raw), context.invocation_metadata()).SerializeToString())
+
+
+def adapter_once(router: PrefixRouter, wire: list[bytes], context: _Context) -> int:
+    """One request through the adapter as grpc drives it (parse, Process, serialise), minus the I/O.
+
+    The request iterator never waits, so the async generator runs to its end without a loop.
+    """
+    async def requests():  # type: ignore[no-untyped-def]
+        for raw in wire:
+            yield pb.ProcessingRequest.FromString(raw)
+
+    stream = router.Process(requests(), context)  # type: ignore[arg-type]
+    sent = 0
+    while True:
+        try:
+            stream.__anext__().send(None)
+        except StopIteration as reply:
+            sent += len(reply.value.SerializeToString())
+        except StopAsyncIteration:
+            return sent
+
+
+def _median_us(fn: Callable[[], object], number: int) -> float:
+    return statistics.median(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
+
+
+def unique_choice_us(size_kb: int, replicas: int, index_chunks: int, number: int) -> float:
+    """Pick mode's worst case: every prompt new (its every chunk recorded, as many evicted),
+    on an index already at its capacity of ``index_chunks`` chunks."""
+    settings = RouteSettings(mode="pick")
+    core = PickCore(index_max_chunks=index_chunks)
+    core.set_endpoints([f"10.0.0.{i}:8000" for i in range(replicas)])
+    seeds = iter(range(1, 1 << 30))
+
+    def fresh() -> Any:
+        seed = next(seeds)
+        return decide(chat_body(size_kb * 1024, seed, marker=f"{seed:09d} "), {}, settings)
+
+    while core.index.stats().entries < index_chunks * 0.98:
+        core.release(core.pick(fresh(), settings))
+    runs = []
+    for _ in range(5):
+        batch = [fresh() for _ in range(number)]
+        start = timeit.default_timer()
+        for d in batch:
+            core.release(core.pick(d, settings))
+        runs.append((timeit.default_timer() - start) / number * 1e6)
+    return statistics.median(runs)
+
+
+def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = INDEX_CHUNKS) -> dict[str, Any]:
+    size = size_kb * 1024
+    body = chat_body(size, 0)
+    hash_settings, pick_settings = RouteSettings(), RouteSettings(mode="pick")
+    isolated, secret, tenant = RouteSettings(tenant_isolation=True), b"microbench-secret-0123456789", {
+        "x-prefix-aware-id": "acme"}
+    core = PickCore()
+    core.set_endpoints([f"10.0.0.{i}:8000" for i in range(replicas)])
+    for i in range(warm_prompts):  # other prompts, some sharing this system prompt
+        d = decide(chat_body(size, i + 1), {}, pick_settings)
+        core.release(core.pick(d, pick_settings))
+    decision = decide(body, {}, pick_settings)
+    chunks = chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS)
+    prefix = normalize(body, hash_settings.normalize).data[:hash_settings.prefix_length]
+
+    def pick_once() -> None:
+        choice = core.pick(decide(body, {}, pick_settings), pick_settings)
+        core.release(choice)
+
+    def choice_once() -> None:
+        core.release(core.pick(decision, pick_settings))
+
+    router = PrefixRouter(hash_settings)
+    authz, check = PrefixAuthz(router), check_message(body)
+    wire, context = wire_messages(body), _Context((("x-prefix-router-prefix-length", "4096"),
+                                                   ("x-prefix-router-normalize", "prompt")))
+    number = 2000 if size_kb <= 4 else 500
+    return {
+        "body_bytes": len(body),
+        "normalize_us": round(_median_us(lambda: normalize(body, hash_settings.normalize), number), 1),
+        "key_us": round(_median_us(lambda: prefix_key(None, prefix), number), 1),
+        "hash_decide_us": round(_median_us(lambda: decide(body, {}, hash_settings), number), 1),
+        "adapter_us": round(_median_us(lambda: adapter_once(router, wire, context), number), 1),
+        "authz_adapter_us": round(_median_us(lambda: check_once(authz, check, context), number), 1),
+        "isolated_decide_us": round(_median_us(lambda: decide(body, tenant, isolated, secret=secret), number), 1),
+        "pick_choice_us": round(_median_us(choice_once, number), 1),
+        "pick_total_us": round(_median_us(pick_once, number), 1),
+        "chunk_hashes_us": round(_median_us(
+            lambda: chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS), number), 1),
+        "index_match_us": round(_median_us(lambda: core.index.match(chunks), number), 1),
+        "pick_unique_us": round(unique_choice_us(size_kb, replicas, index_chunks, number // 4), 1),
+        "chunks": len(chunks),
+        "index_entries": core.index.stats().entries,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = [measure(int(kb), args.replicas, args.warm_prompts, args.index_chunks)
+            for kb in args.sizes.split(",") if kb.strip()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
+          f"{args.warm_prompts} prompts)\n")
+    print("| body | normalise | key | hash mode: decide() | adapter: ext_proc (envoy.yaml) | "
+          "adapter: ext_authz (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
+          "pick mode: decide() + choice | of which chunk hashes | of which index match | "
+          "pick mode: the choice for a new prompt on a full index | chunks |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | "
+              f"{r['adapter_us']} | {r['authz_adapter_us']} | {r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
+              f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['pick_unique_us']} | {r['chunks']} |")
+    print("\nnormalise: parse + normal form (prompt mode); key: xxh3-64 of the first prefix_length (4096) bytes; "
+          "decide(): both, plus the tenant; adapter: the request's messages parsed, the adapter run "
+          "(decide() included, metrics too) and its replies serialised, as grpc does it but with no I/O "
+          "(ext_proc: two messages in, two replies out; ext_authz: one Check in, one answer out); "
+          "the choice: pick mode on an already decided body; "
+          f"a new prompt on a full index: its chunks all recorded and as many evicted ({args.index_chunks} chunks held)")
+    return 0

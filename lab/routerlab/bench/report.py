@@ -1,0 +1,249 @@
+"""Turn raw run data into the numbers users compare: report.json and report.md.
+
+The markdown table mirrors SageMaker's: every arm against the round-robin arm as a %
+change (TTFT p50/p90, KV hit rate, throughput), plus what explains the numbers: the
+trace's oracle hit rate, the split of requests over replicas, and whether the client or
+the machine was saturated (then latencies include CPU queueing and say so).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from routerlab.bench.loadgen import LoadResult, Result
+from routerlab.bench.replica_metrics import FleetDelta
+
+BASELINE = "round-robin"
+
+
+def _ms(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    arr = np.asarray(values) * 1000
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3),
+            "mean": round(float(arr.mean()), 3)}
+
+
+def _replica_index(urls: Sequence[str]) -> dict[str, int]:
+    return {u.split("://", 1)[-1].rstrip("/"): i for i, u in enumerate(urls)}
+
+
+def client_cached_rate(ok: Sequence[Result]) -> float | None:
+    """The hit rate the client saw: usage ``cached_tokens / prompt_tokens`` over ``ok``."""
+    prompt = sum(r.prompt_tokens for r in ok)
+    return round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None
+
+
+def requests_split(ok: Sequence[Result], backend_urls: Sequence[str]) -> list[int]:
+    """Requests per replica, from the ``x-upstream-host`` each response named."""
+    index = _replica_index(backend_urls)
+    split = [0] * len(backend_urls)
+    for r in ok:
+        if r.replica in index:
+            split[index[r.replica]] += 1
+    return split
+
+
+def replicas_per_group(results: Sequence[Result]) -> float | None:
+    """Mean number of distinct replicas that served each prefix group (1.0 = perfect affinity)."""
+    served: dict[str, set[str]] = defaultdict(set)
+    for r in results:
+        if r.ok and r.replica:
+            served[r.group].add(r.replica)
+    multi = [len(v) for g, v in served.items()]
+    return round(sum(multi) / len(multi), 3) if multi else None
+
+
+def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: float, total_requests: int,
+              backend_urls: Sequence[str], cpu: Mapping[str, float], envoy: Mapping[str, Any]) -> dict[str, Any]:
+    """One arm (or one phase of it): client view, replica view, cost view."""
+    results = load.results
+    ok = [r for r in results if r.ok]
+    attempted = len(results) + load.cancelled
+    duration = load.duration_s or 1e-9
+    per_replica = (fleet.requests_per_replica if fleet and any(fleet.requests_per_replica)
+                   else requests_split(ok, backend_urls))
+    mean = sum(per_replica) / len(per_replica) if per_replica and sum(per_replica) else 0
+    kv = fleet.kv_hit_rate if fleet else None
+    summary: dict[str, Any] = {
+        "requests": total_requests,
+        "attempted": attempted,
+        "ok": len(ok),
+        # Of the requests that finished; requests the duration bound left unsent or cut off
+        # are not the routing's failures, and show in trace_completed and errors instead.
+        "success_rate": round(len(ok) / len(results), 4) if results else 0.0,
+        "trace_completed": round(len(ok) / total_requests, 4) if total_requests else 0.0,
+        "errors": dict(Counter(r.error for r in results if not r.ok)) | (
+            {"cancelled": load.cancelled} if load.cancelled else {}) | (
+            {"unsent": load.unsent} if load.unsent else {}),
+        "ttft_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
+        "e2e_ms": _ms([r.e2e for r in ok if r.e2e is not None]),
+        "tpot_ms": _ms([t for r in ok if (t := r.tpot) is not None]),
+        "throughput_rps": round(len(ok) / duration, 3),
+        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / duration, 1),
+        "kv_hit_rate": round(kv, 4) if kv is not None else None,
+        "cross_tenant_hit_tokens": fleet.cross_tenant_hits if fleet else None,  # the simulator counts them
+        "client_cached_rate": client_cached_rate(ok),
+        "oracle_hit_rate": round(oracle_hit_rate, 4),
+        "hit_rate_of_oracle": round(kv / oracle_hit_rate, 3) if kv is not None and oracle_hit_rate else None,
+        "requests_per_replica": per_replica,
+        "replica_max_over_mean": round(max(per_replica) / mean, 3) if mean else None,
+        "replicas_per_group": replicas_per_group(ok),
+        "duration_s": round(duration, 3),
+        "client": load.client.to_json(),
+        "cpu_s": dict(cpu),
+        "envoy": dict(envoy),
+    }
+    return summary
+
+
+@dataclass
+class Report:
+    """Everything one ``bench`` run produced; ``to_json`` is the report.json schema."""
+
+    scenario: str
+    summary: str
+    seed: int
+    params: dict[str, Any]
+    fleet: dict[str, Any]
+    load: dict[str, Any]
+    arms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    oracle_hit_rate: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    ttft_samples: dict[str, list[float]] = field(default_factory=dict)  # ms, for plots
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "ttft_samples"}
+
+    @property
+    def baseline(self) -> str | None:
+        if BASELINE in self.arms:
+            return BASELINE
+        return next(iter(self.arms), None)
+
+
+def _pct(value: float | None, base: float | None) -> str:
+    if value is None or base in (None, 0):
+        return ""
+    return f"{(value - base) / base * 100:+.0f}%"
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.0f}%"
+
+
+def timeline(results: Sequence[Result], boundaries: Sequence[float], backend_urls: Sequence[str],
+             labels: Sequence[str]) -> list[dict[str, Any]]:
+    """Per phase of a run split at ``boundaries`` (seconds from its start, by send time):
+    TTFT, the hit rate the client saw (usage cached_tokens / prompt_tokens), and the split."""
+    edges = [0.0, *boundaries, float("inf")]
+    out = []
+    for label, lo, hi in zip(labels, edges, edges[1:]):
+        ok = [r for r in results if r.ok and lo <= r.start < hi]
+        out.append({"phase": label, "from_s": lo, "to_s": None if hi == float("inf") else hi, "ok": len(ok),
+                    "failed": sum(1 for r in results if not r.ok and lo <= r.start < hi),
+                    "ttft_ms": _ms([r.ttft for r in ok if r.ttft is not None]),
+                    "client_cached_rate": client_cached_rate(ok),
+                    "requests_per_replica": requests_split(ok, backend_urls)})
+    return out
+
+
+def timeline_table(report: Report) -> str:
+    lines = ["| arm | phase | requests | failed | TTFT p50 ms | TTFT p90 ms | hit rate (client) | requests per replica |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for name, a in report.arms.items():
+        for row in a.get("timeline", ()):
+            lines.append(f"| {name} | {row['phase']} | {row['ok']} | {row['failed']} | {_fmt(row['ttft_ms']['p50'])} "
+                         f"| {_fmt(row['ttft_ms']['p90'])} | {_rate(row['client_cached_rate'])} "
+                         f"| {' / '.join(map(str, row['requests_per_replica']))} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def markdown_table(report: Report) -> str:
+    """The SageMaker-style comparison: each arm vs the baseline arm."""
+    base = report.arms.get(report.baseline or "", {})
+    lines = [
+        f"| arm | TTFT p50 ms | vs {report.baseline} | TTFT p90 ms | vs {report.baseline} | TTFT p99 ms "
+        "| E2E p50 ms | KV hit rate | of oracle | req/s | vs base | out tok/s | max/mean per replica "
+        "| replicas per group | success |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, a in report.arms.items():
+        lines.append(
+            f"| {name} | {_fmt(a['ttft_ms']['p50'])} | {_pct(a['ttft_ms']['p50'], base.get('ttft_ms', {}).get('p50'))} "
+            f"| {_fmt(a['ttft_ms']['p90'])} | {_pct(a['ttft_ms']['p90'], base.get('ttft_ms', {}).get('p90'))} "
+            f"| {_fmt(a['ttft_ms']['p99'])} | {_fmt(a['e2e_ms']['p50'])} "
+            f"| {_rate(a['kv_hit_rate'])} | {_rate(a['hit_rate_of_oracle'])} "
+            f"| {_fmt(a['throughput_rps'])} | {_pct(a['throughput_rps'], base.get('throughput_rps'))} "
+            f"| {_fmt(a['output_tokens_per_s'], 0)} | {_fmt(a['replica_max_over_mean'], 2)} "
+            f"| {_fmt(a['replicas_per_group'], 2)} | {a['success_rate'] * 100:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def to_markdown(report: Report) -> str:
+    parts = [
+        f"# prefix-router bench: {report.scenario}",
+        "",
+        report.summary,
+        "",
+        f"seed {report.seed}; fleet {_kv(report.fleet)}; load {_kv(report.load)}",
+        "",
+        f"parameters: {_kv(report.params)}",
+        "",
+        f"Oracle hit rate of this trace (every prefix misses once): {_rate(report.oracle_hit_rate)}",
+        "",
+        markdown_table(report),
+    ]
+    phases = timeline_table(report)
+    if phases:
+        parts += ["", "## Per phase (split at the fleet changes)", "", phases]
+    cpu = ["", "## CPU seconds per process during the run", "",
+           "| arm | client | " + " | ".join(_cpu_names(report)) + " | machine busy | client saturated |",
+           "|---|---:|" + "---:|" * len(_cpu_names(report)) + "---:|---|"]
+    for name, a in report.arms.items():
+        cells = " | ".join(_fmt(a["cpu_s"].get(k), 2) for k in _cpu_names(report))
+        busy = a["cpu_s"].get("machine_busy_fraction")
+        cpu.append(f"| {name} | {_fmt(a['client']['cpu_s'], 2)} | {cells} | {_rate(busy)} "
+                   f"| {'YES' if a['client']['saturated'] else 'no'} |")
+    parts += cpu
+    if report.notes:
+        parts += ["", "## Notes", "", *(f"- {n}" for n in report.notes)]
+    if report.files:
+        parts += ["", "## Files", "", *(f"- {k}: `{v}`" for k, v in report.files.items())]
+    return "\n".join(parts) + "\n"
+
+
+def _cpu_names(report: Report) -> list[str]:
+    names: list[str] = []
+    for a in report.arms.values():
+        for k in a["cpu_s"]:
+            if k != "machine_busy_fraction" and k not in names:
+                names.append(k)
+    return names
+
+
+def _kv(d: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+def write(report: Report, out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "markdown": out / "report.md"}
+    report.files.update({"report.json": str(paths["json"]), "report.md": str(paths["markdown"])})
+    paths["json"].write_text(json.dumps(report.to_json(), indent=2, sort_keys=False) + "\n")
+    paths["markdown"].write_text(to_markdown(report))
+    return paths

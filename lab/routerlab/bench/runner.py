@@ -1,0 +1,265 @@
+"""Run a scenario against each arm on a fresh fleet with the same seeded trace.
+
+``run_bench(BenchConfig(...)) -> Report`` is the whole benchmark as a Python call (the
+tests use it); the CLI and the demo are thin wrappers. Per arm: start the backend, start
+the arm (router + Envoy, or a peer router), read the replicas' counters, run the load,
+read them again, stop everything we started. (The ``overhead``, ``faults`` and ``soak``
+scenarios are drills of their own: routerlab.bench.cli.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from extproc.process import event_loop
+from routerlab.bench import arms as arms_mod
+from routerlab.bench import backends, loadgen, replica_metrics
+from routerlab.bench import progress as progress_mod
+from routerlab.bench import report as report_mod
+from routerlab.bench.oracle import oracle
+from routerlab.bench.scenarios import FleetEvent, FleetSpec, LoadSpec, Scenario
+from routerlab.bench.scenarios import get as get_scenario
+from routerlab.bench.trace import Trace
+from routerlab.harness.proc_cpu import CpuMeter
+from routerlab.realvllm.promtext import http_post_json, served_model
+
+T = TypeVar("T")
+
+
+@dataclass
+class BenchConfig:
+    """Everything a run needs; None means the scenario's default."""
+
+    scenario: str = "sagemaker-8k"
+    arms: Sequence[str] | None = None
+    seed: int = 0
+    out: Path | None = None
+    quick: bool = False
+    params: Mapping[str, Any] = field(default_factory=dict)
+    replicas: int | None = None
+    requests: int | None = None
+    time_scale: float | None = None
+    load_mode: str | None = None
+    concurrency: int | None = None
+    rate: float | None = None
+    duration_s: float | None = None
+    num_blocks: int | None = None
+    profile: str | None = None
+    block_size: int | None = None  # of the backend's KV cache (for the oracle)
+    prefix_length: int | None = None
+    balance_factor: int = arms_mod.DEFAULT_BALANCE_FACTOR
+    router_settings: Mapping[str, str] = field(default_factory=dict)  # x-prefix-router-* for prefix arms
+    backend_urls: Sequence[str] = ()
+    backend_info: Mapping[str, Any] = field(default_factory=dict)  # what the URLs are, for the report
+    plots: bool = True
+    progress: progress_mod.Progress | None = None
+
+
+def _params(scenario: Scenario, cfg: BenchConfig) -> dict[str, Any]:
+    overrides = dict(cfg.params)
+    for key, value in (("replicas", cfg.replicas), ("requests", cfg.requests), ("time_scale", cfg.time_scale)):
+        if value is not None and key in scenario.params:
+            overrides[key] = value
+    return scenario.resolve(overrides, quick=cfg.quick)
+
+
+def _fleet(scenario: Scenario, params: Mapping[str, Any], cfg: BenchConfig) -> FleetSpec:
+    spec = scenario.fleet(dict(params))
+    changes = {k: v for k, v in (("num_blocks", cfg.num_blocks), ("profile", cfg.profile),
+                                 ("replicas", cfg.replicas),
+                                 ("block_size", cfg.block_size)) if v is not None}
+    return dataclasses.replace(spec, **changes)
+
+
+def _load(scenario: Scenario, cfg: BenchConfig) -> LoadSpec:
+    base = scenario.load
+    return LoadSpec(mode=cfg.load_mode or base.mode, concurrency=cfg.concurrency or base.concurrency,
+                    rate=cfg.rate or base.rate, duration_s=cfg.duration_s or base.duration_s)
+
+
+def _backend(spec: FleetSpec, cfg: BenchConfig) -> backends.Backend:
+    if cfg.backend_urls:
+        return backends.ExternalBackend(list(cfg.backend_urls), block_size=spec.block_size)
+    return backends.SimBackend(spec)
+
+
+def _model(spec: FleetSpec, cfg: BenchConfig) -> str:
+    if cfg.backend_urls:
+        return served_model(cfg.backend_urls[0])
+    from routerlab.sim.profiles import get_profile
+
+    return get_profile(spec.profile).model
+
+
+def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None], fleet_changes: bool) -> list[str]:
+    names = list(cfg.arms or scenario.arms)
+    out = []
+    for name in names:
+        arm = arms_mod.get(name)
+        if arm.peer and fleet_changes:
+            note(f"skipping {name}: this scenario changes the fleet mid-run, which only Envoy arms follow here")
+        elif arm.available:
+            out.append(name)
+        else:
+            note(f"skipping {name}: not installed (pip install '.[peers]')")
+    return out
+
+
+def run_bench(cfg: BenchConfig) -> report_mod.Report:
+    scenario = get_scenario(cfg.scenario)
+    params = _params(scenario, cfg)
+    spec = _fleet(scenario, params, cfg)
+    load = _load(scenario, cfg)
+    prog = cfg.progress or progress_mod.Quiet()
+    model = _model(spec, cfg)
+    trace = scenario.trace(params, cfg.seed, model)
+    best = oracle(trace.requests, spec.block_size).hit_rate
+    prefix_length = cfg.prefix_length or scenario.prefix_length
+    names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
+    report = report_mod.Report(
+        scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
+        fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else "sim", **cfg.backend_info},
+        load={**dataclasses.asdict(load), "prefix_length": prefix_length,
+              **({"router_settings": dict(cfg.router_settings)} if cfg.router_settings else {})},
+        oracle_hit_rate=best,
+    )
+    prog.note(f"{scenario.name}: {len(trace)} requests in {len(trace.sessions)} sessions, oracle hit rate "
+              f"{best:.0%}, arms {', '.join(names)}")
+    try:
+        for name in names:
+            summary, ttfts = _run_arm(arms_mod.get(name), name, scenario, spec, load, trace, best, prefix_length,
+                                      cfg, prog)
+            report.arms[name] = summary
+            report.ttft_samples[name] = ttfts
+    finally:
+        progress_mod.stop(prog)
+    _add_notes(report)
+    if cfg.out is not None:
+        out = Path(cfg.out)
+        if cfg.plots:
+            from routerlab.bench import plots
+
+            plots.write_all(report, out)
+        report_mod.write(report, out)
+    return report
+
+
+def sim_control(url: str, **knobs: Any) -> None:
+    """Flip a simulated replica's fault knobs (``POST /sim/control``)."""
+    status, body = http_post_json(url.rstrip("/") + "/sim/control", knobs, timeout=10)
+    if status != 200:
+        raise RuntimeError(f"cannot set {knobs} on {url}: {status} {body}")
+
+
+def set_health(url: str, healthy: bool) -> None:
+    sim_control(url, healthy=healthy)
+
+
+def start_outside(urls: Sequence[str], members: Sequence[int]) -> None:
+    """Replicas not in ``members`` start failing health checks (they join later)."""
+    for i in set(range(len(urls))) - set(members):
+        set_health(urls[i], False)
+
+
+def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetEvent) -> None:
+    """A replica joins (passes health checks, enters pick mode's endpoints) or leaves (the reverse)."""
+    joins = event.action == "join"
+    set_health(urls[event.replica], joins)
+    others = [i for i in running.endpoints if i != event.replica]
+    running.set_endpoints(sorted([*others, event.replica] if joins else others))
+
+
+async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningArm, urls: Sequence[str],
+                       events: Sequence[FleetEvent], note: Callable[[str], None]) -> T:
+    """Run ``load`` while replicas join and leave at the events' times."""
+    async def drive() -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for e in events:  # in time order
+            await asyncio.sleep(max(0.0, t0 + e.at_s - loop.time()))
+            await loop.run_in_executor(None, apply_event, running, urls, e)
+            note(f"t={e.at_s:.0f}s: replica {e.replica} {'joins' if e.action == 'join' else 'leaves'}")
+
+    task = asyncio.create_task(drive())
+    try:
+        return await load
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
+             trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
+             prog: progress_mod.Progress) -> tuple[dict[str, Any], list[float]]:
+    backend = _backend(spec, cfg)
+    events = sorted(scenario.events(dict(trace.params)), key=lambda e: e.at_s)
+    members = [i for i in range(spec.replicas) if i not in {e.replica for e in events if e.action == "join"}]
+    prog.note(f"{label}: starting fleet and arm")
+    try:
+        backend.start()  # inside the try: an interrupted start still stops what it started
+        start_outside(backend.urls, members)
+        with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
+                                 router_settings=cfg.router_settings, endpoints=members) as running:
+            before = _scrape(backend.urls)
+            meter = CpuMeter({**backend.pids, **running.pids})
+            prog.start(label, len(trace))
+            result = event_loop.run(_with_events(loadgen.run_load(
+                running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
+                duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance),
+                running, backend.urls, events, prog.note))
+            cpu = meter.stop()
+            after = _scrape(backend.urls)
+            envoy = running.envoy_stats()
+    finally:
+        backend.stop()
+    fleet = replica_metrics.delta(before, after) if before and after else None
+    summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
+                                   backend_urls=backend.urls, cpu=cpu, envoy=envoy)
+    if events:
+        labels = ["start"] + [f"after {e.action} of replica {e.replica}" for e in events]
+        summary["timeline"] = report_mod.timeline(result.results, [e.at_s for e in events], backend.urls, labels)
+    prog.finish(f"{label}: ttft p50 {summary['ttft_ms']['p50']} ms, hit rate {summary['kv_hit_rate']}, "
+                f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}")
+    ttfts = [r.ttft * 1000 for r in result.results if r.ok and r.ttft is not None]
+    return summary, ttfts
+
+
+def _scrape(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:
+    """Every replica's counters, or [] when one has no /metrics (then no hit rate)."""
+    try:
+        return replica_metrics.scrape_all(urls)
+    except OSError:
+        return []
+
+
+def _add_notes(report: report_mod.Report) -> None:
+    for name, a in report.arms.items():
+        if report.scenario == "tenants" and a.get("cross_tenant_hit_tokens") is not None:
+            report.notes.append(f"{name}: {a['cross_tenant_hit_tokens']} prefix-cache hit tokens were on blocks "
+                                "computed for another tenant (counted by the simulated replicas).")
+        client = a["client"]
+        if client["saturated"]:
+            report.notes.append(
+                f"{name}: the load generator was saturated (CPU {client['cpu_fraction']:.0%} of a core, loop lag "
+                f"p99 {client['loop_lag_p99_ms']:.0f} ms, schedule lag p99 {client['schedule_lag_p99_ms']:.0f} ms): "
+                "its latencies include client queueing.")
+        busy = a["cpu_s"].get("machine_busy_fraction")
+        if busy is not None and busy > 0.9:
+            ours = (client["cpu_s"] + sum(v for k, v in a["cpu_s"].items() if k != "machine_busy_fraction")) \
+                / (client["wall_s"] * (os.cpu_count() or 1))
+            report.notes.append(f"{name}: the machine's CPUs were {busy:.0%} busy ({ours:.0%} from this benchmark's "
+                                "processes): latencies include CPU contention.")
+        unkeyed = sum(v for k, v in a["envoy"].items() if k.endswith("failure_mode_allowed"))
+        if unkeyed:
+            report.notes.append(f"{name}: {unkeyed} requests went on unkeyed (ext_proc failure_mode_allow).")
+        if a["success_rate"] < 1:
+            report.notes.append(f"{name}: success rate {a['success_rate']:.1%} ({a['errors']}).")
+        if a["trace_completed"] < 1 and a["success_rate"] == 1:
+            report.notes.append(f"{name}: the duration bound stopped the arm with {a['trace_completed']:.1%} of the "
+                                f"trace completed ({a['errors']}); rates are over the requests that finished.")

@@ -1,0 +1,151 @@
+"""Load the envoy/*.yaml files and point them at local ports (for tests, demo, benchmark).
+
+Edits are structural (by listener, cluster and filter name), so the YAML files stay the
+documented drop-in examples and nobody hand-edits ports.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from routerlab import REPO_DIR
+
+ENVOY_DIR = REPO_DIR / "envoy"
+EXT_PROC = "envoy.filters.http.ext_proc"
+EXT_AUTHZ = "envoy.filters.http.ext_authz"  # envoy-fast.yaml's shape (extproc.adapters.ext_authz)
+ROUTER_FILTERS = (EXT_PROC, EXT_AUTHZ)  # the filters that call the prefix router
+Config = dict[str, Any]
+
+
+def load(name_or_path: str | Path) -> Config:
+    path = Path(name_or_path)
+    if not path.exists():
+        path = ENVOY_DIR / name_or_path
+    return yaml.safe_load(path.read_text())
+
+
+def dump(cfg: Config, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _endpoint(host: str, port: int, hash_key: str | None = None) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+    if hash_key:
+        endpoint["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": hash_key}}}
+    return endpoint
+
+
+def cluster(cfg: Config, name: str) -> dict[str, Any]:
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == name:
+            return c
+    raise KeyError(f"no cluster {name!r}")
+
+
+def http_manager(cfg: Config) -> dict[str, Any]:
+    chain = cfg["static_resources"]["listeners"][0]["filter_chains"][0]
+    return chain["filters"][0]["typed_config"]
+
+
+def http_filter(cfg: Config, name: str) -> dict[str, Any]:
+    for f in http_manager(cfg)["http_filters"]:
+        if f["name"] == name:
+            return f["typed_config"]
+    raise KeyError(f"no http filter {name!r}")
+
+
+def routes(cfg: Config) -> list[dict[str, Any]]:
+    return http_manager(cfg)["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, int]],
+                  hash_key_prefix: str | None = None) -> None:
+    """Point a cluster at ``backends``; with ``hash_key_prefix``, replica i hashes as PREFIX-i.
+
+    Named replicas make the consistent-hash map independent of ports and addresses, so a
+    replica that comes back elsewhere keeps its keys (and tests are repeatable).
+    """
+    c = cluster(cfg, cluster_name)
+    c["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        _endpoint(h, p, f"{hash_key_prefix}-{i}" if hash_key_prefix else None)
+        for i, (h, p) in enumerate(backends)]}]
+
+
+def set_health_interval(cfg: Config, seconds: float) -> None:
+    """Faster health checks for tests: a dead host leaves within ~2 intervals."""
+    for c in cfg["static_resources"]["clusters"]:
+        for hc in c.get("health_checks", []):
+            hc["interval"] = hc["no_traffic_interval"] = f"{seconds}s"
+            hc["timeout"] = f"{max(seconds, 0.5)}s"
+
+
+def router_filter(cfg: Config) -> tuple[str, dict[str, Any]]:
+    """The filter that calls the prefix router (ext_proc, or ext_authz in envoy-fast.yaml)."""
+    for f in http_manager(cfg)["http_filters"]:
+        if f["name"] in ROUTER_FILTERS:
+            return f["name"], f["typed_config"]
+    raise KeyError("no ext_proc or ext_authz http filter")
+
+
+def drop_prefix_router(cfg: Config) -> Config:
+    """``cfg`` without the filter that calls the router and without its cluster."""
+    manager = http_manager(cfg)
+    manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] not in ROUTER_FILTERS]
+    cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
+                                           if c["name"] != "prefix_router"]
+    return cfg
+
+
+def set_stream_metadata(cfg: Config, metadata: Mapping[str, str]) -> None:
+    """Replace the listener-wide x-prefix-router-* settings sent to the router."""
+    service = router_filter(cfg)[1]["grpc_service"]
+    service["initial_metadata"] = [{"key": k, "value": str(v)} for k, v in metadata.items()]
+
+
+def set_route_metadata(cfg: Config, route_index: int, metadata: Mapping[str, str]) -> None:
+    """Per-route override of the router's settings: ExtProcPerRoute grpc_initial_metadata, or
+    for ext_authz the same keys as ExtAuthzPerRoute context_extensions."""
+    per_filter = routes(cfg)[route_index].setdefault("typed_per_filter_config", {})
+    name = router_filter(cfg)[0]
+    if name == EXT_AUTHZ:
+        per_filter[name] = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
+            "check_settings": {"context_extensions": {k: str(v) for k, v in metadata.items()}},
+        }
+        return
+    per_filter[name] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"grpc_initial_metadata": [{"key": k, "value": str(v)} for k, v in metadata.items()]},
+    }
+
+
+def localize(
+    cfg: Config,
+    *,
+    listener_port: int,
+    admin_port: int,
+    backends: Sequence[tuple[str, int]],
+    extproc_port: int | None = None,
+    health_interval: float | None = None,
+) -> Config:
+    """A copy of ``cfg`` with every address and port pointing at this machine's test setup."""
+    cfg = copy.deepcopy(cfg)
+    cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listener_port}
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == "prefix_router":
+            if extproc_port is not None:
+                set_endpoints(cfg, "prefix_router", [("127.0.0.1", extproc_port)])
+        else:
+            set_endpoints(cfg, c["name"], backends, hash_key_prefix="vllm")
+    if health_interval is not None:
+        set_health_interval(cfg, health_interval)
+    return cfg

@@ -1,0 +1,125 @@
+"""``prefix-router sim``: run simulated vLLM replicas, or poke one replica's control API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
+
+import orjson
+
+from extproc.process import event_loop
+from extproc.process.signals import stop_on_signals
+from routerlab.sim.profiles import DEFAULT_PROFILE, PROFILES
+
+if TYPE_CHECKING:  # fleet pulls in aiohttp: imported only when serving
+    from routerlab.sim.fleet import SimConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=1, help="number of replicas (default 1)")
+    parser.add_argument("--base-port", type=int, default=8100,
+                        help="replica i listens on base-port + i (0: ephemeral ports)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+                        help=f"engine profile (default {DEFAULT_PROFILE})")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="speed-up: simulated durations are divided by this (10 = 10x faster)")
+    parser.add_argument("--model", default=None, help="served model name (default: the profile's)")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seed for fail_rate draws")
+    parser.add_argument("--control", metavar="URL", default=None,
+                        help="instead of serving: send --set values to URL's /sim/control")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --control: healthy=false, slow_factor=3, fail_rate=0.5, "
+                             "drop_connections=true, reset_cache=true (repeatable)")
+
+
+def _parse_value(text: str) -> object:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+
+
+def _control(url: str, settings: list[str]) -> int:
+    body: dict[str, object] = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"--set needs KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        body[key.strip()] = _parse_value(value.strip())
+    base = url.rstrip("/")
+    if body:
+        req = urllib.request.Request(base + "/sim/control", data=orjson.dumps(body),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    else:
+        req = urllib.request.Request(base + "/sim/state")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            print(resp.read().decode())
+            return 0
+    except urllib.error.HTTPError as e:
+        print(e.read().decode(), file=sys.stderr)
+        return 1
+    except OSError as e:  # refused, unreachable, timed out
+        print(f"sim --control: {base}: {e}", file=sys.stderr)
+        return 1
+
+
+async def _serve(config: SimConfig) -> int:
+    from routerlab.sim.fleet import start_fleet
+
+    stop = stop_on_signals()
+    fleet = await start_fleet(config)
+    p = config.resolved_profile()
+    print(f"sim: profile={p.name} model={p.model} block_size={p.block_size} "
+          f"num_blocks={p.num_blocks} max_num_seqs={p.max_num_seqs} "
+          f"max_num_batched_tokens={p.max_num_batched_tokens} max_model_len={p.max_model_len} "
+          f"time_scale={config.time_scale}", flush=True)
+    for rep, url in zip(fleet.replicas, fleet.urls):
+        print(f"replica {rep.index} ready on {url}", flush=True)
+    print(f"fleet ready: {len(fleet.replicas)} replicas", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await fleet.stop()
+    print("sim: stopped", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.control:
+        return _control(args.control, args.settings)
+    if args.replicas < 1:
+        print("--replicas must be >= 1", file=sys.stderr)
+        return 2
+    if args.time_scale <= 0:
+        print("--time-scale must be > 0", file=sys.stderr)
+        return 2
+    from routerlab.sim.fleet import SimConfig
+
+    config = SimConfig(
+        replicas=args.replicas, base_port=args.base_port, host=args.host, profile=args.profile,
+        time_scale=args.time_scale, model=args.model, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    try:
+        config.resolved_profile()
+    except ValueError as e:
+        print(f"sim: {e}", file=sys.stderr)
+        return 2
+    try:
+        return event_loop.run(_serve(config))
+    except OSError as e:
+        print(f"sim: cannot bind: {e}", file=sys.stderr)
+        return 1

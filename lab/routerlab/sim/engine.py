@@ -1,0 +1,214 @@
+"""One replica's engine: the pure :class:`Scheduler` driven by an asyncio step loop.
+
+Time: each step takes ``profile.step_time(...) * slow_factor`` of *model time*; the loop
+sleeps ``model_time / time_scale`` of wall time (``--time-scale 10`` runs 10x faster).
+The model clock runs back to back while the engine is busy and sleeps target absolute
+wall deadlines, so timer granularity does not accumulate; if the event loop falls more
+than ``LAG_TOLERANCE_S`` wall seconds behind (CPU starved; shorter stalls are
+caught up by running the next steps without sleeping), the model clock snaps
+forward to wall time, so overload shows up as latency rather than being hidden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import fields
+
+from routerlab.sim.control import Control
+from routerlab.sim.metrics import ReplicaMetrics
+from routerlab.sim.profiles import Profile
+from routerlab.sim.scheduler import Counters, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+LAG_TOLERANCE_S = 0.02
+
+
+class Listener:
+    """Wakes the HTTP handler that owns one or more sequences when they get tokens."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def notify(self) -> None:
+        self.event.set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+        self.event.clear()
+
+
+class Engine:
+    """Step loop, model clock and metric bookkeeping for one replica."""
+
+    def __init__(
+        self, profile: Profile, time_scale: float, control: Control, metrics: ReplicaMetrics
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        self.profile = profile
+        self.time_scale = time_scale
+        self.control = control
+        self.metrics = metrics
+        self.sched = Scheduler(profile)
+        self._loop = asyncio.get_running_loop()
+        self._origin = self._loop.time()
+        self._model_now = 0.0
+        self._wake = asyncio.Event()
+        self._synced = Counters()
+        self._task: asyncio.Task[None] | None = None
+        self.clock_snaps = 0  # times the loop fell behind and the model clock jumped
+        self.snapped_model_s = 0.0
+
+    # ---- clock -------------------------------------------------------------------
+    def model_time(self) -> float:
+        """Model seconds since the engine started (wall seconds x time_scale)."""
+        return (self._loop.time() - self._origin) * self.time_scale
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        self._task = self._loop.create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self.abort_all()
+
+    # ---- requests ----------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        seq.arrival = self.model_time()
+        self.sched.add(seq)
+        self.metrics.waiting.set(len(self.sched.waiting))
+        self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.finished:
+            self.sched.abort(seq)
+            self.metrics.request_success("abort")
+            self.refresh_gauges()
+            self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every queued or running sequence and wake its handler (stop, failed step)."""
+        for seq in list(self.sched.running) + list(self.sched.waiting):
+            self.abort(seq)
+            if seq.listener is not None:
+                seq.listener.notify()
+
+    def reset_cache(self) -> int:
+        return self.sched.kv.reset()
+
+    # ---- loop --------------------------------------------------------------------
+    async def _run(self) -> None:
+        idle = True
+        while True:
+            try:
+                if not self.sched.has_work():
+                    self.refresh_gauges()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    idle = True
+                    continue
+                wall_model = self.model_time()
+                lag = LAG_TOLERANCE_S * self.time_scale
+                if idle or wall_model - self._model_now > lag:
+                    if not idle:
+                        self.clock_snaps += 1
+                        self.snapped_model_s += wall_model - self._model_now
+                    self._model_now = max(self._model_now, wall_model)
+                plan = self.sched.schedule()
+                if not plan.scheduled:
+                    # nothing can run until a request leaves (cannot normally happen)
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                idle = False
+                end = self._model_now + plan.duration * self.control.slow_factor
+                delay = self._origin + end / self.time_scale - self._loop.time()
+                await asyncio.sleep(delay if delay > 0 else 0)
+                self._model_now = end
+                emitted = self.sched.complete(plan, end)
+                self._account(emitted, end)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Keep the replica serving, but fail what was in flight: retrying the same
+                # state would fail the same way, forever.
+                log.exception("sim engine step failed; aborting in-flight requests")
+                self.abort_all()
+
+    def _account(self, emitted: list[Sequence], now: float) -> None:
+        m = self.metrics
+        for seq in emitted:
+            n = len(seq.outputs)
+            if n == 1:
+                m.ttft.observe(max(0.0, now - seq.arrival))
+            else:
+                m.itl.observe(max(0.0, now - seq.last_token_time))
+            seq.last_token_time = now
+            if seq.finished:
+                m.e2e.observe(max(0.0, now - seq.arrival))
+                m.request_success(seq.finish_reason or "length")
+            if seq.listener is not None:
+                seq.listener.notify()
+        self._sync_counters()
+        self.refresh_gauges()
+
+    def _sync_counters(self) -> None:
+        c, s, m = self.sched.counters, self._synced, self.metrics
+        pairs = (
+            ("prefix_cache_queries", m.prefix_cache_queries),
+            ("prefix_cache_hits", m.prefix_cache_hits),
+            ("cross_tenant_hits", m.cross_tenant_hits),
+            ("prompt_tokens", m.prompt_tokens),
+            ("generation_tokens", m.generation_tokens),
+            ("preemptions", m.num_preemptions),
+        )
+        for name, metric in pairs:
+            delta = getattr(c, name) - getattr(s, name)
+            if delta:
+                metric.inc(delta)
+        for f in fields(Counters):
+            setattr(s, f.name, getattr(c, f.name))
+
+    def refresh_gauges(self) -> None:
+        """Set the queue and KV gauges from the scheduler (also before a /metrics scrape)."""
+        m = self.metrics
+        m.running.set(len(self.sched.running))
+        m.waiting.set(len(self.sched.waiting))
+        m.kv_usage.set(self.sched.kv.usage())
+
+    def state(self) -> dict[str, object]:
+        """Plain JSON counters for GET /sim/state."""
+        c, kv = self.sched.counters, self.sched.kv
+        return {
+            "prefix_cache_queries": c.prefix_cache_queries,
+            "prefix_cache_hits": c.prefix_cache_hits,
+            "cross_tenant_hits": c.cross_tenant_hits,
+            "prefix_cache_requests": c.prefix_cache_requests,
+            "prompt_tokens": c.prompt_tokens,
+            "generation_tokens": c.generation_tokens,
+            "finished": c.finished,
+            "aborted": c.aborted,
+            "preemptions": c.preemptions,
+            "steps": c.steps,
+            "running": len(self.sched.running),
+            "waiting": len(self.sched.waiting),
+            "blocks_total": kv.num_blocks,
+            "blocks_free": kv.num_free,
+            "blocks_used": kv.num_used,
+            "blocks_cached": kv.num_cached_blocks,
+            "evictions": kv.evictions,
+            "kv_cache_usage": kv.usage(),
+            "model_time_s": self.model_time(),
+            "clock_snaps": self.clock_snaps,
+            "snapped_model_s": self.snapped_model_s,
+        }

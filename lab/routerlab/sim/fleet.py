@@ -1,0 +1,139 @@
+"""N replicas on N loopback ports in one asyncio loop, plus a thread helper for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Coroutine, TypeVar
+
+from aiohttp import web
+
+from routerlab.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
+from routerlab.sim.server import Replica
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Fleet settings; ``None`` overrides keep the profile's value.
+
+    ``base_port=0`` binds every replica to an ephemeral port (read them from
+    ``Fleet.ports``), which is what tests should use on a shared machine.
+    """
+
+    replicas: int = 1
+    base_port: int = 8100
+    host: str = "127.0.0.1"
+    profile: str = DEFAULT_PROFILE
+    time_scale: float = 1.0
+    model: str | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def resolved_profile(self) -> Profile:
+        return get_profile(self.profile).with_overrides(
+            model=self.model,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+
+
+class Fleet:
+    """Running replicas; ``urls[i]`` is replica i. Call :meth:`stop` to shut down."""
+
+    def __init__(self, config: SimConfig, replicas: list[Replica], runners: list[web.AppRunner]) -> None:
+        self.config = config
+        self.replicas = replicas
+        self._runners = runners
+
+    @property
+    def ports(self) -> list[int]:
+        return [r.port for r in self.replicas if r.port is not None]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.config.host}:{p}" for p in self.ports]
+
+    async def stop(self) -> None:
+        for r in self.replicas:
+            await r.engine.stop()
+        for runner in self._runners:
+            await runner.cleanup()
+
+
+async def start_fleet(config: SimConfig) -> Fleet:
+    """Bind and start every replica in the running event loop."""
+    if config.replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    profile = config.resolved_profile()
+    replicas: list[Replica] = []
+    runners: list[web.AppRunner] = []
+    try:
+        for i in range(config.replicas):
+            rep = Replica(i, profile, config.time_scale, seed=config.seed)
+            rep.engine.start()
+            replicas.append(rep)
+            # handler_cancellation: a client that disconnects aborts its request, as in vLLM
+            runner = web.AppRunner(rep.app, access_log=None, handle_signals=False,
+                                   handler_cancellation=True)
+            await runner.setup()
+            runners.append(runner)
+            port = 0 if config.base_port == 0 else config.base_port + i
+            site = web.TCPSite(runner, config.host, port, backlog=1024)
+            await site.start()
+            server = site._server  # the asyncio Server: read the bound port
+            assert server is not None and server.sockets
+            rep.port = server.sockets[0].getsockname()[1]
+    except BaseException:
+        await Fleet(config, replicas, runners).stop()
+        raise
+    return Fleet(config, replicas, runners)
+
+
+class FleetThread:
+    """A fleet running in its own event loop on a background thread (for sync tests)."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sim-fleet", daemon=True)
+        self.fleet: Fleet | None = None
+
+    def start(self, timeout: float = 10.0) -> Fleet:
+        self._thread.start()
+        self.fleet = self.call(start_fleet(self.config), timeout)
+        return self.fleet
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        """Run a coroutine on the fleet's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.fleet is not None:
+            self.call(self.fleet.stop(), timeout)
+            self.fleet = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@contextlib.contextmanager
+def run_fleet_in_thread(config: SimConfig) -> Iterator[Fleet]:
+    """``with run_fleet_in_thread(SimConfig(replicas=2, base_port=0)) as fleet: ...``"""
+    ft = FleetThread(config)
+    try:
+        yield ft.start()
+    finally:
+        ft.stop()

@@ -1,0 +1,101 @@
+"""vLLM's Prometheus metrics for one replica, on its own CollectorRegistry.
+
+Names, types, labels and buckets follow vLLM v1 (labels ``model_name`` and
+``engine="0"``). Durations are *model time* (what a real GPU replica would report), not
+the wall-clock time the scaled simulation takes: see docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from routerlab.sim.profiles import Profile
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM 0.32's FinishReason strings: every label is exported from the start, at 0
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+class ReplicaMetrics:
+    """The vLLM metric families of one replica (one engine)."""
+
+    def __init__(self, model: str, profile: Profile) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        names = ["model_name", "engine"]
+        lv = {"model_name": model, "engine": "0"}
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=r).labels(**lv)
+
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        # Not a vLLM metric: the simulator knows which tenant computed each cached block.
+        self.cross_tenant_hits = counter(
+            "sim:cross_tenant_prefix_cache_hits",
+            "Prefix cache hit tokens on blocks computed for another tenant (x-prefix-aware-id header).")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self._success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            names + ["finished_reason"], registry=r)
+        self._success_lv = lv
+        for reason in FINISH_REASONS:
+            self._success.labels(finished_reason=reason, **lv)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r).labels(**lv)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+
+        info = {
+            "block_size": str(profile.block_size),
+            "cache_dtype": "auto",
+            "calculate_kv_scales": "False",
+            "cpu_offload_gb": "0",
+            "enable_prefix_caching": "True",
+            "gpu_memory_utilization": "0.9",
+            "is_attention_free": "False",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(profile.num_blocks),
+            "num_gpu_blocks_override": "None",
+            "prefix_caching_hash_algo": "sim-xxh3",
+            "sliding_window": "None",
+            "swap_space": "4",
+            "engine": "0",
+        }
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(info), registry=r).labels(**info).set(1)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**lv)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds",
+                        "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds",
+                        "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+
+    def request_success(self, finished_reason: str) -> None:
+        self._success.labels(finished_reason=finished_reason, **self._success_lv).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,225 @@
+"""vLLM v1-style scheduler: pure step planning over a :class:`KVCache`, no clock, no I/O.
+
+One step (vLLM's ``schedule()``): running sequences first, in order, each taking what it
+still needs (1 token for a decode, the rest of its prompt for a partially prefilled one)
+from the ``max_num_batched_tokens`` budget; if a running sequence cannot get a KV block
+the *last* running sequence is preempted (blocks freed, recomputed later, put back at the
+head of the queue). Then, if nothing was preempted, waiting sequences are admitted FCFS
+while there is budget, a free ``max_num_seqs`` slot and enough free blocks; a sequence
+that does not fit waits (head-of-line, as vLLM's FCFS policy does). Long prompts are
+prefilled in chunks. Prefix-cache counters (queries = prompt tokens looked up, hits =
+cached tokens) are counted once, when a new sequence is admitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from routerlab.sim import tokenizer
+from routerlab.sim.kv_cache import KVCache, extend_block_hashes, root_hash
+from routerlab.sim.profiles import Profile
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One engine request (one prompt). ``tokens`` = prompt ids + generated ids."""
+
+    req_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    extra_keys: bytes
+    arrival: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = 0
+    admitted: bool = False
+    preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    aborted: bool = False
+    listener: Any = None
+    tenant: str = ""  # the tenant header, only to count cross-tenant hits (a simulator diagnostic)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+        self._root = root_hash(self.extra_keys)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update_hashes(self, block_size: int) -> None:
+        extend_block_hashes(self.block_hashes, self.tokens, block_size, self._root)
+
+
+@dataclass
+class StepPlan:
+    """What one step computes: (sequence, tokens) pairs and its model-time cost."""
+
+    scheduled: list[tuple[Sequence, int]]
+    prefill_tokens: int
+    decodes: int
+    duration: float
+    preempted: list[Sequence]
+
+
+@dataclass
+class Counters:
+    """Plain engine counters (mirrored into Prometheus by metrics.py)."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cross_tenant_hits: int = 0  # hit tokens on blocks another tenant's request computed
+    prefix_cache_requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class Scheduler:
+    """FCFS scheduler with chunked prefill, max_num_seqs and preemption by recompute."""
+
+    def __init__(self, profile: Profile, kv: KVCache | None = None) -> None:
+        self.profile = profile
+        self.kv = kv or KVCache(profile.num_blocks, profile.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.counters = Counters()
+
+    # ---- queue management --------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.update_hashes(self.kv.block_size)
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence (client went away); frees its blocks."""
+        if seq.finished:
+            return
+        seq.aborted = True
+        seq.finish_reason = "abort"
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.free(seq.req_id)
+        self.counters.aborted += 1
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- one step ----------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan one step (allocates KV blocks); an empty plan means nothing can run."""
+        kv = self.kv
+        budget = self.profile.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        prefill = decodes = 0
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            ok = True
+            while not kv.allocate(seq.req_id, seq.num_computed + n, seq.block_hashes, owner=seq.tenant):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    ok = False
+                    break
+            if not ok:
+                break
+            scheduled.append((seq, n))
+            if seq.outputs and n == 1 and seq.num_computed == len(seq.tokens) - 1:
+                decodes += 1
+            else:
+                prefill += n
+            budget -= n
+            i += 1
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
+                seq = self.waiting[0]
+                hits = kv.longest_hit(seq.block_hashes, len(seq.tokens))
+                hit_tokens = len(hits) * kv.block_size
+                n = min(len(seq.tokens) - hit_tokens, budget)
+                if not kv.allocate(seq.req_id, hit_tokens + n, seq.block_hashes, hits, owner=seq.tenant):
+                    break
+                self.waiting.popleft()
+                if not seq.admitted:
+                    seq.admitted = True
+                    seq.cached_tokens = hit_tokens
+                    c = self.counters
+                    c.prefix_cache_requests += 1
+                    c.prefix_cache_queries += len(seq.tokens)
+                    c.prefix_cache_hits += hit_tokens
+                    c.cross_tenant_hits += kv.block_size * sum(b.owner != seq.tenant for b in hits)
+                seq.num_computed = hit_tokens
+                self.running.append(seq)
+                scheduled.append((seq, n))
+                prefill += n
+                budget -= n
+
+        duration = self.profile.step_time(prefill, decodes) if scheduled else 0.0
+        return StepPlan(scheduled, prefill, decodes, duration, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.req_id)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def complete(self, plan: StepPlan, now: float) -> list[Sequence]:
+        """Apply a step's results at model time ``now``; returns sequences that got a token."""
+        self.counters.steps += 1
+        emitted: list[Sequence] = []
+        finished_any = False
+        bs = self.kv.block_size
+        for seq, n in plan.scheduled:
+            if seq.finished:  # aborted while the step ran
+                continue
+            seq.num_computed += n
+            if seq.num_computed < len(seq.tokens):
+                continue  # still prefilling (chunked)
+            index = len(seq.outputs)
+            token_id, _ = tokenizer.output_token(index)
+            seq.outputs.append(token_id)
+            seq.tokens.append(token_id)
+            seq.update_hashes(bs)
+            c = self.counters
+            c.generation_tokens += 1
+            if index == 0:
+                seq.first_token_time = now
+                c.prompt_tokens += seq.num_prompt
+            if len(seq.outputs) >= seq.max_tokens:
+                seq.finish_reason = "length"
+                seq.finish_time = now
+                self.kv.free(seq.req_id)
+                c.finished += 1
+                finished_any = True
+            emitted.append(seq)
+        if finished_any:
+            self.running = [s for s in self.running if not s.finished]
+        return emitted
