@@ -54,7 +54,7 @@ def lab_commands() -> dict[str, Command]:
             continue
         if isinstance(command, Command) and point.name not in COMMANDS:
             found[point.name] = command
-    return found
+    return dict(sorted(found.items(), key=lambda item: LAB_NAMES.index(item[0]) if item[0] in LAB_NAMES else 99))
 
 
 def lab_hint(command: str) -> str:
