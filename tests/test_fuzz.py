@@ -27,7 +27,7 @@ from extproc.core.normalize import MODES, normalize
 from extproc.core.settings import RouteSettings
 from extproc.pick.choose import REASONS
 from extproc.pick.core import PickCore
-from routerlab import fuzz
+from routerlab.fuzz import checks, documents, runner, shapes
 
 FAST = settings(max_examples=300, deadline=None)
 
@@ -50,7 +50,7 @@ ROLES = st.sampled_from(["system", "user", "assistant", "tool"])
 MESSAGES = st.lists(st.fixed_dictionaries(
     {"role": ROLES, "content": st.text(max_size=80) | TEXT_PARTS | IMAGE},
     optional={"name": st.text(string.ascii_letters, max_size=6), "tool_call_id": st.just("c1")}), min_size=1, max_size=4)
-CHAT_DOCS = st.fixed_dictionaries({"model": st.sampled_from(fuzz.MODELS), "messages": MESSAGES}, optional={
+CHAT_DOCS = st.fixed_dictionaries({"model": st.sampled_from(documents.MODELS), "messages": MESSAGES}, optional={
     "tools": st.just([{"type": "function", "function": {"name": "lookup"}}]), "cache_salt": st.text(max_size=8)})
 
 
@@ -67,17 +67,18 @@ CHAT_BODIES = dumped(CHAT_DOCS)
 @st.composite
 def spliced(draw: st.DrawFn) -> bytes:
     """A chat body with a huge number, a NaN, a duplicate key or bad UTF-8 spliced in."""
-    raw = draw(st.sampled_from(fuzz.HUGE_NUMBERS + fuzz.NON_FINITE + (b'"dup"', b'[{"role":"user","content":"b"}]')))
-    body = fuzz.with_raw_field(draw(CHAT_BODIES), draw(st.sampled_from(fuzz.SPLICE_FIELDS)), raw)
+    raw = draw(st.sampled_from(shapes.HUGE_NUMBERS + shapes.NON_FINITE
+                               + (b'"dup"', b'[{"role":"user","content":"b"}]')))
+    body = documents.with_raw_field(draw(CHAT_BODIES), draw(st.sampled_from(shapes.SPLICE_FIELDS)), raw)
     at = draw(st.integers(0, len(body)))
-    return body[:at] + draw(st.sampled_from(fuzz.BAD_UNICODE)) + body[at:] if draw(st.booleans()) else body
+    return body[:at] + draw(st.sampled_from(shapes.BAD_UNICODE)) + body[at:] if draw(st.booleans()) else body
 
 
 DEEP = st.builds(bytes.__mul__, st.sampled_from([b"[", b'{"a":', b'[{"messages":']), st.integers(1, 100_000))
 BODIES = st.one_of(st.just(b""), st.binary(max_size=2048), dumped(JSON), CHAT_BODIES, spliced(), DEEP,
                    st.builds(bytes.__add__, st.just(b"\xef\xbb\xbf"), CHAT_BODIES))
 HEADERS = st.fixed_dictionaries({}, optional={
-    fuzz.TENANT_HEADER: TENANTS, "x-amzn-sagemaker-prefix-aware-id": TENANTS,
+    shapes.TENANT_HEADER: TENANTS, "x-amzn-sagemaker-prefix-aware-id": TENANTS,
     "content-encoding": st.sampled_from(["", "identity", " IDENTITY ", "gzip", " Deflate ", "br"])})
 ROUTES = st.builds(RouteSettings, prefix_length=st.integers(64, 65536), normalize=st.sampled_from(MODES))
 
@@ -119,7 +120,7 @@ def test_hostile_requests_never_raise_and_decide_keeps_its_promises(body: bytes,
     assert d == decide(body, headers, route, complete=complete)  # deterministic
     assert (d.key is None) == (body == b"")
     assert d.prefix_bytes <= route.prefix_length
-    assert fuzz.check(fuzz.Case(body, headers, complete), route, d) == []
+    assert checks.check(shapes.Case(body, headers, complete), route, d) == []
 
 
 @FAST
@@ -127,7 +128,7 @@ def test_hostile_requests_never_raise_and_decide_keeps_its_promises(body: bytes,
 def test_a_refused_tenant_routes_as_no_tenant(value: str, in_header: bool, doc: dict[str, Any]) -> None:
     plain = json.dumps(doc).encode()
     if in_header:
-        body, headers = plain, {fuzz.TENANT_HEADER: value}
+        body, headers = plain, {shapes.TENANT_HEADER: value}
     else:
         body, headers = json.dumps({**doc, "prompt_cache_key": value}).encode(), {}
     d = decide(body, headers, RouteSettings())
@@ -135,7 +136,7 @@ def test_a_refused_tenant_routes_as_no_tenant(value: str, in_header: bool, doc: 
     if not in_header and not _is_utf8(sent):
         assert (d.tenant, d.fallback) == (None, "not_utf8")  # a lone surrogate: the body is unreadable
         return
-    tenant, rejected = fuzz.expected_tenant(sent)
+    tenant, rejected = shapes.expected_tenant(sent)
     assert (d.tenant, d.tenant_rejected) == (tenant, rejected)
     if rejected:
         assert d.tenant_source is None and d.key == decide(plain, {}, RouteSettings()).key
@@ -183,7 +184,7 @@ PICK_ROUTES = st.builds(RouteSettings, mode=st.just("pick"), concurrency_thresho
        fleet=st.booleans())
 def test_the_pick_path_never_raises_for_any_decision(body: bytes, headers: dict[str, str], route: RouteSettings,
                                                     pick: RouteSettings, built: Decision, fleet: bool) -> None:
-    core = fuzz.pick_core() if fleet else NO_FLEET
+    core = checks.pick_core() if fleet else NO_FLEET
     healthy = {r.address for r in core.load.snapshot().replicas if r.healthy}
     for decision in (decide(body, headers, route), built):
         choice, _ = core.evaluate(decision, pick)
@@ -192,13 +193,13 @@ def test_the_pick_path_never_raises_for_any_decision(body: bytes, headers: dict[
 
 
 @settings(max_examples=200, deadline=None)
-@given(shape=st.sampled_from(sorted(fuzz.SHAPES)), seed=st.integers(0, 2**32), mode=st.sampled_from(MODES),
-       limit=st.sampled_from([fuzz.DEFAULT_MAX_BODY_BYTES, 4096]))
+@given(shape=st.sampled_from(sorted(shapes.SHAPES)), seed=st.integers(0, 2**32), mode=st.sampled_from(MODES),
+       limit=st.sampled_from([shapes.DEFAULT_MAX_BODY_BYTES, 4096]))
 def test_every_fuzz_shape_keeps_decides_promises(shape: str, seed: int, mode: str, limit: int) -> None:
-    case = fuzz.fit(fuzz.SHAPES[shape](random.Random(seed), limit), limit)
+    case = shapes.fit(shapes.SHAPES[shape](random.Random(seed), limit), limit)
     route = RouteSettings(normalize=mode, prefix_length=64 + seed % 65473)
     assert len(case.body) <= limit
-    assert fuzz.check(case, route, decide(case.body, case.headers, route, complete=case.complete)) == []
+    assert checks.check(case, route, decide(case.body, case.headers, route, complete=case.complete)) == []
 
 
 # --- the command -----------------------------------------------------------------------
@@ -210,9 +211,9 @@ def _fuzz_command(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int,
 def test_fuzz_command_reports_every_shape_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
     rc, report = _fuzz_command(capsys)
     assert rc == 0
-    assert set(report) == set(fuzz.REPORT_KEYS)
+    assert set(report) == set(runner.REPORT_KEYS)
     assert (report["bodies"], report["exceptions"], report["violations"], report["examples"]) == (300, 0, 0, [])
-    assert set(report["shapes"]) == set(fuzz.SHAPES) and all(s["count"] > 0 for s in report["shapes"].values())
+    assert set(report["shapes"]) == set(shapes.SHAPES) and all(s["count"] > 0 for s in report["shapes"].values())
     assert sum(s["count"] for s in report["shapes"].values()) == 300
     assert sum(report["pick_reasons"].values()) > 0 and report["fallbacks"]["content_encoded"] > 0
     assert 0 < report["p99_ms"] <= report["max_ms"] and report["max_ms_per_mib"] > 0
@@ -222,14 +223,14 @@ def test_fuzz_command_reports_every_shape_and_passes(capsys: pytest.CaptureFixtu
 
 def test_fuzz_command_fails_when_decide_raises(monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    real = fuzz.decide
+    real = runner.decide
 
     def broken(body: bytes, *args: Any, **kwargs: Any) -> Decision:
         if not body:  # the "empty" shape only
             raise ValueError("boom")
         return real(body, *args, **kwargs)
 
-    monkeypatch.setattr(fuzz, "decide", broken)
+    monkeypatch.setattr(runner, "decide", broken)
     rc, report = _fuzz_command(capsys)
     empty = report["shapes"]["empty"]
     assert rc == 1 and report["exceptions"] == empty["count"] == empty["failures"] > 0
@@ -240,12 +241,12 @@ def test_fuzz_command_fails_when_decide_raises(monkeypatch: pytest.MonkeyPatch,
 
 def test_fuzz_command_fails_when_a_promise_breaks(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    real = fuzz.decide
+    real = runner.decide
 
     def decompressing(*args: Any, **kwargs: Any) -> Decision:
         return dataclasses.replace(real(*args, **kwargs), fallback=None)  # claims it parsed the body
 
-    monkeypatch.setattr(fuzz, "decide", decompressing)
+    monkeypatch.setattr(runner, "decide", decompressing)
     rc, report = _fuzz_command(capsys)
     assert rc == 1 and report["exceptions"] == 0
     assert report["shapes"]["compressed"]["failures"] == report["shapes"]["compressed"]["count"]
