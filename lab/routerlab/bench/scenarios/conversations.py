@@ -1,0 +1,114 @@
+"""Conversations that resend their growing history: multi-turn, and zipf-chat at saturation."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, blocks, zipf_weights
+from routerlab.bench.scenarios.spec import FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.trace import TextSource, build_sessions, chat_body, encode
+
+# --- multi-turn -------------------------------------------------------------------------
+
+def _assistant_reply(tokens: int) -> str:
+    """What the simulator generates for ``tokens`` output tokens (its deterministic filler)."""
+    from routerlab.sim.tokenizer import output_token
+
+    return "".join(output_token(i)[1] for i in range(tokens))
+
+
+def _multi_turn(p: Params, rng: random.Random, model: str):
+    """Conversations: a per-conversation context, then turns whose history grows."""
+    text = TextSource(rng)
+    conversations = max(1, math.ceil(p["requests"] / p["turns"]))
+    reply = _assistant_reply(p["output_tokens"])
+    chains = []
+    for c in range(conversations):
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": text.text(p["context_tokens"], tag=f"conversation {c}")}]
+        chain = []
+        for _ in range(p["turns"]):
+            messages.append({"role": "user", "content": text.text(text.between(p["user_min"], p["user_max"]))})
+            chain.append((encode(chat_body(model, list(messages), p["output_tokens"])), f"conv-{c}",
+                          p["output_tokens"], ()))
+            messages.append({"role": "assistant", "content": reply})
+        chains.append(chain)
+    return build_sessions(chains)
+
+
+def _multi_turn_fleet(p: Params) -> FleetSpec:
+    final = p["context_tokens"] + p["turns"] * (p["user_max"] + p["output_tokens"] + 2 * TEMPLATE_TOKENS)
+    return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"],
+                     num_blocks=p["kv_conversations_per_replica"] * blocks(final) + 1)
+
+
+MULTI_TURN = Scenario(
+    name="multi-turn",
+    summary="40 conversations x 6 turns; each starts from its own 1200-token context and the "
+            "history grows turn by turn (8 conversations in flight)",
+    params=dict(requests=240, turns=6, context_tokens=1200, user_min=32, user_max=128, output_tokens=48,
+                replicas=4, time_scale=1.0, kv_conversations_per_replica=4),
+    generate=_multi_turn,
+    fleet=_multi_turn_fleet,
+    load=LoadSpec(concurrency=8, rate=4.0),
+    quick=dict(requests=48, turns=4, replicas=3, time_scale=20.0, output_tokens=8),
+)
+
+# --- zipf-chat --------------------------------------------------------------------------
+
+def _tenant_encoding(body: dict[str, Any], tenant: int) -> bytes:
+    """Each tenant's client serialises its own way (key order, whitespace, sampling fields)."""
+    if tenant % 4 == 0:
+        return encode(body)
+    if tenant % 4 == 1:
+        return json.dumps(body).encode()
+    if tenant % 4 == 2:
+        return json.dumps({**body, "temperature": 0.7, "top_p": 0.95}, indent=2).encode()
+    return json.dumps(dict(reversed(list(body.items()))), separators=(", ", ": ")).encode()
+
+
+def _zipf_chat(p: Params, rng: random.Random, model: str):
+    """Conversations on a few Zipf-popular long system prompts, each resending its history."""
+    text = TextSource(rng)
+    systems = [text.text(p["system_tokens"], tag=f"assistant {i}") for i in range(p["systems"])]
+    weights = zipf_weights(len(systems), p["zipf"])
+    reply = _assistant_reply(p["output_tokens"])
+    chains = []
+    for c in range(p["conversations"]):
+        s = rng.choices(range(len(systems)), weights=weights)[0]
+        tenant = rng.randrange(p["tenants"])
+        headers = (("x-prefix-aware-id", f"tenant-{tenant}"),)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": systems[s]}]
+        chain = []
+        for _ in range(rng.randint(1, p["max_turns"])):
+            messages.append({"role": "user", "content": text.text(text.between(p["user_min"], p["user_max"]))})
+            body = chat_body(model, list(messages), p["output_tokens"])
+            chain.append((_tenant_encoding(body, tenant), f"system-{s}/conv-{c}", p["output_tokens"], headers))
+            messages.append({"role": "assistant", "content": reply})
+        chains.append(chain)
+    return build_sessions(chains)
+
+
+def _zipf_chat_fleet(p: Params) -> FleetSpec:
+    final = p["system_tokens"] + p["max_turns"] * (p["user_max"] + p["output_tokens"] + 2 * TEMPLATE_TOKENS)
+    return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"], max_num_seqs=p["max_num_seqs"],
+                     num_blocks=p["kv_conversations_per_replica"] * blocks(final) + 1)
+
+
+ZIPF_CHAT = Scenario(
+    name="zipf-chat",
+    summary="multi-turn chat at saturation: 8 Zipf-popular 2500-token system prompts, conversations of "
+            "1-12 turns resending their history, 4 tenants serialising JSON differently, 48 in flight "
+            "on 4 replicas of 8 sequences each",
+    params=dict(conversations=240, systems=8, system_tokens=2500, zipf=1.1, tenants=4, max_turns=12,
+                user_min=32, user_max=192, output_tokens=48, replicas=4, time_scale=1.0, max_num_seqs=8,
+                kv_conversations_per_replica=12),
+    generate=_zipf_chat,
+    fleet=_zipf_chat_fleet,
+    load=LoadSpec(concurrency=48, rate=20.0),
+    quick=dict(conversations=30, systems=4, system_tokens=1100, max_turns=4, replicas=3, time_scale=20.0,
+               output_tokens=8),
+)

@@ -1,0 +1,96 @@
+"""What a scenario is: its parameters, the fleet and load it runs on, the fleet's changes
+during the load, and the arms it compares by default."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from routerlab.bench.trace import Session, Trace
+
+Params = dict[str, Any]
+
+STOCK_ARMS = ("round-robin", "least-request", "random")
+PREFIX_ARMS = ("prefix-maglev", "prefix-ring", "prefix-bounded", "prefix-pick", "raw-bytes")
+ENVOY_ARMS = STOCK_ARMS + PREFIX_ARMS
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """Simulated fleet shape; None means the simulator profile's default."""
+
+    replicas: int = 4
+    profile: str = "llama-3.1-70b-h100-tp8"
+    time_scale: float = 1.0
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """How traffic is offered: closed loop (``concurrency`` sessions in flight) or open
+    loop (sessions start as a Poisson process of ``rate`` per second)."""
+
+    mode: str = "closed"
+    concurrency: int = 16
+    rate: float = 20.0
+    duration_s: float = 180.0  # hard bound per arm (and per phase)
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """At ``at_s`` seconds into an arm's load, replica ``replica`` joins or leaves the fleet.
+
+    A joining replica is running but failing health checks (and absent from pick mode's
+    endpoints) until then; a leaving one starts failing them (and leaves the endpoints).
+    """
+
+    at_s: float
+    action: str  # "join" or "leave"
+    replica: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    params: Mapping[str, Any]
+    generate: Callable[[Params, random.Random, str], tuple[Session, ...]]
+    fleet: Callable[[Params], FleetSpec]
+    load: LoadSpec = LoadSpec()
+    prefix_length: int = 4096  # router PrefixLength (bytes of the normalised prompt)
+    arms: tuple[str, ...] = ENVOY_ARMS
+    quick: Mapping[str, Any] = field(default_factory=dict)
+    events: Callable[[Params], tuple[FleetEvent, ...]] = lambda p: ()  # fleet changes during the load
+
+    def resolve(self, overrides: Mapping[str, Any] | None = None, quick: bool = False) -> Params:
+        """Defaults, then ``quick`` overrides, then the caller's; unknown names are errors."""
+        params: Params = dict(self.params)
+        for source in ((self.quick if quick else {}), overrides or {}):
+            for key, value in source.items():
+                if key not in params:
+                    raise KeyError(f"scenario {self.name!r} has no parameter {key!r}; "
+                                   f"choose from {', '.join(sorted(params))}")
+                params[key] = _coerce(params[key], value)
+        return params
+
+    def trace(self, params: Params, seed: int, model: str) -> Trace:
+        rng = random.Random(f"{self.name}:{seed}")
+        return Trace(self.name, seed, model, self.generate(params, rng, model), dict(params))
+
+
+def _coerce(default: Any, value: Any) -> Any:
+    """CLI strings to the default's type (bools accept true/false/1/0)."""
+    if not isinstance(value, str) or isinstance(default, str):
+        return value
+    if isinstance(default, bool):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(value)
+    if isinstance(default, float):
+        return float(value)
+    return value
