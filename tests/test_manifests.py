@@ -30,7 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc.cli import build_parser
+from extproc.cli import COMMANDS, build_parser
 from extproc.core import settings
 from routerlab.harness import envoy_config, envoy_proc
 from routerlab.harness.procs import venv_tool
@@ -322,7 +322,7 @@ def router_settings(docs: tuple[Doc, ...]) -> tuple[settings.ServerSettings, set
     """What `prefix-router serve` makes of the container's args and env (the image's
     entrypoint is `prefix-router`)."""
     container = router_container(docs)
-    args = build_parser("serve").parse_args(container["args"])
+    args = build_parser(COMMANDS, "serve").parse_args(container["args"])
     assert args.command == "serve"
     env = {e["name"]: e["value"] for e in container["env"]}
     assert all(k in {settings.env_var(f) for f in settings.SPECS} for k in env if k.startswith("PREFIX_ROUTER_")), env
