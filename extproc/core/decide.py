@@ -38,6 +38,9 @@ class Decision:
     tenant_rejected: str | None = None  # why a sent tenant id was refused (too_long, bad_chars), or None
     body: bytes | None = field(default=None, repr=False)  # tenant isolation: the body to send instead
     isolation: str | None = None  # tenant isolation's outcome (extproc.core.isolation), None when off
+    # the parsed body as the replica will see it (with the salt isolation added), when the body
+    # was a whole JSON object: precise mode renders and tokenises it as vLLM does
+    document: dict[str, Any] | None = field(default=None, repr=False)
 
 
 def prefix_key(tenant: str | None, prefix: bytes) -> str:
@@ -72,7 +75,7 @@ def _isolate(body: bytes, norm: Normalized, doc: dict[str, Any] | None, mode: st
         return Normalized(salted, "raw", norm.fallback, None), salted, isolation.SALTED_PARTIAL
     assert doc is not None
     if norm.mode == "raw":
-        return Normalized(salted, "raw", norm.fallback, doc), salted, isolation.SALTED
+        return Normalized(salted, "raw", norm.fallback, {**doc, isolation.SALT_FIELD: salt}), salted, isolation.SALTED
     return normalize_document({**doc, isolation.SALT_FIELD: salt}, mode, salted), salted, isolation.SALTED
 
 
@@ -116,4 +119,5 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
         tenant_rejected=rejected,
         body=salted,
         isolation=outcome,
+        document=(norm.document or doc) if complete else None,
     )

@@ -21,6 +21,9 @@ from extproc.core.isolation import MIN_SECRET_BYTES
 from extproc.core.normalize import MODES
 
 ROUTING_MODES: Final = ("hash", "pick")
+# pick mode's view of each replica's cache, per route: auto = the events when the process
+# subscribes to them (--kv-events on), else what the router learned from its own picks
+CACHE_VIEWS: Final = ("auto", "learned", "events")
 ENDPOINT_SOURCES: Final = ("endpoints", "endpoints_file", "endpoints_dns")  # ServerSettings fields; one at most
 
 ENV_PREFIX: Final = "PREFIX_ROUTER_"
@@ -50,6 +53,7 @@ class RouteSettings:
     backlog_weight: float = 0.5  # pick mode: weight of the prefill already queued on a replica
     tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
     tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)
+    cache_view: str = "auto"  # pick mode: auto (events when the process subscribes), learned, or events
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,15 @@ class ServerSettings:
     kv_capacity_tokens: int = 0  # per replica; 0 = read vllm:cache_config_info (num_gpu_blocks x block_size)
     prefill_tokens_per_s: float = 20000.0  # per replica, drains the queued-prefill estimate; 0 = no estimate
     index_max_chunks: int = 2_000_000  # memory bound of the learned index over all replicas
+    # Precise mode: the cache view from vLLM's KV-cache events (--kv-events-config on each replica),
+    # matched against the request's own token ids (the model's chat template and tokenizer).
+    kv_events: bool = False
+    tokenizer: str = ""  # DIR (every model) or NAME=DIR,NAME=DIR (per served model name)
+    kv_events_port: int = 5557  # each endpoint's publisher, on the endpoint's host
+    kv_replay_port: int = 5558  # its replay socket; 0: none (a gap then resets the replica's view)
+    kv_events_topic: str = "kv"
+    kv_dp_ranks: int = 1  # data-parallel ranks per endpoint: rank r publishes on port + r
+    index_max_blocks: int = 8_000_000  # memory bound of the event view over all replicas
     # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
     # command lines are visible to every local user).
     tenant_secret_file: str = ""
@@ -163,6 +176,24 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return lambda raw: parse(raw) if raw.strip() else ""
 
 
+def _tokenizer_dirs(raw: str) -> str:
+    """DIR, or NAME=DIR pairs separated by commas (checked for shape here, read at start-up)."""
+    for part in raw.split(","):
+        name, sep, path = part.strip().rpartition("=")
+        if not path.strip() or (sep and not name.strip()):
+            raise ValueError
+    return raw.strip()
+
+
+def tokenizer_dirs(raw: str) -> dict[str, str]:
+    """``--tokenizer``'s value as served model name -> directory ("*": every model)."""
+    dirs: dict[str, str] = {}
+    for part in raw.split(",") if raw.strip() else ():
+        name, sep, path = part.strip().rpartition("=")
+        dirs[name.strip() if sep else "*"] = path.strip()
+    return dirs
+
+
 def _non_empty(raw: str) -> str:
     if not raw.strip():
         raise ValueError
@@ -197,6 +228,15 @@ SPECS: Final[dict[str, _Spec]] = {
     "prefill_tokens_per_s": _Spec(_number_in(float, 0.0, 1e9), "tokens per second, 0 or more (0: no backlog estimate)"),
     "index_max_chunks": _Spec(_number_in(int, 1, 10**9), "an integer in 1..1000000000"),
     "tenant_isolation": _Spec(_switch, "on or off"),
+    "cache_view": _Spec(_choice(*CACHE_VIEWS), "one of " + ", ".join(CACHE_VIEWS)),
+    "kv_events": _Spec(_switch, "on or off"),
+    "tokenizer": _Spec(_optional(_tokenizer_dirs), "a model directory (tokenizer.json, tokenizer_config.json), "
+                       "or NAME=DIR,... per served model name"),
+    "kv_events_port": _Spec(_number_in(int, 1, 65535), "a TCP port in 1..65535"),
+    "kv_replay_port": _Spec(_number_in(int, 0, 65535), "a TCP port in 1..65535, or 0 for none"),
+    "kv_events_topic": _Spec(str.strip, "a ZMQ topic (vLLM's kv-events-config topic; may be empty)"),
+    "kv_dp_ranks": _Spec(_number_in(int, 1, 1024), "an integer in 1..1024"),
+    "index_max_blocks": _Spec(_number_in(int, 1, 10**10), "an integer in 1..10000000000"),
     "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))
@@ -256,6 +296,9 @@ def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> 
     sources = [flag(n) for n in ENDPOINT_SOURCES if getattr(cfg, n)]
     if len(sources) > 1:
         raise SettingError(f"{' and '.join(sources)} both set: give pick mode one endpoint source")
+    if cfg.kv_events and not (has_endpoints(cfg) and cfg.tokenizer):
+        raise SettingError(f"{flag('kv_events')} on needs the replicas' endpoints (--endpoints, "
+                           f"--endpoints-file or --endpoints-dns) and {flag('tokenizer')}")
     return cfg
 
 
