@@ -1,0 +1,222 @@
+"""Decode vLLM's KV-cache event stream: ZeroMQ frames and msgpack event batches (pure).
+
+vLLM publishes one ``EventBatch`` per scheduler step (vllm/distributed/kv_events.py). Two
+encodings are in the field: inner events as positional arrays tagged by class name with
+trailing defaults omitted (before vLLM PR 42892) and maps with a ``"type"`` key (after it).
+Consumers that decoded only one broke at the change, so both are read here, and fields this
+module does not know are ignored: vLLM adds fields at the end (``kv_cache_spec_kind``,
+``locality``, ...). An inner event that cannot be read is skipped and counted, never fatal:
+one odd event must not cost a whole step; a payload that is not a batch at all raises
+``EventDecodeError``.
+
+Block hashes are kept exactly as sent (an unsigned int that may exceed 2**63, a signed int
+from other engines, or bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``): they are only
+ever dict keys, and the index keys the cache on its own hash of the token ids anyway.
+
+No encoder here: the lab's simulator writes the wire format; tests build payloads with
+``msgpack.packb`` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, NamedTuple
+
+import msgpack
+
+EngineHash = int | bytes
+
+END_OF_REPLAY: Final = -1  # the replay socket's last message: seq -1 and an empty payload
+
+
+class EventDecodeError(ValueError):
+    """A frame or payload that is not vLLM's KV-event wire format."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """One contiguous run of newly cached full blocks of one request (``token_ids`` covers all)."""
+
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None  # None: the run starts at block 0
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[tuple | None, ...] | None = None  # one per block: LoRA, mm hashes, cache_salt
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Evicted blocks (one physical copy each: vLLM may still hold another, vllm#55092)."""
+
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The replica reset its prefix cache."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(NamedTuple):
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None
+
+
+class DecodedBatch(NamedTuple):
+    batch: EventBatch
+    skipped: int  # inner events dropped as unknown or malformed
+
+
+class Frame(NamedTuple):
+    topic: str
+    seq: int  # END_OF_REPLAY on the replay socket's end marker
+    payload: bytes
+
+
+# --- frames ------------------------------------------------------------------------------
+def parse_frames(frames: Sequence[bytes]) -> Frame:
+    """One ZeroMQ multipart message from the PUB socket or the replay DEALER, as a ``Frame``.
+
+    Shapes: PUB ``[topic, seq, payload]``; replay as a DEALER receives it
+    ``[b"", seq, payload]`` (vLLM: ROUTER's empty delimiter is kept by a DEALER, and reads
+    here as an empty topic), ``[b"", topic, seq, payload]`` (publishers that also send the
+    topic), or ``[seq, payload]`` (a DEALER-less client). The end marker has seq -1 (eight
+    0xFF bytes) and an empty payload; the oldest publishers sent an empty seq frame instead,
+    read as ``END_OF_REPLAY`` too.
+    """
+    parts = [bytes(f) for f in frames]
+    if len(parts) == 4 and not parts[0]:
+        parts = parts[1:]
+    if len(parts) == 3:
+        topic_b, seq_b, payload = parts
+    elif len(parts) == 2:
+        topic_b, (seq_b, payload) = b"", parts
+    else:
+        raise EventDecodeError(f"expected [topic,] seq, payload frames, got {len(parts)} frames")
+    if not seq_b and not payload:
+        seq = END_OF_REPLAY
+    elif len(seq_b) != 8:
+        raise EventDecodeError(f"sequence frame must be 8 bytes, got {len(seq_b)}")
+    else:
+        seq = int.from_bytes(seq_b, "big", signed=True)
+    try:
+        topic = topic_b.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EventDecodeError(f"topic frame is not utf-8: {e}") from None
+    return Frame(topic, seq, payload)
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    """What a DEALER sends to vLLM's ROUTER replay socket for every batch with seq >= start."""
+    return [b"", start_seq.to_bytes(8, "big")]
+
+
+# --- payloads ----------------------------------------------------------------------------
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """The batch in ``payload``; inner events that cannot be read are skipped and counted."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise EventDecodeError(f"payload is not msgpack: {type(e).__name__}: {e}") from None
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and 2 <= len(raw):
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    else:
+        raise EventDecodeError(f"payload is not an event batch: {type(raw).__name__}")
+    if not _is_num(ts) or not isinstance(events, list) or not (rank is None or _is_int(rank)):
+        raise EventDecodeError("payload is not an event batch: want [ts, events, data_parallel_rank]")
+    out: list[Event] = []
+    skipped = 0
+    for item in events:
+        event = _event(item)
+        if event is None:
+            skipped += 1
+        else:
+            out.append(event)
+    return DecodedBatch(EventBatch(float(ts), tuple(out), rank), skipped)
+
+
+_STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                         "medium", "lora_name", "extra_keys", "group_idx")
+_REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx")
+
+
+def _event(item: Any) -> Event | None:
+    """One inner event, or None when its tag is unknown or a field has the wrong type."""
+    if isinstance(item, list) and item and isinstance(item[0], str):
+        tag, values = item[0], item[1:]
+        get = (lambda i, name: values[i] if i < len(values) else None)
+    elif isinstance(item, dict) and isinstance(item.get("type"), str):
+        tag = item["type"]
+        get = (lambda i, name: item.get(name))
+    else:
+        return None
+    if tag == "BlockStored":
+        f = [get(i, name) for i, name in enumerate(_STORED_FIELDS)]
+        return _stored(*f)
+    if tag == "BlockRemoved":
+        f = [get(i, name) for i, name in enumerate(_REMOVED_FIELDS)]
+        return _removed(*f)
+    if tag == "AllBlocksCleared":
+        return _CLEARED
+    return None
+
+
+_CLEARED: Final = AllBlocksCleared()
+
+
+def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
+            lora_name: Any, extra: Any, group: Any) -> BlockStored | None:
+    if (not _hash_list(hashes) or not (parent is None or _is_hash(parent))
+            or not isinstance(tokens, list) or not all(_is_int(t) for t in tokens)
+            or not _is_int(block_size) or block_size <= 0
+            or not _opt_int(lora_id) or not _opt_str(medium) or not _opt_str(lora_name)
+            or not _opt_int(group)):
+        return None
+    if extra is not None:
+        if not isinstance(extra, list) or not all(e is None or isinstance(e, list) for e in extra):
+            return None
+        extra = tuple(None if e is None else tuple(e) for e in extra)
+    return BlockStored(tuple(hashes), parent, tuple(tokens), block_size, lora_id, medium, lora_name,
+                       extra, group)
+
+
+def _removed(hashes: Any, medium: Any, group: Any) -> BlockRemoved | None:
+    if not _hash_list(hashes) or not _opt_str(medium) or not _opt_int(group):
+        return None
+    return BlockRemoved(tuple(hashes), medium, group)
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int  # not bool
+
+
+def _is_num(x: Any) -> bool:
+    return type(x) is int or type(x) is float
+
+
+def _is_hash(x: Any) -> bool:
+    return type(x) is int or type(x) is bytes
+
+
+def _hash_list(x: Any) -> bool:
+    return isinstance(x, list) and all(type(h) is int or type(h) is bytes for h in x)
+
+
+def _opt_int(x: Any) -> bool:
+    return x is None or type(x) is int
+
+
+def _opt_str(x: Any) -> bool:
+    return x is None or isinstance(x, str)
