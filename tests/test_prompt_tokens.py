@@ -1,0 +1,256 @@
+"""extproc.pick.prompt_tokens: a request's vLLM token ids, and the segment cache is exact.
+
+The tokenizers are the two tiny ones the lab ships (lab/routerlab/assets): the tiny model's
+byte-level BPE (ByteLevel pre-tokenizer) and a SentencePiece-style Metaspace BPE.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extproc.pick.prompt_tokens import REASONS, ModelTokenizer, NotTokenizable, TokenizerError
+
+ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
+FAMILIES = ["tiny-bytelevel", "tiny-metaspace"]
+
+
+def test_both_families_cache_and_detect_like_vllm() -> None:
+    bl, ms = (ModelTokenizer(ASSETS / f) for f in FAMILIES)
+    assert bl.cache_enabled and ms.cache_enabled
+    # The tiny model's template loops over message['content']: vLLM's "auto" detects "openai".
+    assert bl.content_format == "openai" and ms.content_format == "string"
+
+
+# -- property: cached == uncached ----------------------------------------------------------------
+
+TRICKY = ["<s>", "</s>", "<s >", "< s>", "<unk>", "[INST]", "[/INST]", "<<SYS>>", "<|user|>", "<|user|",
+          "|>", "<|begin_of_text|>", "<|end_of_text|><|pad|>", "\u2581", "\u2581\u2581x", " ", "  ", "\n",
+          "\n\n", "\t", "\r\n", "", "é", "e\u0301", "日本語", "🙂", "\u00a0", "def f(x):\n    return x"]
+words = st.sampled_from(["the", "cat", "Hello", "world", "x", "42", "3.14", ",", ".", "!", "tra", "ing",
+                         "bou", "shai", "steand"])
+pieces = st.one_of(words, st.sampled_from(TRICKY), st.text(max_size=6))
+texts = st.lists(pieces, max_size=12).map(lambda ps: "".join(ps)) | st.lists(pieces, max_size=12).map(" ".join)
+
+
+@st.composite
+def conversations(draw: st.DrawFn, system: str) -> dict:
+    """A chat body: the shared system prompt, alternating user/assistant turns, maybe tools."""
+    n = draw(st.integers(1, 6))
+    msgs: list[dict] = [{"role": "system", "content": system}] if draw(st.booleans()) or system else []
+    for i in range(n):
+        role = "user" if i % 2 == 0 else "assistant"
+        if draw(st.integers(0, 4)) == 0:
+            content: object = [{"type": "text", "text": draw(texts)} for _ in range(draw(st.integers(0, 3)))]
+        else:
+            content = draw(texts)
+        msgs.append({"role": role, "content": content})
+    doc: dict = {"messages": msgs}
+    if draw(st.booleans()):
+        doc["tools"] = [{"type": "function", "function": {"name": draw(st.sampled_from(["get", "put_x"])),
+                                                          "description": draw(texts),
+                                                          "parameters": {"type": "object", "properties": {}}}}]
+    if draw(st.integers(0, 3)) == 0:
+        doc["add_generation_prompt"] = False
+    return doc
+
+
+SYSTEMS = ["You are a helpful assistant.  Answer briefly.\n\nRules:\n- be kind\n- <s> is not special here ",
+           "Sei gentile. 日本語も話します 🙂 \u2581lead", " leading space and trailing newline\n", ""]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_cached_tokens_equal_uncached(family: str, data: st.DataObject) -> None:
+    mt = _fresh(family)
+    system = data.draw(st.sampled_from(SYSTEMS))
+    docs = [data.draw(conversations(system)) for _ in range(3)]
+    for _ in range(2):  # the second pass is served from the cache
+        for doc in docs:
+            try:
+                text = mt.render_chat(doc)
+            except NotTokenizable as e:
+                assert e.reason == "template_error"  # e.g. strip() of list content in the Llama-2 template
+                continue
+            want = mt.encode_uncached(text)
+            assert mt.tokens_for(doc, "chat") == want
+    assert mt.cache_hits > 0 or mt.cache_misses == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(pieces, max_size=20))
+def test_cached_encode_equals_uncached_on_raw_text(family: str, parts: list[str]) -> None:
+    mt = _fresh(family)
+    text = "".join(parts)
+    for _ in range(2):
+        assert mt.encode(text) == mt.encode_uncached(text)
+        assert mt.encode(text, add_special_tokens=True) == mt.encode_uncached(text, add_special_tokens=True)
+
+
+_TOKENIZERS: dict[str, ModelTokenizer] = {}
+
+
+def _fresh(family: str) -> ModelTokenizer:
+    """One tokenizer a family, its cache kept across examples (as in the router) but small, so
+    eviction is exercised too."""
+    if family not in _TOKENIZERS:
+        _TOKENIZERS[family] = ModelTokenizer(ASSETS / family, cache_bytes=20_000)
+    return _TOKENIZERS[family]
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+def test_tools_are_rendered() -> None:
+    ms = ModelTokenizer(ASSETS / "tiny-metaspace")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}, "strict": True}}
+    text = ms.render_chat({"messages": [{"role": "user", "content": "Weather in Zürich?"}], "tools": [tool]})
+    # As vLLM dumps the pydantic model: description present as null, unknown fields kept after.
+    dumped = {"type": "function", "function": {"name": "get_weather", "description": None,
+                                               "parameters": {"type": "object"}, "strict": True}}
+    assert f"[AVAILABLE_TOOLS]{json.dumps([dumped], ensure_ascii=False)}[/AVAILABLE_TOOLS]" in text
+    assert text == f"<s>[INST] [AVAILABLE_TOOLS]{json.dumps([dumped])}[/AVAILABLE_TOOLS]\nWeather in Zürich? [/INST]"
+
+
+def test_generation_prompt_and_continue_final_message() -> None:
+    bl = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon a "}]
+    default = bl.render_chat({"messages": msgs[:1]})
+    assert default == "<|begin_of_text|><|user|>\nHi<|end_of_text|>\n<|assistant|>\n"
+    cont = bl.render_chat({"messages": msgs, "continue_final_message": True, "add_generation_prompt": False})
+    assert cont == "<|begin_of_text|><|user|>\nHi<|end_of_text|>\n<|assistant|>\nOnce upon a "
+    assert bl.tokens_for({"messages": msgs, "continue_final_message": True, "add_generation_prompt": False},
+                         "chat") == bl.encode_uncached(cont)
+    with pytest.raises(NotTokenizable) as e:  # vLLM rejects both at once
+        bl.tokens_for({"messages": msgs, "continue_final_message": True}, "chat")
+    assert e.value.reason == "bad_request"
+
+
+def test_text_parts_string_format_joins_with_newline() -> None:
+    ms = ModelTokenizer(ASSETS / "tiny-metaspace")  # "string" content format
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": ""}, {"type": "text", "text": "two"}]
+    text = ms.render_chat({"messages": [{"role": "user", "content": parts}]})
+    assert text == "<s>[INST] one\ntwo [/INST]"  # vLLM skips the empty part
+
+
+def test_chat_template_kwargs_and_template_errors() -> None:
+    ms = ModelTokenizer(ASSETS / "tiny-metaspace")
+    with pytest.raises(NotTokenizable) as e:  # roles must alternate (the template raises)
+        ms.tokens_for({"messages": [{"role": "assistant", "content": "x"}]}, "chat")
+    assert e.value.reason == "template_error"
+    # A kwarg overriding a template variable reaches the template.
+    text = ms.render_chat({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"bos_token": "B"}})
+    assert text.startswith("B[INST]")
+
+
+def test_multimodal_and_bad_requests() -> None:
+    bl = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    img = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"},
+                                                      {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}
+    cases = [(img, "chat", "multimodal"),
+             ({"messages": []}, "chat", "bad_request"),
+             ({"messages": "hi"}, "chat", "bad_request"),
+             ({"prompt": ["a", "b"]}, "completions", "multiple_prompts"),
+             ({"prompt": {"x": 1}}, "completions", "bad_request"),
+             ({"prompt": "x", "truncate_prompt_tokens": 3}, "completions", "unsupported")]
+    for doc, kind, reason in cases:
+        with pytest.raises(NotTokenizable) as e:
+            bl.tokens_for(doc, kind)  # type: ignore[arg-type]
+        assert e.value.reason == reason and reason in REASONS
+
+
+# -- completions --------------------------------------------------------------------------------
+
+def test_completions_prompt_forms() -> None:
+    for family in FAMILIES:
+        mt = ModelTokenizer(ASSETS / family)
+        want = mt.encode_uncached("Once upon a time", add_special_tokens=True)
+        assert want[0] == mt._tok.token_to_id("<s>" if family == "tiny-metaspace" else "<|begin_of_text|>")
+        assert mt.tokens_for({"prompt": "Once upon a time"}, "completions") == want
+        assert mt.tokens_for({"prompt": ["Once upon a time"]}, "completions") == want
+        assert mt.tokens_for({"prompt": [5, 6, 7]}, "completions") == [5, 6, 7]
+        assert mt.tokens_for({"prompt": [[5, 6, 7]]}, "completions") == [5, 6, 7]
+        no_bos = mt.tokens_for({"prompt": "Once upon a time", "add_special_tokens": False}, "completions")
+        assert no_bos == mt.encode_uncached("Once upon a time")
+
+
+# -- construction -------------------------------------------------------------------------------
+
+def test_missing_or_invalid_files_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="does not exist"):
+        ModelTokenizer(tmp_path / "nope")
+    d = tmp_path / "m"
+    shutil.copytree(ASSETS / "tiny-metaspace", d)
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        ModelTokenizer(d)
+    shutil.copy(ASSETS / "tiny-metaspace" / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").unlink()
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        ModelTokenizer(d)
+    (d / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        ModelTokenizer(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
+    with pytest.raises(TokenizerError, match="tokenizer_config.json.*does not compile"):
+        ModelTokenizer(d)
+    (d / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        ModelTokenizer(d)
+    assert issubclass(TokenizerError, ValueError)
+
+
+def test_template_sources(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(ASSETS / "tiny-metaspace", d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert ModelTokenizer(d).render_chat({"messages": [{"role": "user", "content": "x"}]}) == "D<s>"
+    (d / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}{{ eos_token }}")
+    assert ModelTokenizer(d).render_chat({"messages": [{"role": "user", "content": "x"}]}) == "Jx</s>"
+    del cfg["chat_template"]
+    (d / "chat_template.jinja").unlink()
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NotTokenizable) as e:
+        ModelTokenizer(d).tokens_for({"messages": [{"role": "user", "content": "x"}]}, "chat")
+    assert e.value.reason == "no_tokenizer"
+
+
+def test_flags_that_break_independence_disable_the_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(ASSETS / "tiny-metaspace", d)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["added_tokens"][1]["lstrip"] = True
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    with caplog.at_level("WARNING"):
+        mt = ModelTokenizer(d)
+    assert not mt.cache_enabled and "lstrip" in mt.cache_disabled_reason
+    assert "cache disabled" in caplog.text
+    text = "a  <s> b"
+    assert mt.encode(text) == mt.encode_uncached(text) and mt.cache_misses == 0
+
+
+# -- the cache ----------------------------------------------------------------------------------
+
+def test_repeated_system_prompt_hits_the_cache_and_stays_bounded() -> None:
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=200_000)
+    system = "You are a careful assistant. " * 200
+    for i in range(30):
+        doc = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]}
+        assert mt.tokens_for(doc, "chat") == mt.encode_uncached(mt.render_chat(doc))
+    # The system prompt was tokenised once; every later request found it.
+    assert mt.cache_hits >= 29 and mt.cache_hit_chars >= 29 * len(system)
+    assert mt.cache_bytes_used <= 200_000
+    small = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=2_000)
+    for i in range(50):
+        small.encode(f"text number {i} " * 5 + "<|user|>")
+    assert small.cache_bytes_used <= 2_000 and 0 < small.cache_entries < 50
+    off = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=0)
+    assert off.encode(system + "<|user|>x") == off.encode_uncached(system + "<|user|>x") and off.cache_entries == 0
