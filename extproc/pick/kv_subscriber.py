@@ -1,0 +1,369 @@
+"""Precise mode's state gatherer: every replica's KV-cache events, over ZeroMQ, into the index.
+
+One asyncio task per (endpoint, data-parallel rank). Each connects a SUB socket to
+``tcp://HOST:events_port + rank`` (HOST: the endpoint's own host; vLLM's publisher binds there)
+and applies the batches in sequence order:
+
+* expected = last applied + 1. Equal: apply. Greater: a gap; ask the replay socket (a DEALER on
+  ``replay_port + rank``) for every batch from ``expected`` and apply them in order. When there is
+  no replay socket, it does not answer, or its buffer no longer starts at ``expected``, the gap
+  cannot be filled: the replica's view is reset (cause ``gap``; not when nothing has been applied
+  since the last reset) and whatever the buffer did hold is applied.
+* A live seq at or below the last live seq, or more than a replay window below the last applied
+  one, is a new publisher process (vLLM counts from 0 per process): reset (cause ``restart``), then
+  the new process's batches as for a gap from 0. A seq already applied otherwise (a replay ran
+  ahead of the live stream) is a duplicate and skipped.
+* On connect, and if that went unanswered, at the first live message, the whole replay buffer is
+  asked for (from 0), so a router that starts while replicas are warm learns what their buffers
+  still hold (origin ``replayed`` until the first live batch is applied, then ``events``). The
+  buffer is bounded and there is no snapshot: blocks stored before it are not learned.
+* A frame or payload that does not decode is counted (``bad_frames``) and skipped; a batch whose
+  payload is bad still advances the sequence (its content is lost either way: a replay would
+  return the same bytes). Nothing raises out of a task: an unexpected error is logged, and the
+  stream starts a new session a second later with its sequence state kept.
+
+Data-parallel ranks: in vLLM each rank is its own engine with its own cache, but Envoy sees one
+``ip:port`` per endpoint, so the index is keyed by the endpoint address and all its ranks feed it
+(the union of their caches: a block held by any rank counts as held by the replica, even though
+the rank a request lands on may not hold it). A reset of one rank (restart, gap) resets the
+address, so the other ranks of that endpoint are asked to replay their buffers from 0 again.
+
+The counters are plain attributes (``stats``) for the integrator to export; ``on_reset(address,
+cause)`` is called on every reset as it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import zmq
+import zmq.asyncio
+
+from extproc.pick.kv_events import END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request
+
+log = logging.getLogger("extproc.pick.kv_subscriber")
+
+CAUSES: Final = ("restart", "gap", "cleared", "left")
+DRAIN: Final = 512  # live messages handled per wake-up before yielding to the request path
+
+
+class Index(Protocol):
+    def apply(self, address: str, events: Sequence[Any]) -> Any: ...
+    def reset(self, address: str) -> None: ...
+    def remove(self, address: str) -> None: ...
+
+
+@dataclass
+class ReplicaView:
+    """What is known of one replica's event stream (all its DP ranks)."""
+
+    origin: str = "none"  # "none" | "replayed" (built from a replay buffer) | "events" (live events flow)
+    last_seq: dict[int, int] = field(default_factory=dict)  # rank -> last applied seq
+    last_event_time: float = 0.0  # wall clock when its last batch was applied
+    lag: float = 0.0  # seconds from the last batch's ts to its application
+
+
+@dataclass
+class KvSubscriberStats:
+    batches: int = 0  # batches applied (live and replayed)
+    blocks: int = 0  # block hashes in applied BlockStored/BlockRemoved events
+    events_skipped: int = 0  # inner events the decoder could not read
+    gaps: int = 0  # missing seq ranges seen
+    replays_asked: int = 0
+    replays_served: int = 0  # replay requests answered up to the end marker
+    replayed_batches: int = 0  # batches applied from replay answers
+    bad_frames: int = 0
+    resets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+    replicas: dict[str, ReplicaView] = field(default_factory=dict)
+
+
+class _Stream:
+    """One (endpoint, rank) event stream."""
+
+    __slots__ = ("address", "rank", "events_url", "replay_url", "applied", "live", "synced", "resync", "task")
+
+    def __init__(self, address: str, rank: int, events_url: str, replay_url: str | None) -> None:
+        self.address = address
+        self.rank = rank
+        self.events_url = events_url
+        self.replay_url = replay_url
+        self.applied = -1  # last applied seq
+        self.live = -1  # last seq received on the live socket
+        self.synced = replay_url is None  # the initial replay answered (or there is none)
+        self.resync = False  # the address was reset: replay from 0 again
+        self.task: asyncio.Task[None] | None = None
+
+
+def _host(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host or address
+
+
+def _cleared(result: Any) -> int:
+    """How many AllBlocksCleared resets an ``ApplyResult`` reports (0 when it says nothing)."""
+    n = getattr(result, "cleared", 0)
+    return int(n) if n else 0
+
+
+class KvEventSubscriber:
+    """Subscribes to the KV-cache events of every endpoint and feeds them to ``index``."""
+
+    def __init__(self, index: Index, events_port: int = 5557, replay_port: int | None = 5558, topic: str = "kv",
+                 dp_ranks: int = 1, on_reset: Callable[[str, str], None] | None = None,
+                 replay_timeout: float = 1.0, replay_total_timeout: float = 10.0, replay_window: int = 10_000,
+                 rcvhwm: int = 100_000, poll_interval: float = 0.5) -> None:
+        self.index = index
+        self.events_port = events_port
+        self.replay_port = replay_port or None  # 0 (the setting's "none") as None
+        self.topic = topic
+        self.dp_ranks = max(1, dp_ranks)
+        self.on_reset = on_reset
+        self.replay_timeout = replay_timeout  # per message of a replay answer
+        self.replay_total_timeout = replay_total_timeout
+        self.replay_window = replay_window
+        self.rcvhwm = rcvhwm
+        self.poll_ms = int(poll_interval * 1000)
+        self.stats = KvSubscriberStats()
+        self._streams: dict[str, list[_Stream]] = {}
+        self._wanted: list[str] = []
+        self._dirty: dict[str, bool] = {}  # applied anything since the last reset
+        self._ctx: zmq.asyncio.Context | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        self._reconcile()
+
+    async def stop(self, timeout: float = 2.0) -> None:
+        tasks = [s.task for streams in self._streams.values() for s in streams if s.task] + list(self._closing)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        self._streams.clear()
+        self._closing.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def set_endpoints(self, addresses: Sequence[str]) -> None:
+        """The endpoint watcher's list: streams start for new endpoints, stop for those that left."""
+        self._wanted = list(dict.fromkeys(addresses))
+        if self._ctx is not None:
+            self._reconcile()
+
+    def _reconcile(self) -> None:
+        wanted = set(self._wanted)
+        for address in [a for a in self._streams if a not in wanted]:
+            for st in self._streams.pop(address):
+                if st.task is not None:
+                    st.task.cancel()
+                    self._closing.add(st.task)
+                    st.task.add_done_callback(self._closing.discard)
+            self.index.remove(address)
+            self._dirty.pop(address, None)
+            self.stats.replicas.pop(address, None)
+            self._count_reset(address, "left")
+        loop = asyncio.get_running_loop()
+        for address in self._wanted:
+            if address in self._streams:
+                continue
+            host = _host(address)
+            streams = []
+            for rank in range(self.dp_ranks):
+                replay = None if self.replay_port is None else f"tcp://{host}:{self.replay_port + rank}"
+                st = _Stream(address, rank, f"tcp://{host}:{self.events_port + rank}", replay)
+                st.task = loop.create_task(self._run(st), name=f"kv-events {address} rank {rank}")
+                streams.append(st)
+            self._streams[address] = streams
+            self.stats.replicas[address] = ReplicaView()
+
+    # ---- one stream ---------------------------------------------------------------------
+    async def _run(self, st: _Stream) -> None:
+        while True:
+            try:
+                await self._session(st)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the stream must outlive any one bad session
+                log.exception("KV-event stream %s rank %d failed; reconnecting", st.address, st.rank)
+            await asyncio.sleep(1.0)
+
+    def _socket(self, kind: int, url: str) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if url.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
+        sock.connect(url)
+        return sock
+
+    async def _session(self, st: _Stream) -> None:
+        sock = self._socket(zmq.SUB, st.events_url)
+        raw = zmq.Socket.shadow(sock.underlying)  # synchronous reads of what is already queued
+        try:
+            if not st.synced:
+                await self._initial_replay(st)
+            while True:
+                if st.resync:
+                    st.resync = False
+                    st.applied = -1
+                    await self._initial_replay(st)
+                if not await sock.poll(self.poll_ms, zmq.POLLIN):
+                    continue
+                for _ in range(DRAIN):
+                    try:
+                        frames = raw.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._on_live(st, frames)
+                await asyncio.sleep(0)
+        finally:
+            sock.close(linger=0)
+
+    async def _on_live(self, st: _Stream, frames: list[bytes]) -> None:
+        try:
+            frame = parse_frames(frames)
+        except EventDecodeError:
+            self.stats.bad_frames += 1
+            return
+        if frame.seq < 0 or (self.topic and frame.topic != self.topic):
+            if frame.seq < 0:
+                self.stats.bad_frames += 1
+            return  # another topic sharing our prefix
+        if not st.synced:
+            await self._initial_replay(st)
+        seq = frame.seq
+        if seq <= st.live or seq < st.applied - self.replay_window:
+            # vLLM counts from 0 per process: the publisher restarted
+            self._reset(st, "restart")
+            st.applied = -1
+        st.live = seq
+        if seq == st.applied + 1:
+            self._apply(st, frame, live=True)
+        elif seq > st.applied + 1:
+            await self._fill_gap(st, frame)
+        # else: already applied from a replay answer
+
+    async def _initial_replay(self, st: _Stream) -> None:
+        if st.replay_url is None:
+            st.synced = True
+            return
+        answered, frames = await self._ask(st, 0)
+        if not answered:
+            return  # publisher absent: ask again at its first live message
+        st.synced = True
+        for fr in frames:
+            if fr.seq > st.applied:  # a fresh buffer may start after 0: learn what it holds
+                st.applied = fr.seq - 1
+                self._apply(st, fr, live=False)
+        view = self.stats.replicas.get(st.address)
+        if view is not None and frames and view.origin == "none":
+            view.origin = "replayed"
+
+    async def _fill_gap(self, st: _Stream, frame: Frame) -> None:
+        self.stats.gaps += 1
+        expected = st.applied + 1
+        answered, frames = (False, [])
+        if st.replay_url is not None:
+            answered, frames = await self._ask(st, expected)
+        if answered and frames and frames[0].seq <= expected:
+            for fr in frames:
+                if fr.seq == st.applied + 1 and fr.seq < frame.seq:  # [expected, current); then current
+                    self._apply(st, fr, live=False)
+        if st.applied < frame.seq - 1:  # not filled: the missing batches are gone
+            log.info("KV events of %s rank %d: seq %d..%d lost", st.address, st.rank, st.applied + 1, frame.seq - 1)
+            if self._dirty.get(st.address):
+                self._reset(st, "gap")
+            # What the buffer does still hold before this batch is true: learn it from its start.
+            held = [fr for fr in frames if fr.seq < frame.seq] if answered else []
+            st.applied = (held[0].seq if held else frame.seq) - 1
+            for fr in held:
+                if fr.seq == st.applied + 1:
+                    self._apply(st, fr, live=False)
+        if frame.seq == st.applied + 1:
+            self._apply(st, frame, live=True)
+
+    async def _ask(self, st: _Stream, start: int) -> tuple[bool, list[Frame]]:
+        """Every buffered batch with seq >= start; (answered to the end marker, frames in order)."""
+        assert st.replay_url is not None
+        self.stats.replays_asked += 1
+        dealer = self._socket(zmq.DEALER, st.replay_url)  # a fresh socket: no late answers of an old ask
+        out: list[Frame] = []
+        try:
+            await dealer.send_multipart(replay_request(start))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.replay_total_timeout
+            while True:
+                wait = min(self.replay_timeout, deadline - loop.time())
+                if wait <= 0 or not await dealer.poll(int(wait * 1000), zmq.POLLIN):
+                    return False, out
+                frames = await dealer.recv_multipart()
+                try:
+                    fr = parse_frames(frames)
+                except EventDecodeError:
+                    self.stats.bad_frames += 1
+                    continue
+                if fr.seq == END_OF_REPLAY:
+                    self.stats.replays_served += 1
+                    return True, out
+                if fr.seq >= start and (not out or fr.seq > out[-1].seq):
+                    out.append(fr)
+        finally:
+            dealer.close(linger=0)
+
+    # ---- applying -----------------------------------------------------------------------
+    def _apply(self, st: _Stream, frame: Frame, live: bool) -> None:
+        st.applied = frame.seq
+        view = self.stats.replicas.get(st.address)
+        if view is None:
+            return  # the endpoint left while a replay was under way
+        view.last_seq[st.rank] = frame.seq
+        try:
+            decoded = decode_batch(frame.payload)
+        except EventDecodeError:
+            self.stats.bad_frames += 1
+            return
+        batch = decoded.batch
+        result = self.index.apply(st.address, batch.events)
+        self._dirty[st.address] = True
+        stats = self.stats
+        stats.batches += 1
+        stats.events_skipped += decoded.skipped
+        stats.blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)
+        now = time.time()
+        view.last_event_time = now
+        view.lag = now - batch.ts
+        if live:
+            view.origin = "events"
+        else:
+            stats.replayed_batches += 1
+        cleared = _cleared(result)
+        for _ in range(cleared):
+            self._count_reset(st.address, "cleared")
+
+    def _reset(self, st: _Stream, cause: str) -> None:
+        self.index.reset(st.address)
+        self._dirty[st.address] = False
+        self._count_reset(st.address, cause)
+        for other in self._streams.get(st.address, ()):
+            if other is not st and other.replay_url is not None:
+                other.resync = True  # its part of the union is gone too: replay its buffer again
+
+    def _count_reset(self, address: str, cause: str) -> None:
+        self.stats.resets[cause] += 1
+        if self.on_reset is not None:
+            try:
+                self.on_reset(address, cause)
+            except Exception:
+                log.exception("on_reset callback failed")

@@ -1,0 +1,370 @@
+"""KvEventSubscriber against the simulator's publisher over real ZeroMQ sockets on 127.0.0.1.
+
+Every wait polls a condition with a deadline; no fixed sleeps. A subscriber's subscription is
+known to have reached the publisher through the publisher's XPUB (``subscriptions()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+from routerlab.harness.procs import free_port_run, free_ports
+from routerlab.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
+
+from extproc.pick import kv_events
+from extproc.pick.kv_index import ApplyResult, EventIndex
+from extproc.pick.kv_subscriber import KvEventSubscriber
+
+pytestmark = pytest.mark.timeout(60)
+
+BIG = 2**63 + 12345  # block hashes above int64: vLLM's are unsigned 64-bit
+ADDRESS = "127.0.0.1:8000"  # the endpoint's HTTP address; its publisher is on the same host
+
+
+class RecordingIndex:
+    def __init__(self) -> None:
+        self.log: list[tuple] = []  # ("apply", address, events) | ("reset", address) | ("remove", address)
+
+    def apply(self, address, events):
+        events = list(events)
+        self.log.append(("apply", address, events))
+        return ApplyResult(cleared=sum(isinstance(e, kv_events.AllBlocksCleared) for e in events))
+
+    def reset(self, address):
+        self.log.append(("reset", address))
+
+    def remove(self, address):
+        self.log.append(("remove", address))
+
+    def marks(self) -> list[int]:
+        """The seq markers (first block hash - BIG of each batch's first event) in apply order."""
+        out = []
+        for entry in self.log:
+            if entry[0] == "apply" and entry[2] and hasattr(entry[2][0], "block_hashes"):
+                h = entry[2][0].block_hashes[0]
+                out.append((int.from_bytes(h, "big") if isinstance(h, bytes) else h) - BIG)
+        return out
+
+    def ops(self) -> list[str]:
+        return [e[0] for e in self.log]
+
+
+def stored(mark: int) -> BlockStored:
+    """A batch's first event names its publisher seq through its block hash."""
+    return BlockStored([BIG + mark, BIG + mark + 1000], None if mark == 0 else BIG + mark - 1,
+                       list(range(8)), 4, extra_keys=[None, None])
+
+
+async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro(), 45))
+
+
+class Rig:
+    """One publisher (rank 0) on fresh ports and one subscriber for ADDRESS."""
+
+    def __init__(self, pub_kw: dict | None = None, sub_kw: dict | None = None) -> None:
+        self.events_port, self.replay_port = free_ports(2)
+        self.pub_kw = pub_kw or {}
+        self.index = RecordingIndex()
+        self.resets: list[tuple[str, str]] = []
+        self.sub = KvEventSubscriber(self.index, self.events_port, self.replay_port, "kv",
+                                     on_reset=lambda a, c: self.resets.append((a, c)),
+                                     replay_timeout=0.5, poll_interval=0.05, **(sub_kw or {}))
+        self.pub: KvEventPublisher | None = None
+
+    def publisher(self, **kw) -> KvEventPublisher:
+        kw = {"replay_port": self.replay_port, **self.pub_kw, **kw}
+        self.pub = KvEventPublisher("127.0.0.1", self.events_port, topic="kv", **kw)
+        return self.pub
+
+    async def subscribe(self, subs: int = 1) -> None:
+        await self.sub.start()
+        self.sub.set_endpoints([ADDRESS])
+        assert self.pub is not None
+        await until(lambda: self.pub.subscriptions() >= subs, "the subscription at the publisher")
+        await until(lambda: all(s.synced for s in self.sub._streams[ADDRESS]), "the first replay's answer")
+
+    async def close(self) -> None:
+        await self.sub.stop()
+        if self.pub is not None:
+            self.pub.close()
+
+
+ENCODINGS = [
+    dict(encoding="array", batch_encoding="array", hash_type="int", replay_topic=True),
+    dict(encoding="map", batch_encoding="array", hash_type="int", replay_topic=True),
+    dict(encoding="map", batch_encoding="map", hash_type="bytes", replay_topic=False),
+    dict(encoding="array", batch_encoding="array", hash_type="bytes", replay_topic=False),
+]
+
+
+@pytest.mark.parametrize("enc", ENCODINGS, ids=lambda e: "-".join(str(v) for v in e.values()))
+def test_in_order_then_a_dropped_batch_is_replayed(enc) -> None:
+    async def body() -> None:
+        rig = Rig(enc)
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            pub.publish([stored(1), BlockRemoved([BIG + 0])])
+            await until(lambda: rig.index.marks() == [0, 1], "two batches in order")
+            pub.publish([stored(2)], send=False)  # lost on the wire, kept in the replay buffer
+            pub.publish([stored(3)])
+            await until(lambda: rig.index.marks() == [0, 1, 2, 3], "the lost batch replayed, then the live one")
+            st = rig.sub.stats
+            assert st.gaps == 1 and st.replayed_batches == 1 and st.batches == 4
+            assert st.replays_served == 2  # the first (empty) replay and the gap's
+            assert sum(st.resets.values()) == 0 and "reset" not in rig.index.ops()
+            view = st.replicas[ADDRESS]
+            assert view.origin == "events" and view.last_seq == {0: 3} and view.lag >= 0
+            ev = rig.index.log[1][2]
+            first = ev[0].block_hashes[0]
+            if enc["hash_type"] == "bytes":
+                assert first == (BIG + 1).to_bytes(32, "big")
+            else:
+                assert first == BIG + 1 and first > 2**63
+            assert isinstance(ev[1], kv_events.BlockRemoved)
+            assert st.blocks == 2 + 3 + 2 + 2
+            assert st.bad_frames == 0 and st.events_skipped == 0
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_all_blocks_cleared_is_counted_as_a_reset() -> None:
+    async def body() -> None:
+        rig = Rig()
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            pub.publish([AllBlocksCleared()])
+            await until(lambda: rig.sub.stats.batches == 2, "two batches")
+            assert rig.sub.stats.resets["cleared"] == 1 and rig.resets == [(ADDRESS, "cleared")]
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_gap_the_buffer_no_longer_holds_resets_the_view() -> None:
+    async def body() -> None:
+        rig = Rig({"buffer_steps": 3})
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            await until(lambda: rig.index.marks() == [0], "seq 0")
+            for mark in range(1, 5):
+                pub.publish([stored(mark)], send=False)  # 1..4 lost; the buffer keeps 3, 4 then 5
+            pub.publish([stored(5)])
+            await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
+            assert rig.index.ops() == ["apply", "reset", "apply", "apply", "apply"]
+            assert rig.sub.stats.resets == {"restart": 0, "gap": 1, "cleared": 0, "left": 0}
+            assert rig.resets == [(ADDRESS, "gap")] and rig.sub.stats.gaps == 1
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_gap_without_a_replay_socket_resets_the_view() -> None:
+    async def body() -> None:
+        rig = Rig(sub_kw={})
+        rig.sub.replay_port = None  # before start: its streams get no replay socket
+        pub = rig.publisher(replay_port=None)
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            await until(lambda: rig.index.marks() == [0], "seq 0")
+            pub.publish([stored(1)], send=False)
+            pub.publish([stored(2)])
+            await until(lambda: rig.index.marks() == [0, 2], "seq 2 after the reset")
+            assert rig.index.ops() == ["apply", "reset", "apply"] and rig.sub.stats.replays_asked == 0
+            assert rig.sub.stats.resets["gap"] == 1
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_restarted_publisher_resets_the_view() -> None:
+    async def body() -> None:
+        rig = Rig()
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            pub.publish([stored(1)])
+            await until(lambda: rig.index.marks() == [0, 1], "the first process's batches")
+            pub.close()
+            pub = rig.publisher()  # a new process on the same ports: seq from 0 again
+            await until(lambda: pub.subscriptions() >= 1, "the subscriber reconnected")
+            pub.publish([stored(7)])
+            await until(lambda: rig.index.marks() == [0, 1, 7], "the new process's first batch")
+            assert rig.index.ops() == ["apply", "apply", "reset", "apply"]
+            assert rig.sub.stats.resets["restart"] == 1 and rig.resets == [(ADDRESS, "restart")]
+            assert rig.sub.stats.replicas[ADDRESS].last_seq == {0: 0}
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_subscriber_started_late_learns_the_buffer_by_replay() -> None:
+    async def body() -> None:
+        rig = Rig()
+        pub = rig.publisher()
+        try:
+            for mark in range(3):
+                pub.publish([stored(mark)])  # nobody listens yet
+            await rig.subscribe()
+            await until(lambda: rig.index.marks() == [0, 1, 2], "the replayed buffer")
+            view = rig.sub.stats.replicas[ADDRESS]
+            assert view.origin == "replayed" and view.last_seq == {0: 2}
+            assert rig.sub.stats.replayed_batches == 3 and rig.sub.stats.gaps == 0
+            pub.publish([stored(3)])
+            await until(lambda: rig.index.marks() == [0, 1, 2, 3], "the live batch")
+            assert view.origin == "events" and "reset" not in rig.index.ops()
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_publisher_that_appears_later_is_picked_up() -> None:
+    async def body() -> None:
+        rig = Rig()
+        try:
+            await rig.sub.start()
+            rig.sub.set_endpoints([ADDRESS])
+            await until(lambda: rig.sub.stats.replays_asked >= 1, "a replay asked of nobody")
+            assert rig.sub.stats.replicas[ADDRESS].origin == "none"
+            pub = rig.publisher()
+            await until(lambda: pub.subscriptions() >= 1, "the subscription")
+            pub.publish([stored(0)])
+            pub.publish([stored(1)])
+            await until(lambda: rig.index.marks() == [0, 1], "both batches")
+            assert "reset" not in rig.index.ops()
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_garbage_is_counted_and_skipped() -> None:
+    async def body() -> None:
+        rig = Rig()
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            pub.send_raw([b"kv"])  # one frame
+            pub.send_raw([b"kv", b"short", b"\x90"])  # a seq frame that is not 8 bytes
+            pub.send_raw([b"kv", pub.next_seq.to_bytes(8, "big"), b"\xc1\xc1 not msgpack"])
+            pub.next_seq += 1
+            pub.send_raw([b"kv", pub.next_seq.to_bytes(8, "big"), b"\x93\x01"])  # msgpack, not a batch
+            pub.next_seq += 1
+            pub.publish([stored(2)])
+            await until(lambda: rig.index.marks() == [2], "the good batch after the garbage")
+            st = rig.sub.stats
+            assert st.bad_frames == 4 and st.gaps == 0 and st.batches == 1
+            assert st.replicas[ADDRESS].last_seq == {0: 2}
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_an_endpoint_that_leaves_is_removed() -> None:
+    async def body() -> None:
+        rig = Rig()
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            await until(lambda: rig.index.marks() == [0], "seq 0")
+            tasks = [s.task for s in rig.sub._streams[ADDRESS]]
+            rig.sub.set_endpoints([])
+            assert rig.index.log[-1] == ("remove", ADDRESS)
+            assert rig.sub.stats.resets["left"] == 1 and ADDRESS not in rig.sub.stats.replicas
+            await until(lambda: all(t.done() for t in tasks), "the stream task stopped")
+            pub.publish([stored(1)])  # nobody applies it any more
+            rig.sub.set_endpoints([ADDRESS])  # back: a fresh stream replays the buffer
+            await until(lambda: rig.index.marks() == [0, 0, 1], "the buffer replayed for the returning endpoint")
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_data_parallel_ranks_feed_one_address() -> None:
+    async def body() -> None:
+        events, replay = free_port_run(2), free_port_run(2)
+        index = RecordingIndex()
+        sub = KvEventSubscriber(index, events, replay, "kv", dp_ranks=2, replay_timeout=0.5, poll_interval=0.05)
+        pubs = [KvEventPublisher("127.0.0.1", events, replay, "kv", data_parallel_rank=r) for r in range(2)]
+        try:
+            await sub.start()
+            sub.set_endpoints([ADDRESS])
+            await until(lambda: all(p.subscriptions() >= 1 for p in pubs), "both subscriptions")
+            await until(lambda: all(s.synced for s in sub._streams[ADDRESS]), "both first replays")
+            pubs[0].publish([stored(0)])
+            pubs[1].publish([stored(100)])
+            await until(lambda: sorted(index.marks()) == [0, 100], "both ranks' batches")
+            assert sub.stats.replicas[ADDRESS].last_seq == {0: 0, 1: 0}
+        finally:
+            await sub.stop()
+            for p in pubs:
+                p.close()
+
+    run(body)
+
+
+def test_real_index_learns_blocks_through_the_wire() -> None:
+    from extproc.pick.kv_index import block_hashes
+
+    async def body() -> None:
+        index = EventIndex()
+        rig = Rig()
+        rig.sub.index = index
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            tokens = list(range(16))
+            pub.publish([BlockStored([BIG + 1, BIG + 2, BIG + 3, BIG + 4], None, tokens, 4)])
+            own = block_hashes(tokens, 4)
+            await until(lambda: index.match(own).get(ADDRESS) == 4, "four blocks matched")
+            pub.publish([BlockRemoved([BIG + 3, BIG + 4])])
+            await until(lambda: index.match(own).get(ADDRESS) == 2, "two blocks left")
+            rig.sub.set_endpoints([])
+            assert ADDRESS not in index.match(own)
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_stop_is_bounded_with_an_absent_publisher() -> None:
+    async def body() -> None:
+        rig = Rig()
+        await rig.sub.start()
+        rig.sub.set_endpoints([ADDRESS, "127.0.0.2:8000"])
+        await until(lambda: rig.sub.stats.replays_asked >= 2, "replays asked of nobody")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await rig.sub.stop()
+        assert loop.time() - t0 < 2.5
+
+    run(body)
