@@ -1,0 +1,301 @@
+"""What each replica holds, exact to the token, from vLLM's KV-cache events (pure).
+
+Keyed on the router's OWN chain hash over each block's token ids (plus the block's extra
+keys: LoRA name, ``cache_salt``), never on vLLM's block hashes: vLLM seeds its chain with a
+per-process random value (unless PYTHONHASHSEED is pinned) and lets the operator pick the
+algorithm, so the same prefix hashes differently on every replica, and a 64-bit event hash
+cannot be extended to a request anyway. ``block_hashes`` is the one function that hashes
+both sides: the events' ``token_ids``/``extra_keys`` here, and a request's token ids with
+``request_extra_keys`` in the request path, so the two agree by construction.
+
+Per replica, ``EventIndex`` keeps engine hash -> own hash (to apply BlockRemoved and to
+chain a BlockStored run onto its parent) and the number of resident copies of each own
+hash: vLLM can announce a BlockRemoved while another physical copy with the same hash is
+still resident (vllm#55092), so a hash leaves a replica only with its last copy. Globally,
+own hash -> bit mask of the replicas holding it, as in ``LearnedIndex``, so ``match`` is a
+walk of dict lookups and bit operations.
+
+Every medium counts as held: vLLM's CPU offloading announces the blocks it keeps in host
+memory with ``medium="CPU"``, and loading those back still beats recomputing them. The
+copy count keeps the GPU and CPU copies of one block apart, so evicting one keeps the other.
+
+A plain data structure: no I/O, no clock, no threads.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from struct import Struct
+from typing import Final, NamedTuple
+
+import msgpack
+import xxhash
+
+from extproc.pick.index import IndexStats
+from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+
+SEED: Final = 0x6A09E667F3BCC908  # any fixed value; only this router compares own hashes
+ROOT: Final = 0  # the parent of block 0
+
+# Memory per resident block (the engine -> own entry, both hashes as ints, the holders entry),
+# measured with tracemalloc on CPython 3.11 for blocks no other replica holds (shared blocks
+# share the holders entry): 131-176 bytes with int engine hashes as dicts fill between
+# resizes, 160-206 with 32-byte bytes hashes. tests/test_kv_index.py checks it stays close.
+BYTES_PER_BLOCK: Final = 180
+
+_U64: Final = Struct("<Q").pack
+_hash: Final = xxhash.xxh3_64_intdigest
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int,
+                 extra_keys: Sequence[Sequence | None] | None = None, parent: int = ROOT) -> list[int]:
+    """Own chain hash of every FULL block of ``token_ids``, continuing from ``parent``.
+
+    h_i = xxh3_64(h_{i-1} as u64 LE + block tokens as u32 LE + msgpack(list(extra_i))), so a
+    hash names the whole prefix up to its block's end and a salt or LoRA on block 0 changes
+    every hash after it. Lists and tuples in extra keys pack identically (events arrive as
+    lists, requests build tuples). Token ids outside uint32 raise OverflowError.
+    """
+    n = len(token_ids) // block_size
+    if n <= 0:
+        return []
+    step = 4 * block_size
+    data = array("I", token_ids[:n * block_size] if len(token_ids) != n * block_size else token_ids)
+    raw = data.tobytes()
+    out: list[int] = []
+    append = out.append
+    if not extra_keys:
+        for start in range(0, n * step, step):
+            parent = _hash(_U64(parent) + raw[start:start + step], SEED)
+            append(parent)
+        return out
+    last: object = None
+    last_bytes = b""
+    for i, start in enumerate(range(0, n * step, step)):
+        extra = extra_keys[i] if i < len(extra_keys) else None
+        if extra is not last:  # a request's lora-only keys are one shared tuple
+            last, last_bytes = extra, msgpack.packb(list(extra)) if extra else b""
+        parent = _hash(_U64(parent) + raw[start:start + step] + last_bytes, SEED)
+        append(parent)
+    return out
+
+
+def request_extra_keys(n_blocks: int, cache_salt: str | None, lora_name: str | None) -> list[tuple | None]:
+    """vLLM's per-block extra keys for a text-only request: LoRA on every block, salt on block 0.
+
+    vLLM's order is lora + multimodal + cache_salt (v1 ``generate_block_hash_extra_keys``);
+    None where a block has none.
+    """
+    if n_blocks <= 0:
+        return []
+    lora: tuple = (lora_name,) if lora_name else ()
+    first = lora + ((cache_salt,) if cache_salt else ())
+    return [first or None] + [lora or None] * (n_blocks - 1)
+
+
+class ApplyResult(NamedTuple):
+    stored: int = 0  # block copies added
+    removed: int = 0  # block copies removed
+    duplicates: int = 0  # of ``stored``: a copy of a hash the replica already held
+    unknown_parent: int = 0  # BlockStored runs skipped: parent engine hash not known here
+    cleared: int = 0  # AllBlocksCleared seen
+    malformed: int = 0  # BlockStored runs skipped: token count or extra keys don't fit
+    refused: int = 0  # blocks not indexed: the replica's share of max_blocks is full
+    unknown_removed: int = 0  # BlockRemoved hashes this replica was not known to hold
+
+
+@dataclass(slots=True)
+class _Replica:
+    bit: int
+    engine: dict[EngineHash, int] = field(default_factory=dict)  # engine hash -> own hash
+    extra: dict[int, int] = field(default_factory=dict)  # own hash -> copies beyond the first
+    blocks: int = 0  # resident copies
+    block_size: int | None = None
+
+
+class EventIndex:
+    """Per replica engine -> own hash map and copy counts; per own hash a bit mask of holders.
+
+    Bounded by ``max_blocks`` over all replicas, each replica getting an equal share: past
+    its share a replica's new blocks are refused and counted (``ApplyResult.refused``), not
+    evicted. Events carry no recency, so there is nothing sound to evict by, and a full view
+    means misconfiguration (the bound is below the fleet's KV capacity), which the count
+    makes visible. A refused block's children then arrive with an unknown parent; a
+    subscriber seeing ``refused`` should not read those as a gap.
+    """
+
+    def __init__(self, max_blocks: int = 2_000_000) -> None:  # ~360 MB at BYTES_PER_BLOCK
+        self.max_blocks = max_blocks
+        self._replicas: dict[str, _Replica] = {}
+        self._name: dict[int, str] = {}  # bit -> address
+        self._owners: dict[int, int] = {}  # own hash -> bit mask of replicas holding it
+
+    # --- reads -------------------------------------------------------------------------
+    def match(self, own_hashes: Sequence[int]) -> dict[str, int]:
+        """Replica -> how many leading blocks of ``own_hashes`` it holds (only those with >= 1)."""
+        owners, name = self._owners, self._name
+        out: dict[str, int] = {}
+        alive = 0  # replicas holding every block so far, as bits
+        get = owners.get
+        for depth, h in enumerate(own_hashes):
+            now = get(h, 0) & alive if depth else get(h, 0)
+            if now != alive:
+                for bit in _bits(alive & ~now):
+                    out[name[bit]] = depth
+                if not now:
+                    break
+                alive = now
+        else:
+            for bit in _bits(alive):
+                out[name[bit]] = len(own_hashes)
+        return out
+
+    def block_size(self, address: str) -> int | None:
+        """The block size ``address``'s events announce (None before its first BlockStored)."""
+        replica = self._replicas.get(address)
+        return replica.block_size if replica else None
+
+    def addresses(self) -> list[str]:
+        return list(self._replicas)
+
+    def holds(self, address: str) -> list[int]:
+        """``address``'s own hashes, in the order first stored (``/debug/state``)."""
+        replica = self._replicas.get(address)
+        if replica is None:
+            return []
+        bit, get = replica.bit, self._owners.get
+        return [h for h in dict.fromkeys(replica.engine.values()) if get(h, 0) & bit]
+
+    def share(self) -> int:
+        """Blocks each replica may hold: an equal part of ``max_blocks``."""
+        return max(1, self.max_blocks // max(len(self._replicas), 1))
+
+    def stats(self) -> IndexStats:
+        """entries: resident block copies; chunks: distinct own hashes; bytes: an estimate."""
+        blocks = sum(r.blocks for r in self._replicas.values())
+        mapped = sum(len(r.engine) for r in self._replicas.values())
+        return IndexStats(blocks, len(self._owners), mapped * BYTES_PER_BLOCK)
+
+    # --- writes ------------------------------------------------------------------------
+    def apply(self, address: str, events: Iterable[Event]) -> ApplyResult:
+        """Apply one replica's events in order (BlockStored, BlockRemoved, AllBlocksCleared)."""
+        replica = self._replica(address)
+        owners, bit = self._owners, replica.bit
+        engine, extra = replica.engine, replica.extra
+        stored = removed = duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
+        share = self.share()
+        for event in events:
+            if type(event) is BlockStored:
+                hashes, bs = event.block_hashes, event.block_size
+                n = len(hashes)
+                keys = event.extra_keys
+                if keys is None and event.lora_name:  # publishers without extra_keys
+                    keys = request_extra_keys(n, None, event.lora_name)
+                if len(event.token_ids) != n * bs or (keys is not None and len(keys) != n):
+                    malformed += 1
+                    continue
+                if event.parent_block_hash is None:
+                    parent = ROOT
+                else:
+                    known = engine.get(event.parent_block_hash)
+                    if known is None:
+                        unknown_parent += 1
+                        continue
+                    parent = known
+                try:
+                    own = block_hashes(event.token_ids, bs, keys, parent)
+                except (OverflowError, TypeError, ValueError):  # token ids outside uint32, odd keys
+                    malformed += 1
+                    continue
+                replica.block_size = bs
+                room = share - replica.blocks
+                if room < n:
+                    refused += n - max(room, 0)
+                    n = max(room, 0)
+                for i in range(n):
+                    e = hashes[i]
+                    h = engine.get(e)
+                    if h is None:
+                        h = engine[e] = own[i]
+                    held = owners.get(h, 0)
+                    if held & bit:
+                        extra[h] = extra.get(h, 0) + 1
+                        duplicates += 1
+                    else:
+                        owners[h] = held | bit
+                stored += n
+                replica.blocks += n
+            elif type(event) is BlockRemoved:
+                for e in event.block_hashes:
+                    h = engine.get(e)
+                    held = 0 if h is None else owners.get(h, 0)
+                    if not held & bit:
+                        if h is not None:
+                            del engine[e]
+                        unknown += 1
+                        continue
+                    removed += 1
+                    replica.blocks -= 1
+                    copies = extra.get(h)
+                    if copies:
+                        if copies > 1:
+                            extra[h] = copies - 1
+                        else:
+                            del extra[h]
+                    else:
+                        del engine[e]
+                        left = held & ~bit
+                        if left:
+                            owners[h] = left
+                        else:
+                            del owners[h]
+            elif type(event) is AllBlocksCleared:
+                self.reset(address)
+                cleared += 1
+        return ApplyResult(stored, removed, duplicates, unknown_parent, cleared, malformed, refused,
+                           unknown)
+
+    def reset(self, address: str) -> None:
+        """``address`` holds nothing (restart, sequence gap, AllBlocksCleared)."""
+        replica = self._replicas.get(address)
+        if replica is None:
+            return
+        owners, bit = self._owners, replica.bit
+        for h in replica.engine.values():
+            held = owners.get(h, 0)
+            if held & bit:
+                left = held & ~bit
+                if left:
+                    owners[h] = left
+                else:
+                    del owners[h]
+        replica.engine.clear()  # clear() frees the table (and apply's local names stay valid)
+        replica.extra.clear()
+        replica.blocks = 0
+
+    def remove(self, address: str) -> None:
+        """Forget a replica that left the fleet (its bit is reused by the next one)."""
+        self.reset(address)
+        replica = self._replicas.pop(address, None)
+        if replica is not None:
+            self._name.pop(replica.bit, None)
+
+    def _replica(self, address: str) -> _Replica:
+        replica = self._replicas.get(address)
+        if replica is None:
+            used = 0
+            for r in self._replicas.values():
+                used |= r.bit
+            bit = (used + 1) & ~used  # lowest free bit
+            replica = self._replicas[address] = _Replica(bit)
+            self._name[bit] = address
+        return replica
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low

@@ -1,0 +1,251 @@
+"""The event-driven cache view: own chain hashes, copies, replicas, bounds, request-side agreement."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from extproc.pick.kv_index import (
+    BYTES_PER_BLOCK, ROOT, EventIndex, block_hashes, request_extra_keys,
+)
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+BS = 4
+TOKENS = list(range(100, 132))  # 8 blocks of 4
+
+
+def stored(hashes: list, tokens: list[int], parent=None, bs: int = BS, extra=None,
+           lora_name: str | None = None, medium: str | None = None) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tuple(tokens), bs, medium=medium, lora_name=lora_name,
+                       extra_keys=None if extra is None else tuple(extra))
+
+
+def own(tokens: list[int], salt: str | None = None, lora: str | None = None, bs: int = BS) -> list[int]:
+    return block_hashes(tokens, bs, request_extra_keys(len(tokens) // bs, salt, lora))
+
+
+# --- hashing -----------------------------------------------------------------------------
+def test_block_hashes_chain_over_full_blocks_only() -> None:
+    h = block_hashes(TOKENS + [1, 2], BS)
+    assert len(h) == 8 and len(set(h)) == 8
+    assert block_hashes(TOKENS[:8], BS) == h[:2]  # a prefix's hashes are the prefix of the hashes
+    assert block_hashes(TOKENS[8:], BS, parent=h[1]) == h[2:]  # a run continues from its parent
+    assert block_hashes([9] + TOKENS[1:], BS)[3] != h[3]  # block 3 covers block 0's tokens
+    assert block_hashes([1, 2, 3], BS) == [] and block_hashes([], BS) == []
+    assert block_hashes(TOKENS, BS, parent=ROOT) == h
+
+
+def test_extra_keys_lists_and_tuples_hash_alike_and_change_the_chain() -> None:
+    keys = request_extra_keys(8, "s", "lora")
+    assert keys[0] == ("lora", "s") and keys[1] == ("lora",) and len(keys) == 8
+    as_lists = [list(k) if k else None for k in keys]
+    assert block_hashes(TOKENS, BS, keys) == block_hashes(TOKENS, BS, as_lists)
+    assert block_hashes(TOKENS, BS, keys) != block_hashes(TOKENS, BS)
+    assert block_hashes(TOKENS, BS, [None] * 8) == block_hashes(TOKENS, BS)
+    assert request_extra_keys(3, None, None) == [None, None, None]
+    assert request_extra_keys(2, "salt", None) == [("salt",), None]
+    assert request_extra_keys(0, "salt", "x") == []
+
+
+# --- the index ---------------------------------------------------------------------------
+def test_stored_then_matched_and_removed() -> None:
+    index = EventIndex()
+    r = index.apply(A, [stored([11, 12, 13, 14], TOKENS[:16]), stored([15, 16], TOKENS[16:24], parent=14)])
+    assert (r.stored, r.duplicates, r.unknown_parent) == (6, 0, 0)
+    req = own(TOKENS)
+    assert index.match(req) == {A: 6}
+    assert index.match(req[:3]) == {A: 3}
+    assert index.block_size(A) == BS and index.block_size(B) is None
+    assert index.holds(A) == req[:6]
+    r = index.apply(A, [BlockRemoved((13,))])
+    assert r.removed == 1 and index.match(req) == {A: 2}  # the longest LEADING run
+    r = index.apply(A, [BlockRemoved((11, 999))])
+    assert (r.removed, r.unknown_removed) == (1, 1) and index.match(req) == {}
+    assert index.stats().entries == 4  # 12, 14, 15, 16 stay (unreachable past the gap)
+
+
+def test_duplicate_copies_stay_until_the_last_goes() -> None:
+    index = EventIndex()
+    index.apply(A, [stored([1, 2], TOKENS[:8])])
+    r = index.apply(A, [stored([1], TOKENS[:4], medium="CPU")])  # a second physical copy (vllm#55092)
+    assert r.duplicates == 1 and index.stats().entries == 3
+    index.apply(A, [BlockRemoved((1,))])
+    assert index.match(own(TOKENS)) == {A: 2}
+    index.apply(A, [BlockRemoved((1,))])
+    assert index.match(own(TOKENS)) == {}
+    assert index.apply(A, [BlockRemoved((1,))]).unknown_removed == 1
+
+
+def test_unknown_parent_is_counted_and_not_indexed() -> None:
+    index = EventIndex()
+    r = index.apply(A, [stored([5, 6], TOKENS[8:16], parent=404)])
+    assert (r.unknown_parent, r.stored) == (1, 0)
+    assert index.stats().entries == 0 and index.match(own(TOKENS)) == {}
+
+
+def test_malformed_runs_are_counted() -> None:
+    index = EventIndex()
+    r = index.apply(A, [stored([1, 2], TOKENS[:7]),  # 7 tokens for 2 blocks of 4
+                        stored([1, 2], TOKENS[:8], extra=[None]),  # one extra key for 2 blocks
+                        stored([1], [2**33, 1, 2, 3])])  # not a uint32 token id
+    assert r.malformed == 3 and index.stats().entries == 0
+
+
+def test_cleared_and_reset_empty_one_replica_only() -> None:
+    index = EventIndex()
+    for address in (A, B):
+        index.apply(address, [stored([1, 2, 3], TOKENS[:12])])
+    r = index.apply(A, [AllBlocksCleared(), stored([7], TOKENS[:4])])  # cleared, then a new block
+    assert r.cleared == 1 and index.match(own(TOKENS)) == {A: 1, B: 3}
+    index.reset(B)
+    assert index.match(own(TOKENS)) == {A: 1} and B in index.addresses()
+    assert index.apply(B, [BlockRemoved((1,))]).unknown_removed == 1  # its engine map went too
+
+
+def test_remove_frees_the_replica() -> None:
+    index = EventIndex()
+    index.apply(A, [stored([1, 2], TOKENS[:8])])
+    index.apply(B, [stored([3, 4], TOKENS[:8])])
+    index.remove(A)
+    index.remove(B)
+    stats = index.stats()
+    assert (stats.entries, stats.chunks, stats.bytes) == (0, 0, 0)
+    assert index.addresses() == [] and index.match(own(TOKENS)) == {}
+    index.apply(C, [stored([9], TOKENS[:4])])  # the freed slot is reused
+    assert index.match(own(TOKENS)) == {C: 1}
+
+
+def test_replicas_with_different_engine_hashes_share_own_hashes() -> None:
+    index = EventIndex()
+    big = 2**64 - 1  # vLLM's per-process seed: the same tokens hash differently on each replica
+    index.apply(A, [stored([big, big - 1, big - 2], TOKENS[:12])])
+    index.apply(B, [stored([b"\x01" * 32, b"\x02" * 32], TOKENS[:8])])
+    assert index.match(own(TOKENS)) == {A: 3, B: 2}
+    assert index.stats().chunks == 3 and index.stats().entries == 5
+    index.apply(B, [BlockRemoved((b"\x01" * 32,))])
+    assert index.match(own(TOKENS)) == {A: 3}
+
+
+def test_salted_chain_never_matches_an_unsalted_request() -> None:
+    index = EventIndex()
+    salted = request_extra_keys(4, "tenant-a", None)
+    index.apply(A, [stored([1, 2, 3, 4], TOKENS[:16], extra=[list(k) if k else None for k in salted])])
+    assert index.match(own(TOKENS)) == {}
+    assert index.match(own(TOKENS, salt="tenant-b")) == {}
+    assert index.match(own(TOKENS, salt="tenant-a")) == {A: 4}
+
+
+def test_lora_name_without_extra_keys_still_keys_the_chain() -> None:
+    index = EventIndex()
+    index.apply(A, [stored([1, 2], TOKENS[:8], lora_name="ad")])  # a publisher without extra_keys
+    assert index.match(own(TOKENS, lora="ad")) == {A: 2} and index.match(own(TOKENS)) == {}
+
+
+def test_max_blocks_refuses_past_each_replicas_share() -> None:
+    index = EventIndex(max_blocks=6)
+    index.apply(B, [])  # two replicas: a share of 3 each
+    r = index.apply(A, [stored([1, 2, 3, 4, 5], TOKENS[:20])])
+    assert (r.stored, r.refused) == (3, 2) and index.match(own(TOKENS)) == {A: 3}
+    r = index.apply(A, [stored([6], TOKENS[20:24], parent=5)])  # its parent was refused
+    assert r.unknown_parent == 1
+    index.apply(A, [BlockRemoved((3,))])
+    assert index.apply(A, [stored([7], TOKENS[8:12], parent=2)]).stored == 1
+
+
+def test_events_decoded_from_the_wire_index_like_direct_ones() -> None:
+    extra = [["lora", "s"], ["lora"]]
+    payload = msgpack.packb([0.0, [["BlockStored", [2**63 + 7, 2**63 + 8], None, TOKENS[:8], BS, 1,
+                                    "GPU", "lora", extra, 0, "full_attention", None]], 0])
+    index = EventIndex()
+    index.apply(A, decode_batch(payload).batch.events)
+    assert index.match(own(TOKENS, salt="s", lora="lora")) == {A: 2}
+
+
+# --- request side agrees with the events -------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_request_hashes_equal_what_events_built(data: st.DataObject) -> None:
+    bs = data.draw(st.sampled_from([1, 2, 4, 16, 128]), "bs")
+    tokens = data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=6 * bs + 3), "tokens")
+    salt = data.draw(st.none() | st.text(min_size=1, max_size=8), "salt")
+    lora = data.draw(st.none() | st.text(min_size=1, max_size=8), "lora")
+    n = len(tokens) // bs
+    keys = request_extra_keys(n, salt, lora)
+    wire = [list(k) if k else None for k in keys]  # as msgpack decodes vLLM's tuples
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=3), "cuts") - {n})
+    events, parent, start = [], None, 0
+    for stop in [c for c in cuts if 0 < c < n] + [n]:  # the blocks, published as several runs
+        if stop <= start:
+            continue
+        hashes = [random.getrandbits(63) + 2**63 for _ in range(stop - start)]
+        events.append(BlockStored(tuple(hashes), parent, tuple(tokens[start * bs:stop * bs]), bs,
+                                  lora_name=lora, extra_keys=tuple(wire[start:stop])))
+        parent, start = hashes[-1], stop
+    payload = msgpack.packb([0.0, [["BlockStored", list(e.block_hashes), e.parent_block_hash,
+                                    list(e.token_ids), e.block_size, None, None, e.lora_name,
+                                    list(e.extra_keys)] for e in events]])
+    index = EventIndex()
+    index.apply(A, decode_batch(payload).batch.events)
+    request = block_hashes(tokens, bs, keys)
+    assert index.holds(A) == request
+    assert index.match(request) == ({A: n} if n else {})
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([A, B, C]), st.integers(0, 7)), max_size=40))
+def test_match_is_the_longest_leading_run(ops: list[tuple[str, int]]) -> None:
+    """Store blocks 0..k per replica, remove some middles: match == first gap per replica."""
+    index = EventIndex()
+    held: dict[str, set[int]] = {}
+    engine = {a: [hash((a, i)) & (2**64 - 1) for i in range(8)] for a in (A, B, C)}
+    for address, k in ops:
+        have = held.setdefault(address, set())
+        if k in have:
+            index.apply(address, [BlockRemoved((engine[address][k],))])
+            have.discard(k)
+        else:  # store blocks 0..k that are missing, each as its own run onto its parent
+            for i in range(k + 1):
+                if i not in have:
+                    parent = engine[address][i - 1] if i else None
+                    if parent is not None and i - 1 not in have:
+                        continue
+                    index.apply(address, [stored([engine[address][i]], TOKENS[i * BS:(i + 1) * BS],
+                                                 parent=parent)])
+                    have.add(i)
+    want = {}
+    for address, have in held.items():
+        depth = 0
+        while depth in have:
+            depth += 1
+        if depth:
+            want[address] = depth
+    assert index.match(own(TOKENS)) == want
+
+
+# --- memory ------------------------------------------------------------------------------
+def test_bytes_per_block_estimate_is_close_to_measured() -> None:
+    rng = random.Random(7)
+    payloads = {f"10.0.0.{r}:8000": [
+        msgpack.packb([0.0, [["BlockStored", [rng.getrandbits(64) for _ in range(25)], None,
+                              [rng.randrange(150_000) for _ in range(25 * 16)], 16]]])
+        for _ in range(500)] for r in range(4)}  # 50,000 blocks, 12,500 per replica
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = EventIndex()
+    for address, batches in payloads.items():
+        for p in batches:
+            index.apply(address, decode_batch(p).batch.events)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    stats = index.stats()
+    assert stats.entries == 50_000
+    assert 0.7 * stats.bytes <= used <= 1.3 * stats.bytes, used / stats.entries
+    for address in list(index.addresses()):
+        index.remove(address)
+    assert (index.stats().entries, index.stats().chunks, index.stats().bytes) == (0, 0, 0)
+    assert BYTES_PER_BLOCK > 0
