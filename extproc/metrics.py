@@ -89,3 +89,26 @@ SCRAPE_ERRORS = Counter(
     "prefix_router_scrape_errors_total", "Failed /metrics scrapes per replica", ["replica"], registry=REGISTRY
 )
 ENDPOINTS = Gauge("prefix_router_endpoints", "Replicas pick mode chooses among", registry=REGISTRY)
+
+# --- the cache view and how well it predicts ------------------------------------------------
+PREDICTED_CACHED = Counter(
+    "prefix_router_predicted_cached_tokens_total",
+    "Prompt tokens the router expected the chosen replica to have cached, by replica and by the "
+    "view that said so (events, learned); compare with prefix_router_replica_cache_hit_tokens_total",
+    ["replica", "view"],
+    registry=REGISTRY,
+)
+REPLICA_CACHE_HITS = Counter(
+    "prefix_router_replica_cache_hit_tokens_total",
+    "Prompt tokens each replica reports it served from its prefix cache (the increase of its "
+    "vllm:prefix_cache_hits_total between scrapes, restarts included)",
+    ["replica"],
+    registry=REGISTRY,
+)
+CACHE_VIEW = Counter(
+    "prefix_router_cache_view_total",
+    "Pick-mode requests by the cache view their choice used: events, or learned with why "
+    "(configured, or a reason the request could not be matched against the events)",
+    ["view", "reason"],
+    registry=REGISTRY,
+)

@@ -81,22 +81,7 @@ class LearnedIndex:
 
     # --- reads -------------------------------------------------------------------------
     def match(self, chunks: Sequence[int]) -> dict[str, int]:
-        owners, name = self._owners, self._name
-        out: dict[str, int] = {}
-        alive = 0  # replicas holding every chunk so far, as bits
-        get = owners.get
-        for depth, h in enumerate(chunks):
-            now = get(h, 0) & alive if depth else get(h, 0)
-            if now != alive:
-                for bit in _bits(alive & ~now):
-                    out[name[bit]] = depth
-                if not now:
-                    break
-                alive = now
-        else:
-            for bit in _bits(alive):
-                out[name[bit]] = len(chunks)
-        return out
+        return leading_runs(chunks, self._owners, self._name)
 
     def holds(self, address: str) -> list[int]:
         """``address``'s chunks, least recently used first (for the debug state)."""
@@ -186,6 +171,26 @@ class LearnedIndex:
             self.remove(address)
         for address, chunks in holdings.items():
             self.record(address, list(reversed(chunks)))
+
+
+def leading_runs(hashes: Sequence[int], owners: Mapping[int, int], name: Mapping[int, str]) -> dict[str, int]:
+    """Replica -> how many leading ``hashes`` it holds (only replicas with >= 1), where
+    ``owners`` maps a hash to a bit mask of its holders and ``name`` a bit to a replica."""
+    out: dict[str, int] = {}
+    alive = 0  # replicas holding every hash so far, as bits
+    get = owners.get
+    for depth, h in enumerate(hashes):
+        now = get(h, 0) & alive if depth else get(h, 0)
+        if now != alive:
+            for bit in _bits(alive & ~now):
+                out[name[bit]] = depth
+            if not now:
+                break
+            alive = now
+    else:
+        for bit in _bits(alive):
+            out[name[bit]] = len(hashes)
+    return out
 
 
 def _bits(mask: int) -> Iterable[int]:

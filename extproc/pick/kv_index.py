@@ -33,7 +33,7 @@ from typing import Final, NamedTuple
 import msgpack
 import xxhash
 
-from extproc.pick.index import IndexStats
+from extproc.pick.index import IndexStats, leading_runs
 from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 
 SEED: Final = 0x6A09E667F3BCC908  # any fixed value; only this router compares own hashes
@@ -135,22 +135,7 @@ class EventIndex:
     # --- reads -------------------------------------------------------------------------
     def match(self, own_hashes: Sequence[int]) -> dict[str, int]:
         """Replica -> how many leading blocks of ``own_hashes`` it holds (only those with >= 1)."""
-        owners, name = self._owners, self._name
-        out: dict[str, int] = {}
-        alive = 0  # replicas holding every block so far, as bits
-        get = owners.get
-        for depth, h in enumerate(own_hashes):
-            now = get(h, 0) & alive if depth else get(h, 0)
-            if now != alive:
-                for bit in _bits(alive & ~now):
-                    out[name[bit]] = depth
-                if not now:
-                    break
-                alive = now
-        else:
-            for bit in _bits(alive):
-                out[name[bit]] = len(own_hashes)
-        return out
+        return leading_runs(own_hashes, self._owners, self._name)
 
     def block_size(self, address: str) -> int | None:
         """The block size ``address``'s events announce (None before its first BlockStored)."""
@@ -292,10 +277,3 @@ class EventIndex:
             replica = self._replicas[address] = _Replica(bit)
             self._name[bit] = address
         return replica
-
-
-def _bits(mask: int) -> Iterable[int]:
-    while mask:
-        low = mask & -mask
-        yield low
-        mask ^= low

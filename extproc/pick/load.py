@@ -38,6 +38,7 @@ class Sample:
     kv_usage: float
     capacity_tokens: int  # 0 when vllm:cache_config_info is missing
     seen: bool = True  # the page had vLLM's load gauges
+    prefix_cache_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens, all engines): what it really reused
 
 
 @dataclass(slots=True)

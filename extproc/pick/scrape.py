@@ -24,6 +24,7 @@ RUNNING: Final = "vllm:num_requests_running"
 WAITING: Final = "vllm:num_requests_waiting"
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 CACHE_INFO: Final = "vllm:cache_config_info"
+CACHE_HITS: Final = "vllm:prefix_cache_hits_total"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -35,10 +36,11 @@ def _value(line: str) -> float:
 
 
 def parse_metrics(text: str) -> Sample:
-    """Sum over engines of the load gauges; KV usage is the mean; capacity from cache_config_info.
+    """Sum over engines of the load gauges and cache hits; KV usage is the mean; capacity from
+    cache_config_info.
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
-    running = waiting = usage = 0.0
+    running = waiting = usage = hits = 0.0
     engines = capacity = 0
     seen = False
     for line in text.splitlines():
@@ -50,6 +52,8 @@ def parse_metrics(text: str) -> Sample:
             running += _value(line)
         elif name == WAITING:
             waiting += _value(line)
+        elif name == CACHE_HITS:
+            hits += _value(line)
         elif name == KV_USAGE:
             usage += _value(line)
             engines += 1
@@ -59,7 +63,7 @@ def parse_metrics(text: str) -> Sample:
                 capacity += int(labels.get("num_gpu_blocks", "0")) * int(labels.get("block_size", "0"))
             except ValueError:
                 pass
-    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen)
+    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits)
 
 
 class Scraper:
