@@ -112,3 +112,16 @@ CACHE_VIEW = Counter(
     ["view", "reason"],
     registry=REGISTRY,
 )
+
+
+@lru_cache(maxsize=64)
+def cache_view_counter(view: str, reason: str) -> Counter:
+    return CACHE_VIEW.labels(view, reason)
+
+PRECISE_SECONDS = Histogram(
+    "prefix_router_precise_match_seconds",
+    "Precise mode's work per request: render the chat template, tokenise (with the segment cache), "
+    "hash the blocks and match them against the event index",
+    buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1),
+    registry=REGISTRY,
+)

@@ -43,6 +43,7 @@ class Candidate(NamedTuple):
     cost: int
     capped: bool  # at or over the concurrency threshold
     backlog_tokens: int = 0
+    view: str = "learned"  # where cached_tokens came from: learned (own picks) or events (exact)
 
 
 class Choice(NamedTuple):
@@ -90,8 +91,10 @@ def _ties_by_rendezvous(ranked: list[tuple[int, int, ReplicaState, int]], candid
 
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
-           settings: RouteSettings) -> Choice:
-    """The replica with the lowest cost, honouring the concurrency threshold."""
+           settings: RouteSettings, views: Mapping[str, str] | None = None) -> Choice:
+    """The replica with the lowest cost, honouring the concurrency threshold.
+
+    ``views`` names, per replica, where its ``cached`` figure came from (default: learned)."""
     cap = settings.concurrency_threshold
     seed = _seed(key)
     ranked = []
@@ -102,8 +105,9 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     if not ranked:
         return Choice(None, NO_REPLICA, prompt_tokens, ())
     ranked.sort(key=_RANK)
+    view = (views or {}).get
     candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap,
-                                 r.backlog_tokens) for c, _, r, held in ranked)
+                                 r.backlog_tokens, view(r.address, "learned")) for c, _, r, held in ranked)
     if settings.tie_tokens:
         candidates = _ties_by_rendezvous(ranked, candidates, settings.tie_tokens)
     best = candidates[0]

@@ -20,6 +20,8 @@ from extproc.pick.choose import REASONS, Choice, choose, prefill_tokens
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
+from extproc.pick.precise import EVENTS, PreciseView
+from extproc.pick.prompt_tokens import NotTokenizable
 from extproc.pick.state import ReplicaState
 
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
@@ -42,6 +44,8 @@ class PickCore:
         self.index: PrefixIndex = LearnedIndex(index_max_chunks, self.chunks_for(kv_capacity_tokens))
         self.load = LoadTracker(prefill_tokens_per_s)
         self.clock = clock
+        self.precise: PreciseView | None = None  # precise mode: the events' exact view (Picker sets it)
+        self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
 
     def chunks_for(self, tokens: int) -> int:
         return int(tokens // self.chunk_tokens) if tokens else 0
@@ -61,17 +65,45 @@ class PickCore:
 
     def on_sample(self, address: str, sample: Sample | None) -> None:
         metrics.REPLICA_UP.labels(address).set(0 if sample is None else 1)
-        if sample is not None and sample.capacity_tokens and not self.kv_capacity_tokens:
+        if sample is None:
+            return
+        if sample.capacity_tokens and not self.kv_capacity_tokens:
             self.index.set_capacity(address, self.chunks_for(sample.capacity_tokens))
+        before = self._hits.get(address)
+        self._hits[address] = sample.prefix_cache_hits
+        if before is not None:  # a counter that went back is a restarted replica: all of it is new
+            gained = sample.prefix_cache_hits - before if sample.prefix_cache_hits >= before else sample.prefix_cache_hits
+            if gained > 0:
+                metrics.REPLICA_CACHE_HITS.labels(address).inc(gained)
 
     # --- the request path --------------------------------------------------------------
     def evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int]]:
-        """The choice for a request, without recording it (``explain`` stops here)."""
+        """The choice for a request, without recording it (``explain`` stops here).
+
+        The learned index always answers (and keeps learning, for replicas and requests the
+        events do not cover); with precise mode on the route, the events' exact figures
+        replace its estimates for every replica they cover, and the prompt length is exact."""
         chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
         held = self.index.match(chunks) if chunks else {}
         cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
-        choice = choose(decision.key, self.tokens(len(decision.normalized)), cached,
-                        self.load.snapshot(self.clock()), settings)
+        prompt_tokens = self.tokens(len(decision.normalized))
+        views: dict[str, str] = {}
+        if self.precise is not None and settings.cache_view != "learned":
+            started = time.perf_counter()
+            try:
+                exact = self.precise.match(decision)
+            except NotTokenizable as exc:
+                metrics.cache_view_counter("learned", exc.reason).inc()
+            except Exception:  # a tokenizer bug must cost the request its exact view, never the request
+                metrics.ERRORS.labels("tokenize").inc()
+                metrics.cache_view_counter("learned", "error").inc()
+            else:
+                metrics.PRECISE_SECONDS.observe(time.perf_counter() - started)
+                prompt_tokens = exact.prompt_tokens
+                cached.update(exact.cached)
+                views = dict.fromkeys(exact.cached, EVENTS)
+                metrics.cache_view_counter(EVENTS, "covered" if exact.cached else "none_covered").inc()
+        choice = choose(decision.key, prompt_tokens, cached, self.load.snapshot(self.clock()), settings, views)
         return choice, chunks
 
     def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
@@ -81,6 +113,10 @@ class PickCore:
             if chunks:
                 self.index.record(choice.address, chunks)
             self.load.assign(choice.address, _prefill(choice), self.clock())
+            chosen = choice.candidates[0] if choice.candidates[0].address == choice.address else next(
+                c for c in choice.candidates if c.address == choice.address)
+            if chosen.cached_tokens:
+                metrics.PREDICTED_CACHED.labels(choice.address, chosen.view).inc(chosen.cached_tokens)
         return choice
 
     def release(self, choice: Choice) -> None:

@@ -1,27 +1,61 @@
 """Pick mode as one object: the request path (``PickCore``) plus what gathers its state.
 
-Endpoint discovery and metric scraping run as background tasks that ``start`` launches;
-the request path itself does no I/O.
+Endpoint discovery, metric scraping and, in precise mode, every replica's KV-cache events run
+as background tasks that ``start`` launches; the request path itself does no I/O.
 """
 
 from __future__ import annotations
 
-from extproc.core.settings import ServerSettings
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.core.settings import ServerSettings, SettingError, flag, tokenizer_dirs
 from extproc.pick.core import PickCore
 from extproc.pick.endpoints import EndpointWatcher
+from extproc.pick.kv_index import EventIndex
+from extproc.pick.kv_subscriber import KvEventSubscriber
+from extproc.pick.precise import PreciseView
+from extproc.pick.prompt_tokens import ModelTokenizer, TokenizerError
 from extproc.pick.scrape import Scraper
 
 
-class Picker(PickCore):
-    """PickCore plus its background tasks: endpoint discovery and metric scraping."""
+def load_tokenizers(cfg: ServerSettings) -> dict[str, ModelTokenizer]:
+    """``--tokenizer``'s models, read at start-up: a bad directory is a SettingError naming it."""
+    loaded: dict[str, ModelTokenizer] = {}
+    for name, path in tokenizer_dirs(cfg.tokenizer).items():
+        try:
+            loaded[name] = ModelTokenizer(path)
+        except TokenizerError as exc:
+            raise SettingError(f"{flag('tokenizer')} {path!r}: {exc}") from None
+    return loaded
 
-    def __init__(self, cfg: ServerSettings) -> None:
+
+class Picker(PickCore):
+    """PickCore plus its background tasks: endpoint discovery, metric scraping, KV-cache events."""
+
+    def __init__(self, cfg: ServerSettings, tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
         super().__init__(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks,
                          cfg.prefill_tokens_per_s)
+        self.subscriber: KvEventSubscriber | None = None
+        if cfg.kv_events:
+            events = EventIndex(cfg.index_max_blocks)
+            self.subscriber = KvEventSubscriber(events, cfg.kv_events_port, cfg.kv_replay_port or None,
+                                                cfg.kv_events_topic, cfg.kv_dp_ranks)
+            self.precise = PreciseView(events, tokenizers if tokenizers is not None else load_tokenizers(cfg),
+                                       self.subscriber.stats.replicas)
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
 
+    def set_endpoints(self, addresses: Sequence[str]) -> None:
+        super().set_endpoints(addresses)
+        if self.subscriber is not None:
+            self.subscriber.set_endpoints(addresses)
+
     async def start(self) -> None:
+        if self.subscriber is not None:
+            await self.subscriber.start()
         await self.watcher.start()
         if self.load.addresses():
             await self.scraper.scrape_once()  # first loads and capacities before serving
@@ -30,3 +64,53 @@ class Picker(PickCore):
     async def stop(self) -> None:
         await self.watcher.stop()
         await self.scraper.stop()
+        if self.subscriber is not None:
+            await self.subscriber.stop()
+
+
+
+class PreciseCollector(Collector):
+    """Precise mode's figures, read from the subscriber, the event index and the tokenizers when
+    /metrics is scraped (nothing is counted twice on the ingest or request path)."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        sub, precise = self.picker.subscriber, self.picker.precise
+        if sub is None or precise is None:
+            return
+        s = sub.stats
+        for name, doc, value in (
+                ("batches", "KV-cache event batches applied (live and replayed)", s.batches),
+                ("blocks", "Block hashes in applied BlockStored/BlockRemoved events", s.blocks),
+                ("events_skipped", "Events the decoder could not read (unknown type, malformed)", s.events_skipped),
+                ("gaps", "Missing event sequence ranges seen", s.gaps),
+                ("replays", "Replay requests sent to the replicas' replay sockets", s.replays_asked),
+                ("replayed_batches", "Batches applied from replay answers", s.replayed_batches),
+                ("bad_frames", "Event frames or payloads that did not decode (skipped)", s.bad_frames)):
+            yield CounterMetricFamily(f"prefix_router_kv_{name}", doc, value=value)
+        resets = CounterMetricFamily(
+            "prefix_router_kv_view_resets", "Replica cache views emptied, by cause: restart (its sequence "
+            "went back), gap (events lost beyond the replay buffer), cleared (AllBlocksCleared), left", labels=["cause"])
+        for cause, n in s.resets.items():
+            resets.add_metric([cause], n)
+        yield resets
+        lag = GaugeMetricFamily("prefix_router_kv_lag_seconds", "Per replica: from its last event batch's "
+                                "timestamp to its application", labels=["replica"])
+        origin = GaugeMetricFamily("prefix_router_kv_view_origin", "Per replica: 1 for where its cache view "
+                                   "comes from (events, replayed, none: the learned view)", labels=["replica", "origin"])
+        for address, view in list(s.replicas.items()):
+            lag.add_metric([address], view.lag)
+            origin.add_metric([address, view.origin], 1)
+        yield lag
+        yield origin
+        stats = precise.index.stats()
+        yield GaugeMetricFamily("prefix_router_kv_index_blocks", "Event index: resident block copies", value=stats.entries)
+        yield GaugeMetricFamily("prefix_router_kv_index_bytes", "Event index: estimated memory", value=stats.bytes)
+        hits = CounterMetricFamily("prefix_router_tokenize_cache_segments", "Tokenised prompt segments, by whether "
+                                   "the segment cache held them", labels=["model", "result"])
+        for model, tok in precise.tokenizers.items():
+            hits.add_metric([model, "hit"], tok.cache_hits)
+            hits.add_metric([model, "miss"], tok.cache_misses)
+        yield hits

@@ -31,7 +31,8 @@ from extproc.core.settings import (
     server_settings,
     tenant_secret,
 )
-from extproc.pick.picker import Picker
+from extproc.pick.picker import Picker, PreciseCollector, load_tokenizers
+from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from extproc.process.health import SERVICE
 from extproc.process.signals import stop_on_signals
@@ -77,9 +78,12 @@ async def start_http(server_cfg: ServerSettings, picker: Picker | None) -> web.A
 
 
 async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyncio.Event | None = None,
-                secret: bytes | None = None) -> None:
+                secret: bytes | None = None, tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop``), then drain open streams and return."""
-    picker = Picker(server_cfg) if has_endpoints(server_cfg) else None
+    picker = Picker(server_cfg, tokenizers) if has_endpoints(server_cfg) else None
+    collector = PreciseCollector(picker) if picker is not None and picker.precise is not None else None
+    if collector is not None:
+        metrics.REGISTRY.register(collector)
     if picker is not None:
         await picker.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -103,7 +107,8 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         server_cfg.host, port, server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
         route_cfg.prefix_length, route_cfg.key_header,
         "on" if route_cfg.tenant_isolation else ("per route" if secret else "off"),
-        f" endpoints={len(picker.load.addresses())}" if picker else "",
+        (f" endpoints={len(picker.load.addresses())} cache_view="
+         + ("events+learned" if picker.precise else "learned")) if picker else "",
     )
     print(f"prefix-router ready on {server_cfg.host}:{port}", flush=True)
     await stop_on_signals(stop).wait()
@@ -113,6 +118,8 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     await server.stop(grace=server_cfg.drain_seconds)
     if picker is not None:
         await picker.stop()
+    if collector is not None:
+        metrics.REGISTRY.unregister(collector)
     if http is not None:
         await http.cleanup()
     log.info("stopped")
@@ -123,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         server_cfg = server_settings(args, os.environ)
         route_cfg = route_settings(args, os.environ)
         secret = tenant_secret(server_cfg, route_cfg, os.environ)
+        tokenizers = load_tokenizers(server_cfg) if server_cfg.kv_events else None
     except SettingError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
@@ -134,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        event_loop.run(serve(server_cfg, route_cfg, secret=secret))
+        event_loop.run(serve(server_cfg, route_cfg, secret=secret, tokenizers=tokenizers))
     except OSError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,96 @@
+"""Precise mode's matching: a request's own token ids against what the replicas' events say they hold.
+
+Pure apart from the tokenizer's CPU work: the decision's parsed body in, the exact prompt
+length and, per replica whose view the events cover, the exact number of prompt tokens vLLM
+would serve from its prefix cache. vLLM looks up at most ``(prompt_tokens - 1) //
+block_size`` full blocks (the last token is always computed), so only those are hashed.
+What the events do not cover (a replica not yet heard from, a request that cannot be
+tokenised) stays with the learned view, and the caller says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final, NamedTuple, Protocol
+
+import orjson
+
+from extproc.core.decide import Decision
+from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
+
+EVENTS: Final = "events"
+LEARNED: Final = "learned"
+COVERED: Final = frozenset({"events", "replayed"})  # origins whose view comes from events
+ANY_MODEL: Final = "*"
+
+
+class Origin(Protocol):
+    origin: str  # "none" | "replayed" | "events" (extproc.pick.kv_subscriber.ReplicaView)
+
+
+class Exact(NamedTuple):
+    prompt_tokens: int
+    cached: dict[str, int]  # every covered replica -> prompt tokens it holds (0 included)
+
+
+class PreciseView:
+    """The event index, the models' tokenizers, and which replicas the events cover."""
+
+    def __init__(self, index: EventIndex, tokenizers: Mapping[str, ModelTokenizer],
+                 origins: Mapping[str, Origin] | None = None) -> None:
+        self.index = index
+        self.tokenizers = dict(tokenizers)
+        self.origins: Mapping[str, Origin] = origins if origins is not None else {}
+
+    def origin(self, address: str) -> str:
+        view = self.origins.get(address)
+        return view.origin if view is not None else "none"
+
+    def covered(self) -> list[str]:
+        return [a for a, view in self.origins.items() if view.origin in COVERED]
+
+    def tokens(self, decision: Decision) -> list[int]:
+        """The prompt's token ids as the replica computes them; raises NotTokenizable."""
+        doc = decision.document
+        if doc is None and decision.normalize == "raw" and decision.fallback is None and decision.normalized:
+            doc = _object(decision.normalized)  # raw mode hashed the bytes without parsing them
+        if doc is None:
+            raise NotTokenizable("not_json", "the body is not a whole JSON object")
+        tokenizer = self.tokenizers.get(str(doc.get("model"))) or self.tokenizers.get(ANY_MODEL)
+        if tokenizer is None:
+            raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {doc.get('model')!r}")
+        if "messages" in doc:
+            return tokenizer.tokens_for(doc, "chat")
+        if "prompt" in doc:
+            return tokenizer.tokens_for(doc, "completions")
+        raise NotTokenizable("bad_request", "neither messages nor prompt")
+
+    def match(self, decision: Decision) -> Exact:
+        """Exact cached tokens on every covered replica; raises NotTokenizable."""
+        ids = self.tokens(decision)
+        doc = decision.document or {}
+        salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
+        cached: dict[str, int] = {}
+        by_size: dict[int, list[str]] = {}
+        for address in self.covered():
+            size = self.index.block_size(address)
+            if size:
+                by_size.setdefault(size, []).append(address)
+            else:
+                cached[address] = 0  # covered, nothing stored yet
+        for size, addresses in by_size.items():
+            blocks = max(len(ids) - 1, 0) // size
+            held = self.index.match(block_hashes(ids[: blocks * size], size,
+                                                 request_extra_keys(blocks, salt, None))) if blocks else {}
+            for address in addresses:
+                cached[address] = held.get(address, 0) * size
+        return Exact(len(ids), cached)
+
+
+def _object(data: bytes) -> dict[str, Any] | None:
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
