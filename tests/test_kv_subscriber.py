@@ -7,9 +7,11 @@ known to have reached the publisher through the publisher's XPUB (``subscription
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
+import zmq
 from routerlab.harness.procs import free_port_run, free_ports
 from routerlab.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 
@@ -85,8 +87,15 @@ class Rig:
 
     def publisher(self, **kw) -> KvEventPublisher:
         kw = {"replay_port": self.replay_port, **self.pub_kw, **kw}
-        self.pub = KvEventPublisher("127.0.0.1", self.events_port, topic="kv", **kw)
-        return self.pub
+        deadline = time.monotonic() + 10
+        while True:  # a closed publisher's listeners are released by ZMQ's I/O thread a moment later
+            try:
+                self.pub = KvEventPublisher("127.0.0.1", self.events_port, topic="kv", **kw)
+                return self.pub
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     async def subscribe(self, subs: int = 1) -> None:
         await self.sub.start()

@@ -160,14 +160,21 @@ class KvEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription message, not just the first per topic
-        self._pub.bind(f"tcp://{host}:{events_port + data_parallel_rank}")
         self._router: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._running = True
+        try:
+            self._pub.bind(f"tcp://{host}:{events_port + data_parallel_rank}")
+            if replay_port is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(f"tcp://{host}:{replay_port + data_parallel_rank}")
+        except zmq.ZMQError:  # a port in use: leave no socket behind
+            self._pub.close(linger=0)
+            if self._router is not None:
+                self._router.close(linger=0)
+            raise
         if replay_port is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(f"tcp://{host}:{replay_port + data_parallel_rank}")
             self._thread = threading.Thread(target=self._serve_replay, daemon=True, name="sim-kv-replay")
             self._thread.start()
 
