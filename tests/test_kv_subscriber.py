@@ -377,3 +377,24 @@ def test_stop_is_bounded_with_an_absent_publisher() -> None:
         assert loop.time() - t0 < 2.5
 
     run(body)
+
+
+def test_relative_ports_find_each_replica_s_publisher_beside_its_own_port() -> None:
+    """Replicas sharing one host (compose, the simulator): the ports are offsets from each endpoint's port."""
+    async def main() -> None:
+        http_port, events_port, replay_port = free_ports(3)
+        index = RecordingIndex()
+        sub = KvEventSubscriber(index, events_port - http_port, replay_port - http_port, "kv", replay_timeout=0.5,
+                                poll_interval=0.05, ports_relative=True)
+        pub = KvEventPublisher("127.0.0.1", events_port, replay_port=replay_port, topic="kv")
+        try:
+            await sub.start()
+            sub.set_endpoints([f"127.0.0.1:{http_port}"])
+            await until(lambda: pub.subscriptions() >= 1, "the subscription at the publisher")
+            pub.publish([stored(0)])
+            await until(lambda: index.marks() == [0], "the batch")
+        finally:
+            await sub.stop()
+            pub.close()
+
+    run(main)

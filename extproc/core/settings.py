@@ -86,6 +86,7 @@ class ServerSettings:
     kv_replay_port: int = 5558  # its replay socket; 0: none (a gap then resets the replica's view)
     kv_events_topic: str = "kv"
     kv_dp_ranks: int = 1  # data-parallel ranks per endpoint: rank r publishes on port + r
+    kv_ports_relative: bool = False  # the two ports are offsets from each endpoint's port (one host, many replicas)
     index_max_blocks: int = 8_000_000  # memory bound of the event view over all replicas
     # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
     # command lines are visible to every local user).
@@ -236,6 +237,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "kv_replay_port": _Spec(_number_in(int, 0, 65535), "a TCP port in 1..65535, or 0 for none"),
     "kv_events_topic": _Spec(str.strip, "a ZMQ topic (vLLM's kv-events-config topic; may be empty)"),
     "kv_dp_ranks": _Spec(_number_in(int, 1, 1024), "an integer in 1..1024"),
+    "kv_ports_relative": _Spec(_switch, "on or off"),
     "index_max_blocks": _Spec(_number_in(int, 1, 10**10), "an integer in 1..10000000000"),
     "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
 }

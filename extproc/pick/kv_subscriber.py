@@ -1,7 +1,9 @@
 """Precise mode's state gatherer: every replica's KV-cache events, over ZeroMQ, into the index.
 
 One asyncio task per (endpoint, data-parallel rank). Each connects a SUB socket to
-``tcp://HOST:events_port + rank`` (HOST: the endpoint's own host; vLLM's publisher binds there)
+``tcp://HOST:events_port + rank`` (HOST: the endpoint's own host; vLLM's publisher binds there;
+with ``ports_relative``, for replicas sharing one host, both ports are offsets from the
+endpoint's own port)
 and applies the batches in sequence order:
 
 * expected = last applied + 1. Equal: apply. Greater: a gap; ask the replay socket (a DEALER on
@@ -116,10 +118,11 @@ class KvEventSubscriber:
     def __init__(self, index: Index, events_port: int = 5557, replay_port: int | None = 5558, topic: str = "kv",
                  dp_ranks: int = 1, on_reset: Callable[[str, str], None] | None = None,
                  replay_timeout: float = 1.0, replay_total_timeout: float = 10.0, replay_window: int = 10_000,
-                 rcvhwm: int = 100_000, poll_interval: float = 0.5) -> None:
+                 rcvhwm: int = 100_000, poll_interval: float = 0.5, ports_relative: bool = False) -> None:
         self.index = index
         self.events_port = events_port
         self.replay_port = replay_port or None  # 0 (the setting's "none") as None
+        self.ports_relative = ports_relative  # both ports are offsets from each endpoint's own port
         self.topic = topic
         self.dp_ranks = max(1, dp_ranks)
         self.on_reset = on_reset
@@ -176,10 +179,11 @@ class KvEventSubscriber:
             if address in self._streams:
                 continue
             host = _host(address)
+            base = int(address.rpartition(":")[2]) if self.ports_relative else 0
             streams = []
             for rank in range(self.dp_ranks):
-                replay = None if self.replay_port is None else f"tcp://{host}:{self.replay_port + rank}"
-                st = _Stream(address, rank, f"tcp://{host}:{self.events_port + rank}", replay)
+                replay = None if self.replay_port is None else f"tcp://{host}:{base + self.replay_port + rank}"
+                st = _Stream(address, rank, f"tcp://{host}:{base + self.events_port + rank}", replay)
                 st.task = loop.create_task(self._run(st), name=f"kv-events {address} rank {rank}")
                 streams.append(st)
             self._streams[address] = streams

@@ -42,7 +42,8 @@ class Picker(PickCore):
         if cfg.kv_events:
             events = EventIndex(cfg.index_max_blocks)
             self.subscriber = KvEventSubscriber(events, cfg.kv_events_port, cfg.kv_replay_port or None,
-                                                cfg.kv_events_topic, cfg.kv_dp_ranks)
+                                                cfg.kv_events_topic, cfg.kv_dp_ranks,
+                                                ports_relative=cfg.kv_ports_relative)
             self.precise = PreciseView(events, tokenizers if tokenizers is not None else load_tokenizers(cfg),
                                        self.subscriber.stats.replicas)
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
