@@ -153,6 +153,14 @@ class PickCore:
             ],
         }
 
+    def explain(self, decision: Decision, settings: RouteSettings) -> dict[str, Any]:
+        """The choice this request would get now, without recording it, with each candidate's view
+        and, in precise mode, where that replica's event view comes from (``/debug/pick``)."""
+        choice, _ = self.evaluate(decision, settings)
+        origin = self.precise.origin if self.precise is not None else (lambda _a: "none")
+        return {"address": choice.address, "reason": choice.reason, "prompt_tokens": choice.prompt_tokens,
+                "candidates": [{**c._asdict(), "events_origin": origin(c.address)} for c in choice.candidates]}
+
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> "PickCore":
         """A core that sees what a saved ``state()`` saw (loads frozen as they were)."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.parse
 import urllib.request
 
 import orjson
 
 from extproc.core.decide import Decision, decide
 from extproc.core.normalize import normalize
-from extproc.core.settings import ROUTE_FIELDS, RouteSettings, SettingError, add_flags, route_settings
+from extproc.core.settings import ROUTE_FIELDS, RouteSettings, SettingError, add_flags, metadata_key, route_settings
 from extproc.pick.choose import Choice
 from extproc.pick.core import PickCore
 
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--state", default=None, metavar="FILE|URL",
                         help="pick mode: the router's state (a saved /debug/state, or its URL, e.g. "
-                             "http://127.0.0.1:9464/debug/state): print each replica's cached prefix, load and cost")
+                             "http://127.0.0.1:9464/debug/state): print each replica's cached prefix, load and cost. "
+                             "A URL asks the live router (its /debug/pick), so precise mode's exact view is shown")
     add_flags(parser, ROUTE_FIELDS)
 
 
@@ -107,20 +109,31 @@ def pick_dict(choice: Choice) -> dict[str, object]:
 
 def render_pick(info: dict[str, object]) -> str:
     lines = [f"pick:       {info['address'] or '(none: Envoy load balancer chooses)'} ({info['reason']}), "
-             f"prompt ~{info['prompt_tokens']} tokens",
-             f"  {'replica':24s} {'cached tokens':>13s} {'queued prefill':>14s} {'in flight':>9s} {'cost':>9s}"]
+             f"prompt {info['prompt_tokens']} tokens",
+             f"  {'replica':24s} {'cached tokens':>13s} {'view':>16s} {'queued prefill':>14s} {'in flight':>9s} "
+             f"{'cost':>9s}"]
     for c in info["candidates"]:  # type: ignore[attr-defined]
         mark = " <- chosen" if c["address"] == info["address"] else (" (at threshold)" if c["capped"] else "")
-        lines.append(f"  {c['address']:24s} {c['cached_tokens']:>13d} {c['backlog_tokens']:>14d} {c['in_flight']:>9d} "
-                     f"{c['cost']:>9d}{mark}")
+        view = c.get("view", "learned") + (f" ({c['events_origin']})" if c.get("view") == "events" else "")
+        lines.append(f"  {c['address']:24s} {c['cached_tokens']:>13d} {view:>16s} {c['backlog_tokens']:>14d} "
+                     f"{c['in_flight']:>9d} {c['cost']:>9d}{mark}")
     return "\n".join(lines)
 
 
+def live_pick(state_url: str, body: bytes, headers: dict[str, str], args: argparse.Namespace) -> dict[str, object]:
+    """What the live router would choose for ``body`` now (POST to its /debug/pick); only the route
+    settings given on this command line override the router's own."""
+    base, _, _ = state_url.partition("/debug/")
+    given = {metadata_key(name): str(getattr(args, name)) for name in ROUTE_FIELDS
+             if getattr(args, name, None) is not None}
+    request = urllib.request.Request(f"{base.rstrip('/')}/debug/pick?{urllib.parse.urlencode(given)}", data=body,
+                                     headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return orjson.loads(resp.read())
+
+
 def read_state(source: str) -> dict[str, object]:
-    """A pick-mode state from a file or the live server's /debug/state URL."""
-    if source.startswith(("http://", "https://")):
-        with urllib.request.urlopen(source, timeout=10) as resp:
-            return orjson.loads(resp.read())
+    """A pick-mode state saved from the router's /debug/state."""
     return orjson.loads(read_body(source))
 
 
@@ -155,11 +168,13 @@ def run(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return 2
             try:
-                core = PickCore.from_state(read_state(args.state))
+                if args.state.startswith(("http://", "https://")):
+                    info["pick"] = live_pick(args.state, body, headers, args)
+                else:
+                    info["pick"] = pick_dict(PickCore.from_state(read_state(args.state)).evaluate(decision, settings)[0])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 print(f"prefix-router explain: cannot read the state {args.state}: {exc}", file=sys.stderr)
                 return 2
-            info["pick"] = pick_dict(core.evaluate(decision, settings)[0])
             text += "\n" + render_pick(info["pick"])  # type: ignore[arg-type]
         print(orjson.dumps(info).decode() if args.json else text)
         return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -19,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc import metrics
 from extproc.adapters import ext_authz
 from extproc.adapters.ext_proc import PrefixRouter
+from extproc.core.decide import decide
 from extproc.core.settings import (
     ROUTE_FIELDS,
     SERVER_FIELDS,
@@ -30,6 +32,7 @@ from extproc.core.settings import (
     route_settings,
     server_settings,
     tenant_secret,
+    with_metadata,
 )
 from extproc.pick.picker import Picker, PreciseCollector, load_tokenizers
 from extproc.pick.prompt_tokens import ModelTokenizer
@@ -56,8 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ROUTE_FIELDS)
 
 
-async def start_http(server_cfg: ServerSettings, picker: Picker | None) -> web.AppRunner:
-    """Prometheus metrics on /metrics and, in pick mode, what the choice sees on /debug/state."""
+async def start_http(server_cfg: ServerSettings, picker: Picker | None,
+                     route_cfg: RouteSettings | None = None) -> web.AppRunner:
+    """Prometheus metrics on /metrics and, in pick mode, what the choice sees on /debug/state and
+    what it would choose for a posted body on /debug/pick (``prefix-router explain --state URL``)."""
     async def metrics_page(_: web.Request) -> web.Response:
         if picker is not None:
             picker.publish_metrics()
@@ -68,9 +73,21 @@ async def start_http(server_cfg: ServerSettings, picker: Picker | None) -> web.A
             return web.Response(status=404, text="pick mode is not configured (no endpoints)\n")
         return web.Response(body=orjson.dumps(picker.state()), content_type="application/json")
 
-    app = web.Application()
+    async def pick_page(request: web.Request) -> web.Response:
+        if picker is None:
+            return web.Response(status=404, text="pick mode is not configured (no endpoints)\n")
+        settings, errors = with_metadata(dataclasses.replace(route_cfg or RouteSettings(), mode="pick"),
+                                         request.query.items())
+        if errors:
+            return web.Response(status=400, text="\n".join(errors) + "\n")
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        decision = decide(await request.read(), headers, settings)
+        return web.Response(body=orjson.dumps(picker.explain(decision, settings)), content_type="application/json")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/debug/state", state_page)
+    app.router.add_post("/debug/pick", pick_page)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, server_cfg.host, server_cfg.metrics_port).start()
@@ -97,7 +114,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the gRPC port {address}")
-    http = await start_http(server_cfg, picker) if server_cfg.metrics_port else None
+    http = await start_http(server_cfg, picker, route_cfg) if server_cfg.metrics_port else None
     await server.start()
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
