@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -41,6 +41,18 @@ class ApiError(Exception):
             {"error": {"message": self.message, "type": self.type, "param": self.param,
                        "code": self.status}}
         )
+
+
+class PromptTokenizer(Protocol):
+    """A real tokenizer (``--tokenizer``, :class:`routerlab.sim.hf_tokenizer.HfTokenizer`)."""
+
+    def chat(self, body: dict[str, Any]) -> list[int]: ...
+
+    def completion(self, body: dict[str, Any], prompt: str) -> list[int]: ...
+
+    def check_ids(self, ids: list[int]) -> list[int]: ...
+
+    def output_text(self, count: int, start: int = 0) -> str: ...
 
 
 @dataclass
@@ -111,27 +123,40 @@ def _token_list(value: list[Any]) -> list[int]:
     return value
 
 
-def completion_prompts(prompt: Any) -> list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> token ids per prompt."""
+def completion_prompts(prompt: Any, tok: PromptTokenizer | None = None,
+                       body: dict[str, Any] | None = None) -> list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> token ids per prompt.
+
+    With ``tok`` (a real tokenizer) strings are tokenised as vLLM does for ``body`` and token
+    ids are checked against its vocabulary; else the stand-in tokenizer is used."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text) if tok is None else tok.completion(body or {}, text)
+
+    def ids(value: list[Any]) -> list[int]:
+        out = _token_list(value)
+        return out if tok is None else tok.check_ids(out)
+
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [encode(prompt)]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return [_token_list(prompt)]
+            return [ids(prompt)]
         if len(prompt) > MAX_PROMPTS:
             raise ApiError(f"prompt list length {len(prompt)} exceeds the maximum allowed count "
                            f"of {MAX_PROMPTS}.", param="prompt")
         if all(isinstance(p, str) for p in prompt):
-            return [tokenizer.encode(p) for p in prompt]
+            return [encode(p) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
-            return [_token_list(p) for p in prompt]
+            return [ids(p) for p in prompt]
     raise ApiError(
         "'prompt' must be a string, a list of strings, a list of token ids or a list of "
         "token id lists", param="prompt")
 
 
-def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int) -> ParsedRequest:
-    """Validate like vLLM's OpenAI server; tokenise prompts with the sim tokenizer."""
+def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int,
+          tok: PromptTokenizer | None = None) -> ParsedRequest:
+    """Validate like vLLM's OpenAI server; tokenise prompts with the sim tokenizer, or with
+    ``tok`` (the model's real tokenizer and chat template) when given."""
     model = body.get("model")
     if model is None:
         raise ApiError("Field 'model' is required.", param="model")
@@ -142,16 +167,19 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
     if kind == "chat":
         if "messages" not in body:
             raise ApiError("Field 'messages' is required.", param="messages")
-        try:
-            text = chat_template.render(
-                body["messages"],
-                tools=body.get("tools"),
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
-            )
-        except chat_template.TemplateError as e:
-            raise ApiError(str(e), param="messages") from None
-        prompts = [tokenizer.encode(text)]
+        if tok is not None:
+            prompts = [tok.chat(body)]
+        else:
+            try:
+                text = chat_template.render(
+                    body["messages"],
+                    tools=body.get("tools"),
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                    continue_final_message=bool(body.get("continue_final_message", False)),
+                )
+            except chat_template.TemplateError as e:
+                raise ApiError(str(e), param="messages") from None
+            prompts = [tokenizer.encode(text)]
         max_tokens = _int_field(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", 1)
@@ -159,7 +187,7 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
     else:
         if "prompt" not in body or body["prompt"] is None:
             raise ApiError("Field 'prompt' is required.", param="prompt")
-        prompts = completion_prompts(body["prompt"])
+        prompts = completion_prompts(body["prompt"], tok, body)
         max_tokens = _int_field(body, "max_tokens", 1)
         prefix = "cmpl-"
     if max_tokens is None:
@@ -229,7 +257,10 @@ def usage(prompt_tokens: int, completion_tokens: int,
     return u
 
 
-def text_of(count: int, start: int = 0) -> str:
+def text_of(count: int, start: int = 0, tok: PromptTokenizer | None = None) -> str:
+    """Text of generated tokens ``start .. count - 1`` (the stand-in's filler, or ``tok``'s)."""
+    if tok is not None:
+        return tok.output_text(count, start)
     return "".join(tokenizer.output_token(i)[1] for i in range(start, count))
 
 

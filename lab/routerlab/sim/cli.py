@@ -34,6 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="seed for fail_rate draws")
+    parser.add_argument("--kv-events-port-offset", type=int, default=0, metavar="N",
+                        help="publish KV-cache events (vLLM's ZMQ format) on each replica's port + N (0: off)")
+    parser.add_argument("--kv-replay-port-offset", type=int, default=0, metavar="N",
+                        help="serve KV-event replay (ROUTER) on each replica's port + N (0: no replay socket)")
+    parser.add_argument("--kv-events-encoding", choices=("array", "map"), default="array",
+                        help="inner event layout: array (vLLM before June 2026) or map (after)")
+    parser.add_argument("--kv-events-hashes", choices=("int", "bytes"), default="int",
+                        help="block hashes in events: int (vLLM's default) or bytes")
+    parser.add_argument("--kv-events-topic", default="kv", help="topic of the KV event messages (default kv)")
+    parser.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="tokenise with this model directory's tokenizer and chat template "
+                             "(Hugging Face layout) instead of the stand-in")
     parser.add_argument("--control", metavar="URL", default=None,
                         help="instead of serving: send --set values to URL's /sim/control")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -83,9 +95,17 @@ async def _serve(config: SimConfig) -> int:
     print(f"sim: profile={p.name} model={p.model} block_size={p.block_size} "
           f"num_blocks={p.num_blocks} max_num_seqs={p.max_num_seqs} "
           f"max_num_batched_tokens={p.max_num_batched_tokens} max_model_len={p.max_model_len} "
-          f"time_scale={config.time_scale}", flush=True)
+          f"time_scale={config.time_scale}"
+          + (f" tokenizer={config.tokenizer}" if config.tokenizer else ""), flush=True)
     for rep, url in zip(fleet.replicas, fleet.urls):
         print(f"replica {rep.index} ready on {url}", flush=True)
+    if config.kv_events_port_offset:
+        for rep in fleet.replicas:
+            assert rep.port is not None
+            replay = (f" replay tcp://{config.host}:{rep.port + config.kv_replay_port_offset}"
+                      if config.kv_replay_port_offset else "")
+            print(f"replica {rep.index} kv events on tcp://{config.host}:{rep.port + config.kv_events_port_offset}"
+                  f"{replay}", flush=True)
     print(f"fleet ready: {len(fleet.replicas)} replicas", flush=True)
     try:
         await stop.wait()
@@ -111,10 +131,17 @@ def run(args: argparse.Namespace) -> int:
         time_scale=args.time_scale, model=args.model, block_size=args.block_size,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        seed=args.seed,
+        seed=args.seed, kv_events_port_offset=args.kv_events_port_offset,
+        kv_replay_port_offset=args.kv_replay_port_offset, kv_events_encoding=args.kv_events_encoding,
+        kv_events_hashes=args.kv_events_hashes, kv_events_topic=args.kv_events_topic, tokenizer=args.tokenizer,
     )
     try:
         config.resolved_profile()
+        config.kv_events()
+        if config.tokenizer:
+            from routerlab.sim.hf_tokenizer import HfTokenizer
+
+            HfTokenizer(config.tokenizer)  # a bad directory: exit 2 now, not a traceback later
     except ValueError as e:
         print(f"sim: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ class Control:
     slow_factor: multiplies every step's model time (> 0).
     fail_rate: fraction (0..1) of inference requests answered with a 500.
     drop_connections: close the TCP connection without a response (all but /sim/*).
+    One-off actions (not state): reset_cache, restart (see server.Replica.restart).
     """
 
     healthy: bool = True
@@ -35,16 +36,17 @@ class Control:
     def should_fail(self) -> bool:
         return self.fail_rate > 0 and self._rng.random() < self.fail_rate
 
-    def apply(self, body: Any) -> bool:
-        """Validate and apply a control JSON object; returns whether reset_cache was asked."""
+    def apply(self, body: Any) -> frozenset[str]:
+        """Validate and apply a control JSON object; returns the one-off actions asked for
+        (``"reset_cache"``, ``"restart"``), which the replica carries out."""
         if not isinstance(body, dict):
             raise ControlError("control body must be a JSON object")
-        allowed = {"healthy", "slow_factor", "fail_rate", "drop_connections", "reset_cache", "seed"}
+        allowed = {"healthy", "slow_factor", "fail_rate", "drop_connections", "reset_cache", "restart", "seed"}
         unknown = set(body) - allowed
         if unknown:
             raise ControlError(f"unknown control fields: {sorted(unknown)}")
         new = {}
-        for key in ("healthy", "drop_connections", "reset_cache"):
+        for key in ("healthy", "drop_connections", "reset_cache", "restart"):
             if key in body and not isinstance(body[key], bool):
                 raise ControlError(f"{key} must be a boolean")
         if "slow_factor" in body:
@@ -66,4 +68,4 @@ class Control:
                 new[key] = body[key]
         for k, v in new.items():
             setattr(self, k, v)
-        return bool(body.get("reset_cache", False))
+        return frozenset(k for k in ("reset_cache", "restart") if body.get(k) is True)

@@ -7,13 +7,20 @@ wall deadlines, so timer granularity does not accumulate; if the event loop fall
 than ``LAG_TOLERANCE_S`` wall seconds behind (CPU starved; shorter stalls are
 caught up by running the next steps without sleeping), the model clock snaps
 forward to wall time, so overload shows up as latency rather than being hidden.
+
+KV-cache events: with a ``kv_events`` publisher (:class:`routerlab.sim.kv_events.KvEventPublisher`)
+the cache reports to it and the engine flushes one batch per step, after the step's results are
+applied (vLLM publishes in ``update_from_output``). A prefix-cache reset is flushed at once as
+its own batch (vLLM would send it with the next step's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence as Seq
 from dataclasses import fields
+from typing import Any
 
 from routerlab.sim.control import Control
 from routerlab.sim.metrics import ReplicaMetrics
@@ -45,7 +52,8 @@ class Engine:
     """Step loop, model clock and metric bookkeeping for one replica."""
 
     def __init__(
-        self, profile: Profile, time_scale: float, control: Control, metrics: ReplicaMetrics
+        self, profile: Profile, time_scale: float, control: Control, metrics: ReplicaMetrics,
+        kv_events: Any = None, output_ids: Seq[int] | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
@@ -53,7 +61,8 @@ class Engine:
         self.time_scale = time_scale
         self.control = control
         self.metrics = metrics
-        self.sched = Scheduler(profile)
+        self.kv_events = kv_events  # a KvEventPublisher (hooks + flush) or None
+        self.sched = Scheduler(profile, listener=kv_events, output_ids=output_ids)
         self._loop = asyncio.get_running_loop()
         self._origin = self._loop.time()
         self._model_now = 0.0
@@ -69,6 +78,11 @@ class Engine:
         return (self._loop.time() - self._origin) * self.time_scale
 
     # ---- lifecycle ---------------------------------------------------------------
+    def attach_kv_events(self, publisher: Any) -> None:
+        """Report this engine's cache events to ``publisher`` (None: stop reporting)."""
+        self.kv_events = publisher
+        self.sched.kv.listener = publisher
+
     def start(self) -> None:
         self._task = self._loop.create_task(self._run(), name="sim-engine")
 
@@ -104,7 +118,17 @@ class Engine:
                 seq.listener.notify()
 
     def reset_cache(self) -> int:
-        return self.sched.kv.reset()
+        n = self.sched.kv.reset()
+        self.flush_events()
+        return n
+
+    def flush_events(self) -> None:
+        """Send the KV events collected so far as one batch (once per step)."""
+        if self.kv_events is not None:
+            try:
+                self.kv_events.flush()
+            except Exception:  # a publisher problem must not stop the replica serving
+                log.exception("sim: publishing KV-cache events failed")
 
     # ---- loop --------------------------------------------------------------------
     async def _run(self) -> None:
@@ -136,6 +160,7 @@ class Engine:
                 await asyncio.sleep(delay if delay > 0 else 0)
                 self._model_now = end
                 emitted = self.sched.complete(plan, end)
+                self.flush_events()
                 self._account(emitted, end)
             except asyncio.CancelledError:
                 raise
@@ -144,6 +169,7 @@ class Engine:
                 # state would fail the same way, forever.
                 log.exception("sim engine step failed; aborting in-flight requests")
                 self.abort_all()
+                self.flush_events()
 
     def _account(self, emitted: list[Sequence], now: float) -> None:
         m = self.metrics

@@ -12,7 +12,7 @@ from typing import Any, Coroutine, TypeVar
 from aiohttp import web
 
 from routerlab.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
-from routerlab.sim.server import Replica
+from routerlab.sim.server import KvEventsConfig, Replica
 
 T = TypeVar("T")
 
@@ -23,6 +23,11 @@ class SimConfig:
 
     ``base_port=0`` binds every replica to an ephemeral port (read them from
     ``Fleet.ports``), which is what tests should use on a shared machine.
+
+    KV-cache events (vLLM's ZMQ publisher): replica i on HTTP port P_i publishes on
+    ``P_i + kv_events_port_offset`` (0: off) and serves replay on ``P_i + kv_replay_port_offset``
+    (0: none). ``tokenizer``: a model directory (Hugging Face layout) whose tokenizer and chat
+    template replace the stand-in tokenizer.
     """
 
     replicas: int = 1
@@ -37,6 +42,21 @@ class SimConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     seed: int = 0
+    kv_events_port_offset: int = 0
+    kv_replay_port_offset: int = 0
+    kv_events_encoding: str = "array"
+    kv_events_hashes: str = "int"
+    kv_events_topic: str = "kv"
+    tokenizer: str | None = None
+
+    def kv_events(self) -> KvEventsConfig | None:
+        """The publisher settings, None when events are off (raises ValueError on bad values)."""
+        if not self.kv_events_port_offset:
+            if self.kv_replay_port_offset:
+                raise ValueError("kv_replay_port_offset needs kv_events_port_offset")
+            return None
+        return KvEventsConfig(self.kv_events_port_offset, self.kv_replay_port_offset,
+                              self.kv_events_encoding, self.kv_events_hashes, self.kv_events_topic)
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile).with_overrides(
@@ -67,7 +87,7 @@ class Fleet:
 
     async def stop(self) -> None:
         for r in self.replicas:
-            await r.engine.stop()
+            await r.close()
         for runner in self._runners:
             await runner.cleanup()
 
@@ -77,11 +97,18 @@ async def start_fleet(config: SimConfig) -> Fleet:
     if config.replicas < 1:
         raise ValueError("replicas must be >= 1")
     profile = config.resolved_profile()
+    kv_events = config.kv_events()
+    tok = None
+    if config.tokenizer:
+        from routerlab.sim.hf_tokenizer import HfTokenizer
+
+        tok = HfTokenizer(config.tokenizer)  # one for all replicas (one event loop)
     replicas: list[Replica] = []
     runners: list[web.AppRunner] = []
     try:
         for i in range(config.replicas):
-            rep = Replica(i, profile, config.time_scale, seed=config.seed)
+            rep = Replica(i, profile, config.time_scale, seed=config.seed, kv_events=kv_events,
+                          tokenizer=tok, host=config.host)
             rep.engine.start()
             replicas.append(rep)
             # handler_cancellation: a client that disconnects aborts its request, as in vLLM
@@ -95,6 +122,7 @@ async def start_fleet(config: SimConfig) -> Fleet:
             server = site._server  # the asyncio Server: read the bound port
             assert server is not None and server.sockets
             rep.port = server.sockets[0].getsockname()[1]
+            await rep.open_kv_events()
     except BaseException:
         await Fleet(config, replicas, runners).stop()
         raise

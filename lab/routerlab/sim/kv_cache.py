@@ -19,11 +19,20 @@ Semantics copied from vLLM v1 (see docs/simulator.md, "Cache semantics"):
   (the scheduler) keeps the request waiting.
 * Full blocks are registered in the cache map when they are *scheduled* (vLLM caches
   blocks in ``allocate_slots``), including blocks filled by generated tokens.
+
+KV-cache events (vLLM's ``BlockPool`` with ``enable_kv_cache_events``): an optional
+``listener`` (:class:`KvEventListener`, e.g. :class:`routerlab.sim.kv_events.KvEventPublisher`)
+hears ``stored(...)`` once per newly cached contiguous run of one request's blocks (its token
+ids, the parent block's hash or None at block 0, ``(cache_salt,)`` as block 0's extra keys),
+``removed([hash])`` for every cached block evicted because it is reused, and ``cleared()`` on
+:meth:`KVCache.reset`. A prefix-cache hit announces nothing. The cache only calls the
+listener; batching per engine step and all I/O belong to the caller.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -63,6 +72,22 @@ def extend_block_hashes(
 def block_hashes(tokens: Sequence[int], block_size: int, root: int) -> list[int]:
     """Chained hashes of all full blocks of ``tokens``."""
     return extend_block_hashes([], tokens, block_size, root)
+
+
+class KvEventListener(Protocol):
+    """What a :class:`KVCache` reports (the hook API of ``KvEventPublisher``)."""
+
+    def stored(self, block_hashes: Sequence[int], parent_hash: int | None, token_ids: Sequence[int],
+               block_size: int, extra_keys: Sequence[Any] | None = None) -> None: ...
+
+    def removed(self, block_hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+def block_extra_keys(first_block: int, n: int, cache_salt: str | None) -> list[tuple[str, ...] | None]:
+    """vLLM's per-block extra keys of a text-only request: ``(cache_salt,)`` on block 0, else None."""
+    return [(cache_salt,) if cache_salt and first_block + i == 0 else None for i in range(n)]
 
 
 class Block:
@@ -142,7 +167,7 @@ class FreeBlockQueue:
 class KVCache:
     """Block pool + prefix cache map + per-request block tables."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, listener: KvEventListener | None = None) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
         if block_size < 1:
@@ -156,6 +181,7 @@ class KVCache:
         self.req_blocks: dict[str, list[Block]] = {}
         self._req_num_cached: dict[str, int] = {}
         self.evictions = 0
+        self.listener = listener
 
     # ---- observation -------------------------------------------------------------
     @property
@@ -206,6 +232,8 @@ class KVCache:
         hit_blocks: Sequence[Block] = (),
         num_tokens_to_cache: int | None = None,
         owner: str = "",
+        token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> bool:
         """Make the request hold blocks for ``num_tokens`` tokens (computed + scheduled).
 
@@ -213,6 +241,8 @@ class KVCache:
         they are touched before new blocks are taken so they cannot be evicted by this
         very allocation. Returns False, changing nothing, if there are not enough free
         blocks. Full blocks up to ``num_tokens_to_cache`` are then registered in the cache.
+        ``token_ids`` (the request's prompt + generated ids) and ``cache_salt`` are only read
+        to tell the listener what was stored; with a listener, ``token_ids`` is required.
         """
         held = self.req_blocks.get(req_id)
         if held is None:
@@ -233,15 +263,19 @@ class KVCache:
         for _ in range(num_new):
             held.append(self._take_free_block())
         self._cache_full_blocks(
-            req_id, held, hashes, num_tokens if num_tokens_to_cache is None else num_tokens_to_cache, owner
+            req_id, held, hashes, num_tokens if num_tokens_to_cache is None else num_tokens_to_cache, owner,
+            token_ids, cache_salt,
         )
         return True
 
     def _take_free_block(self) -> Block:
         b = self.free_queue.popleft()
         if b.block_hash is not None:
+            h = b.block_hash
             self._drop_from_map(b)
             self.evictions += 1
+            if self.listener is not None:
+                self.listener.removed([h])  # vLLM: one BlockRemoved per evicted block
         b.ref_cnt = 1
         return b
 
@@ -255,10 +289,13 @@ class KVCache:
         b.block_hash = None
 
     def _cache_full_blocks(
-        self, req_id: str, held: list[Block], hashes: Sequence[int], num_tokens: int, owner: str
+        self, req_id: str, held: list[Block], hashes: Sequence[int], num_tokens: int, owner: str,
+        token_ids: Sequence[int] | None, cache_salt: str | None,
     ) -> None:
         done = self._req_num_cached[req_id]
         full = min(num_tokens // self.block_size, len(hashes), len(held))
+        if full <= done:
+            return
         for i in range(done, full):
             b = held[i]
             if b.block_hash is None:
@@ -266,8 +303,16 @@ class KVCache:
                 b.block_hash = h
                 b.owner = owner
                 self.cached.setdefault(h, {})[b.block_id] = b
-        if full > done:
-            self._req_num_cached[req_id] = full
+        self._req_num_cached[req_id] = full
+        if self.listener is not None:
+            # vLLM's cache_full_blocks: one BlockStored for the run [done, full) of this request
+            if token_ids is None:
+                raise ValueError("a KVCache with a listener needs the request's token_ids")
+            bs = self.block_size
+            self.listener.stored(
+                list(hashes[done:full]), hashes[done - 1] if done > 0 else None,
+                list(token_ids[done * bs : full * bs]), bs, block_extra_keys(done, full - done, cache_salt),
+            )
 
     def free(self, req_id: str) -> None:
         """Release a request's blocks, tail first, into the LRU free queue.
@@ -303,4 +348,6 @@ class KVCache:
                 b.block_hash = None
                 n += 1
         self.cached.clear()
+        if self.listener is not None:
+            self.listener.cleared()
         return n

@@ -14,11 +14,12 @@ cached tokens) are counted once, when a new sequence is admitted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 from routerlab.sim import tokenizer
-from routerlab.sim.kv_cache import KVCache, extend_block_hashes, root_hash
+from routerlab.sim.kv_cache import KVCache, KvEventListener, extend_block_hashes, root_hash
 from routerlab.sim.profiles import Profile
 
 
@@ -45,6 +46,7 @@ class Sequence:
     aborted: bool = False
     listener: Any = None
     tenant: str = ""  # the tenant header, only to count cross-tenant hits (a simulator diagnostic)
+    cache_salt: str | None = None  # only for KV-cache events (block 0's extra keys); the hash has it in extra_keys
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -93,9 +95,13 @@ class Counters:
 class Scheduler:
     """FCFS scheduler with chunked prefill, max_num_seqs and preemption by recompute."""
 
-    def __init__(self, profile: Profile, kv: KVCache | None = None) -> None:
+    def __init__(self, profile: Profile, kv: KVCache | None = None, listener: KvEventListener | None = None,
+                 output_ids: Seq[int] | None = None) -> None:
+        """``listener`` hears the cache's KV events (see kv_cache.py); ``output_ids`` are the ids
+        generated tokens cycle through (default: the stand-in tokenizer's filler)."""
         self.profile = profile
-        self.kv = kv or KVCache(profile.num_blocks, profile.block_size)
+        self.kv = kv or KVCache(profile.num_blocks, profile.block_size, listener)
+        self.output_ids: tuple[int, ...] = tuple(output_ids) if output_ids else tokenizer.FILLER_IDS
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = Counters()
@@ -141,7 +147,8 @@ class Scheduler:
                 i += 1
                 continue
             ok = True
-            while not kv.allocate(seq.req_id, seq.num_computed + n, seq.block_hashes, owner=seq.tenant):
+            while not kv.allocate(seq.req_id, seq.num_computed + n, seq.block_hashes, owner=seq.tenant,
+                                  token_ids=seq.tokens, cache_salt=seq.cache_salt):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -164,7 +171,8 @@ class Scheduler:
                 hits = kv.longest_hit(seq.block_hashes, len(seq.tokens))
                 hit_tokens = len(hits) * kv.block_size
                 n = min(len(seq.tokens) - hit_tokens, budget)
-                if not kv.allocate(seq.req_id, hit_tokens + n, seq.block_hashes, hits, owner=seq.tenant):
+                if not kv.allocate(seq.req_id, hit_tokens + n, seq.block_hashes, hits, owner=seq.tenant,
+                                   token_ids=seq.tokens, cache_salt=seq.cache_salt):
                     break
                 self.waiting.popleft()
                 if not seq.admitted:
@@ -197,6 +205,7 @@ class Scheduler:
         emitted: list[Sequence] = []
         finished_any = False
         bs = self.kv.block_size
+        out_ids = self.output_ids
         for seq, n in plan.scheduled:
             if seq.finished:  # aborted while the step ran
                 continue
@@ -204,7 +213,7 @@ class Scheduler:
             if seq.num_computed < len(seq.tokens):
                 continue  # still prefilling (chunked)
             index = len(seq.outputs)
-            token_id, _ = tokenizer.output_token(index)
+            token_id = out_ids[index % len(out_ids)]
             seq.outputs.append(token_id)
             seq.tokens.append(token_id)
             seq.update_hashes(bs)

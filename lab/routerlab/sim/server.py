@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import zmq
 from aiohttp import web
 
 from routerlab.sim import api
 from routerlab.sim.control import Control, ControlError
 from routerlab.sim.engine import Engine, Listener
 from routerlab.sim.kv_cache import extra_keys
+from routerlab.sim.kv_events import KvEventPublisher
 from routerlab.sim.metrics import CONTENT_TYPE, ReplicaMetrics
 from routerlab.sim.profiles import Profile
 from routerlab.sim.scheduler import Sequence
@@ -22,6 +25,36 @@ log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 TENANT_HEADER = "x-prefix-aware-id"  # read only to attribute cached blocks to tenants (sim:cross_tenant_*)
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """A replica's KV-cache event publisher, vLLM's ``--kv-events-config`` in the simulator's terms.
+
+    The replica on HTTP port P publishes on ``P + port_offset`` and serves replay on
+    ``P + replay_port_offset`` (0: no replay socket). ``encoding`` is the inner events' layout
+    ("array": vLLM before June 2026, "map": after), ``hashes`` "int" (vLLM's default) or "bytes".
+    """
+
+    port_offset: int
+    replay_port_offset: int = 0
+    encoding: str = "array"
+    hashes: str = "int"
+    topic: str = "kv"
+    buffer_steps: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.port_offset == 0:
+            raise ValueError("kv events need a port offset != 0")
+        if self.replay_port_offset == self.port_offset:
+            raise ValueError("the KV events and replay port offsets must differ")
+        if self.encoding not in ("array", "map"):
+            raise ValueError(f"kv events encoding must be array or map, got {self.encoding!r}")
+        if self.hashes not in ("int", "bytes"):
+            raise ValueError(f"kv events hashes must be int or bytes, got {self.hashes!r}")
+
+
+BIND_RETRY_S = 5.0  # ZMQ releases a closed listener asynchronously: a re-bind may briefly see EADDRINUSE
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -35,14 +68,22 @@ def error_response(e: api.ApiError) -> web.Response:
 class Replica:
     """One replica: engine, metrics, control knobs and its aiohttp app (not yet bound)."""
 
-    def __init__(self, index: int, profile: Profile, time_scale: float, seed: int = 0) -> None:
+    def __init__(self, index: int, profile: Profile, time_scale: float, seed: int = 0,
+                 kv_events: KvEventsConfig | None = None, tokenizer: api.PromptTokenizer | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.index = index
         self.profile = profile
         self.model = profile.model
+        self.time_scale = time_scale
+        self.host = host
+        self.kv_config = kv_events
+        self.tok = tokenizer
+        self.publisher: KvEventPublisher | None = None
+        self.restarts = 0
         self.control = Control()
         self.control.apply({"seed": seed * 1000 + index})
         self.metrics = ReplicaMetrics(self.model, profile)
-        self.engine = Engine(profile, time_scale, self.control, self.metrics)
+        self.engine = self._new_engine()
         self.requests = 0
         self.failed = 0
         self.dropped = 0
@@ -50,6 +91,62 @@ class Replica:
         self.created = int(time.time())
         self.port: int | None = None
         self.app = self._build_app()
+
+    def _new_engine(self) -> Engine:
+        out = getattr(self.tok, "output_ids", None)
+        return Engine(self.profile, self.time_scale, self.control, self.metrics, output_ids=out)
+
+    # ---- KV-cache events and restarts ---------------------------------------------------
+    async def open_kv_events(self, retry_s: float = 0.0) -> None:
+        """Bind this replica's publisher (after its HTTP port is known) and attach it to the engine;
+        a port in use is retried for ``retry_s`` (a restart re-binds the ports it just closed)."""
+        cfg = self.kv_config
+        if cfg is None:
+            return
+        assert self.port is not None, "bind the HTTP port first"
+        replay = self.port + cfg.replay_port_offset if cfg.replay_port_offset else None
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                pub = KvEventPublisher(self.host, self.port + cfg.port_offset, replay, topic=cfg.topic,
+                                       buffer_steps=cfg.buffer_steps, encoding=cfg.encoding,  # type: ignore[arg-type]
+                                       hash_type=cfg.hashes)  # type: ignore[arg-type]
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise OSError(e.errno, f"KV events of replica {self.index}: {e}") from None
+                await asyncio.sleep(0.02)
+        self.publisher = pub
+        self.engine.attach_kv_events(pub)
+
+    def close_kv_events(self) -> None:
+        if self.publisher is not None:
+            self.engine.attach_kv_events(None)
+            self.publisher.close()
+            self.publisher = None
+
+    async def restart(self) -> None:
+        """Like a vLLM process restart on the same ports: in-flight requests fail (503), the cache,
+        the counters and the metrics start empty, the model clock from 0, and the KV event
+        publisher is closed and re-opened, so its seq counts from 0 again."""
+        old = self.engine
+        # the new engine takes requests at once; it runs them once started below
+        self.metrics = ReplicaMetrics(self.model, self.profile)
+        self.engine = self._new_engine()
+        await old.stop()
+        if self.publisher is not None:
+            old.attach_kv_events(None)
+            self.publisher.close()
+            self.publisher = None
+        try:
+            await self.open_kv_events(BIND_RETRY_S)
+        finally:
+            self.engine.start()
+            self.restarts += 1
+
+    async def close(self) -> None:
+        await self.engine.stop()
+        self.close_kv_events()
 
     # ---- app -----------------------------------------------------------------------
     def _build_app(self) -> web.Application:
@@ -102,7 +199,7 @@ class Replica:
             body = api.parse_json(await request.read())
             if kind is None:
                 kind = api.request_kind(body)
-            req = api.parse(body, kind, self.model, self.profile.max_model_len)
+            req = api.parse(body, kind, self.model, self.profile.max_model_len, self.tok)
             return await self._run(request, req)
         except api.ApiError as e:
             return error_response(e)
@@ -115,11 +212,12 @@ class Replica:
         seqs = [
             Sequence(req_id=f"{req.request_id}-{i}-{j}", prompt_ids=p,
                      max_tokens=req.max_tokens, extra_keys=keys, listener=listener,
-                     tenant=request.headers.get(TENANT_HEADER, ""))
+                     tenant=request.headers.get(TENANT_HEADER, ""), cache_salt=req.cache_salt)
             for i, p in enumerate(req.prompts) for j in range(req.n)
         ]
+        engine = self.engine  # a restart swaps the engine: abort on the one that has them
         for s in seqs:
-            self.engine.submit(s)
+            engine.submit(s)
         try:
             if req.stream:
                 return await self._stream(request, req, seqs, listener)
@@ -128,13 +226,13 @@ class Replica:
             if any(s.aborted for s in seqs):
                 raise api.ApiError("Request aborted (replica stopping or engine step failed)",
                                    status=503, type_="ServiceUnavailableError")
-            choices = [(k, api.text_of(len(s.outputs)), s.finish_reason or "length")
+            choices = [(k, api.text_of(len(s.outputs), 0, self.tok), s.finish_reason or "length")
                        for k, s in enumerate(seqs)]
             return json_response(api.full_response(req, choices, self._usage(req, seqs)))
         finally:
             for s in seqs:
                 if not s.finished:
-                    self.engine.abort(s)
+                    engine.abort(s)
 
     def _usage(self, req: api.ParsedRequest, seqs: list[Sequence]) -> dict[str, Any]:
         """The whole request's usage (final chunk / body): cached tokens once per prompt."""
@@ -165,7 +263,7 @@ class Replica:
                     finish = s.finish_reason if s.finished else None
                     # vLLM's continuous usage counts this choice's prompt and output only
                     use = api.usage(s.num_prompt, have) if req.continuous_usage else None
-                    text = api.text_of(have, sent[k])
+                    text = api.text_of(have, sent[k], self.tok)
                     out.append(api.chunk(req, [api.delta_choice(req, k, text, finish)], use))
                     sent[k] = have
                 if out:
@@ -211,11 +309,19 @@ class Replica:
     async def sim_control(self, request: web.Request) -> web.Response:
         try:
             body = api.parse_json(await request.read())
-            if self.control.apply(body):
-                self.engine.reset_cache()
+            actions = self.control.apply(body)
         except (api.ApiError, ControlError) as e:
             err = e if isinstance(e, api.ApiError) else api.ApiError(str(e))
             return error_response(err)
+        if "restart" in actions:
+            try:
+                await self.restart()
+            except OSError as e:
+                log.error("sim: replica %d restart: %s", self.index, e)
+                return error_response(api.ApiError(f"restart failed: {e}", status=500,
+                                                   type_="InternalServerError"))
+        if "reset_cache" in actions:
+            self.engine.reset_cache()
         return json_response(self.state())
 
     async def sim_state(self, request: web.Request) -> web.Response:
@@ -233,5 +339,12 @@ class Replica:
             "failed": self.failed,
             "dropped": self.dropped,
             "in_flight": self.in_flight,
+            "restarts": self.restarts,
+            "kv_events": None if self.publisher is None else {
+                "events_port": self.port + self.kv_config.port_offset if self.port and self.kv_config else None,
+                "replay_port": self.port + self.kv_config.replay_port_offset
+                if self.port and self.kv_config and self.kv_config.replay_port_offset else None,
+                "next_seq": self.publisher.next_seq,
+            },
             **self.engine.state(),
         }

@@ -20,6 +20,7 @@ _MASK = np.uint64(0xFFFFFFFF)
 # Filler text for generated tokens: 4-byte pieces, so each output token's text
 # re-tokenises to the same id when it lands 4-byte aligned.
 _FILLER = "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "
+FILLER_TEXT = _FILLER  # also what a real tokenizer (--tokenizer) generates, encoded once
 FILLER_PIECES: tuple[str, ...] = tuple(_FILLER[i : i + 4] for i in range(0, len(_FILLER), 4))
 
 
