@@ -181,7 +181,7 @@ def test_a_gap_the_buffer_no_longer_holds_resets_the_view() -> None:
             pub.publish([stored(5)])
             await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
             assert rig.index.ops() == ["apply", "reset", "apply", "apply", "apply"]
-            assert rig.sub.stats.resets == {"restart": 0, "gap": 1, "cleared": 0, "left": 0}
+            assert rig.sub.stats.resets == {"restart": 0, "reconnect": 0, "gap": 1, "cleared": 0, "left": 0}
             assert rig.resets == [(ADDRESS, "gap")] and rig.sub.stats.gaps == 1
         finally:
             await rig.close()
@@ -210,6 +210,7 @@ def test_a_gap_without_a_replay_socket_resets_the_view() -> None:
 
 
 def test_a_restarted_publisher_resets_the_view() -> None:
+    """A new process drops the connection: the view is rebuilt from its buffer (cause reconnect)."""
     async def body() -> None:
         rig = Rig()
         pub = rig.publisher()
@@ -224,8 +225,30 @@ def test_a_restarted_publisher_resets_the_view() -> None:
             pub.publish([stored(7)])
             await until(lambda: rig.index.marks() == [0, 1, 7], "the new process's first batch")
             assert rig.index.ops() == ["apply", "apply", "reset", "apply"]
-            assert rig.sub.stats.resets["restart"] == 1 and rig.resets == [(ADDRESS, "restart")]
+            assert rig.sub.stats.resets["reconnect"] == 1 and rig.resets == [(ADDRESS, "reconnect")]
             assert rig.sub.stats.replicas[ADDRESS].last_seq == {0: 0}
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_sequence_that_goes_back_on_the_same_connection_is_a_restart() -> None:
+    """Behind a proxy that keeps the connection, only the sequence tells: seq 0 again is a new process."""
+    async def body() -> None:
+        rig = Rig()
+        rig.sub.replay_port = None  # before start: its streams get no replay socket
+        pub = rig.publisher(replay_port=None)
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            pub.publish([stored(1)])
+            await until(lambda: rig.index.marks() == [0, 1], "the first process's batches")
+            pub.next_seq = 0  # what a new publisher process behind the same connection sends
+            pub.publish([stored(5)])
+            await until(lambda: rig.index.marks() == [0, 1, 5], "the new process's first batch")
+            assert rig.index.ops() == ["apply", "apply", "reset", "apply"]
+            assert rig.resets == [(ADDRESS, "restart")]
         finally:
             await rig.close()
 

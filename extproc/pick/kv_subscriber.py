@@ -45,12 +45,13 @@ from typing import Any, Final, Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils import monitor as zmq_monitor
 
 from extproc.pick.kv_events import END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request
 
 log = logging.getLogger("extproc.pick.kv_subscriber")
 
-CAUSES: Final = ("restart", "gap", "cleared", "left")
+CAUSES: Final = ("restart", "reconnect", "gap", "cleared", "left")
 DRAIN: Final = 512  # live messages handled per wake-up before yielding to the request path
 
 
@@ -87,7 +88,8 @@ class KvSubscriberStats:
 class _Stream:
     """One (endpoint, rank) event stream."""
 
-    __slots__ = ("address", "rank", "events_url", "replay_url", "applied", "live", "synced", "resync", "task")
+    __slots__ = ("address", "rank", "events_url", "replay_url", "applied", "live", "synced", "resync", "task",
+                 "dropped")
 
     def __init__(self, address: str, rank: int, events_url: str, replay_url: str | None) -> None:
         self.address = address
@@ -99,6 +101,7 @@ class _Stream:
         self.synced = replay_url is None  # the initial replay answered (or there is none)
         self.resync = False  # the address was reset: replay from 0 again
         self.task: asyncio.Task[None] | None = None
+        self.dropped = False  # the connection to the publisher went down since the last connect
 
 
 def _host(address: str) -> str:
@@ -215,6 +218,10 @@ class KvEventSubscriber:
     async def _session(self, st: _Stream) -> None:
         sock = self._socket(zmq.SUB, st.events_url)
         raw = zmq.Socket.shadow(sock.underlying)  # synchronous reads of what is already queued
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             if not st.synced:
                 await self._initial_replay(st)
@@ -223,7 +230,10 @@ class KvEventSubscriber:
                     st.resync = False
                     st.applied = -1
                     await self._initial_replay(st)
-                if not await sock.poll(self.poll_ms, zmq.POLLIN):
+                ready = dict(await poller.poll(self.poll_ms))
+                if monitor in ready:
+                    self._on_monitor(st, await monitor.recv_multipart())
+                if sock not in ready:
                     continue
                 for _ in range(DRAIN):
                     try:
@@ -233,7 +243,25 @@ class KvEventSubscriber:
                     await self._on_live(st, frames)
                 await asyncio.sleep(0)
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
+
+    def _on_monitor(self, st: _Stream, frames: list[bytes]) -> None:
+        """A connection that comes back may lead to a new publisher process (a restarted replica
+        whose first batches we may have missed, so its sequence need not look like a restart):
+        the replica's view is rebuilt from what its buffer holds (cause ``reconnect``). Crediting
+        blocks a restarted replica no longer has would be worse than forgetting a few it kept."""
+        event = zmq_monitor.parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            st.dropped = True
+        elif event == zmq.EVENT_CONNECTED and st.dropped:
+            st.dropped = False
+            if self._dirty.get(st.address):
+                self._reset(st, "reconnect")
+            st.live = -1
+            st.resync = st.replay_url is not None
+            st.applied = -1
 
     async def _on_live(self, st: _Stream, frames: list[bytes]) -> None:
         try:
