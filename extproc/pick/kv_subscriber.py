@@ -300,8 +300,8 @@ class KvEventSubscriber:
                 st.applied = fr.seq - 1
                 self._apply(st, fr, live=False)
         view = self.stats.replicas.get(st.address)
-        if view is not None and frames and view.origin == "none":
-            view.origin = "replayed"
+        if view is not None and view.origin == "none":
+            view.origin = "replayed"  # an empty buffer answered is knowledge too: a fresh replica holds nothing
 
     async def _fill_gap(self, st: _Stream, frame: Frame) -> None:
         self.stats.gaps += 1

@@ -50,6 +50,7 @@ class ArmSpec:
     base: str = "envoy.yaml"  # the shipped config this arm starts from
     pick: bool = False  # the router chooses the replica (pick mode)
     routers: int = 1  # router processes behind the prefix_router cluster (Envoy spreads streams over them)
+    precise: bool = False  # pick mode on the replicas' KV-cache events (the fleet publishes them)
     settings: tuple[tuple[str, str], ...] = ()  # router settings sent as stream metadata (before --router-setting)
 
     @property
@@ -72,6 +73,12 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
     ArmSpec("prefix-pick-2routers", "prefix-pick with two independent router processes (each learns from "
             "half the picks; they share only what they scrape)", "MAGLEV", prefix=True, bounded=True,
             base="pick.yaml", pick=True, routers=2),
+    ArmSpec("prefix-precise", "pick.yaml in precise mode: the router picks on what each replica's KV-cache "
+            "events say it holds, exact to the token (the model's template and tokenizer)", "MAGLEV", prefix=True,
+            bounded=True, base="pick.yaml", pick=True, precise=True),
+    ArmSpec("prefix-precise-2routers", "prefix-precise with two independent router processes (each subscribes "
+            "to every replica's events: the same cache view)", "MAGLEV", prefix=True, bounded=True,
+            base="pick.yaml", pick=True, precise=True, routers=2),
     ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
             "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
     ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",
@@ -151,7 +158,7 @@ class RunningArm:
     def __init__(self, arm: ArmSpec, backend_urls: list[str], *, prefix_length: int = 4096,
                  balance_factor: int = DEFAULT_BALANCE_FACTOR, router_settings: Mapping[str, str] | None = None,
                  endpoints: Sequence[int] | None = None, router_metrics: bool = False,
-                 health_interval: float | None = 0.5) -> None:
+                 health_interval: float | None = 0.5, router_flags: Sequence[str] = ()) -> None:
         self.arm = arm
         self.health_interval = health_interval
         self.router_metrics = router_metrics  # serve each router's /metrics (metrics_ports[i])
@@ -160,6 +167,7 @@ class RunningArm:
         self.prefix_length = prefix_length
         self.balance_factor = balance_factor
         self.router_settings = dict(router_settings or {})
+        self.router_flags = list(router_flags)  # precise arms: where the fleet's events are (SimBackend.router_flags)
         # pick mode: the indexes of backend_urls the router starts with (default all)
         self.endpoints = list(range(len(backend_urls)) if endpoints is None else endpoints)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -208,6 +216,10 @@ class RunningArm:
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
+            if self.arm.precise:
+                if not self.router_flags:
+                    raise RuntimeError(f"{self.arm.name}: the fleet publishes no KV-cache events")
+                argv += self.router_flags
             # appended before the wait, so stop() reaches it
             self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))
             self.routers[-1].wait_for_line("prefix-router ready", timeout=30)
@@ -234,7 +246,7 @@ class RunningArm:
         if len(self.endpoints) != len(self.backend_urls):
             raise RuntimeError(f"{self.arm.name}: a fleet that changes during the run needs an Envoy arm")
         if not self.arm.available:
-            raise RuntimeError(f"{self.arm.name} is not installed (pip install '.[peers]')")
+            raise RuntimeError(f"{self.arm.name} is not installed (pip install './lab[peers]')")
         port, metrics = free_ports(2)
         # sglang-router and vllm-router (its fork) share the launcher's flags.
         argv = python_module(f"{self.arm.peer}.launch_router", "--host", "127.0.0.1", "--port", str(port),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from routerlab.bench.scenarios import FleetSpec
-from routerlab.harness.procs import Process, free_ports, python_module
+from routerlab.harness.procs import Process, free_port_run, free_ports, python_module
 from routerlab.realvllm.promtext import reset_prefix_cache
 
 _READY = re.compile(r"replica (\d+) ready on (http://\S+)")
@@ -24,6 +24,7 @@ class Backend(Protocol):
 
     def start(self) -> "Backend": ...
     def stop(self) -> None: ...
+    def router_flags(self) -> list[str]: ...
     @property
     def pids(self) -> dict[str, int]: ...
 
@@ -49,6 +50,10 @@ class _ChildFleet:
 
     def count(self) -> int:
         raise NotImplementedError
+
+    def router_flags(self) -> list[str]:
+        """Router flags this fleet asks of precise arms (none: it publishes no KV-cache events)."""
+        return []
 
     def start(self) -> "_ChildFleet":
         self.process = proc = Process(self.argv(), name=self.name)
@@ -82,15 +87,33 @@ class SimBackend(_ChildFleet):
     def count(self) -> int:
         return self.spec.replicas
 
+    def start(self) -> "SimBackend":
+        if self.spec.kv_events and not self.base_port:
+            # replica i on base + i, its events on base + n + i, its replay socket on base + 2n + i:
+            # the router finds them at fixed offsets from each replica's port (--kv-ports-relative)
+            self.base_port = free_port_run(3 * self.spec.replicas)
+        super().start()
+        return self
+
+    def router_flags(self) -> list[str]:
+        """What a precise-mode router needs to read this fleet's events (none without events)."""
+        s, n = self.spec, self.spec.replicas
+        if not s.kv_events:
+            return []
+        return ["--kv-events", "on", "--tokenizer", str(s.tokenizer), "--kv-ports-relative", "on",
+                "--kv-events-port", str(n), "--kv-replay-port", str(2 * n)]
+
     def argv(self) -> list[str]:
         s = self.spec
         argv = python_module("extproc", "sim", "--replicas", str(s.replicas), "--base-port", str(self.base_port),
                              "--profile", s.profile, "--time-scale", str(s.time_scale),
                              "--block-size", str(s.block_size))
         for flag, value in (("--num-blocks", s.num_blocks), ("--max-num-seqs", s.max_num_seqs),
-                            ("--max-num-batched-tokens", s.max_num_batched_tokens)):
+                            ("--max-num-batched-tokens", s.max_num_batched_tokens), ("--tokenizer", s.tokenizer)):
             if value is not None:
                 argv += [flag, str(value)]
+        if s.kv_events:
+            argv += ["--kv-events-port-offset", str(s.replicas), "--kv-replay-port-offset", str(2 * s.replicas)]
         return argv
 
 
@@ -122,6 +145,9 @@ class ExternalBackend:
     def start(self) -> "ExternalBackend":
         self.reset_ok = all(reset_prefix_cache(u) for u in self.urls)
         return self
+
+    def router_flags(self) -> list[str]:
+        return []  # --backend-url gives no event ports: precise arms need the simulated fleet
 
     def stop(self) -> None:
         pass

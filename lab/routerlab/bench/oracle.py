@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from routerlab.bench.trace import Request
 from routerlab.sim import api, kv_cache
+from routerlab.sim.hf_tokenizer import HfTokenizer
 
 _NO_LENGTH_LIMIT = 1 << 40  # the oracle counts blocks; context limits are the server's business
 
@@ -29,17 +30,19 @@ class OracleResult:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def parse(body: bytes) -> api.ParsedRequest:
+def parse(body: bytes, tok: HfTokenizer | None = None) -> api.ParsedRequest:
     """The request as the simulator reads it (its chat template, tokenizer and salt rules)."""
     doc = api.parse_json(body)
-    return api.parse(doc, api.request_kind(doc), str(doc.get("model", "")), _NO_LENGTH_LIMIT)
+    return api.parse(doc, api.request_kind(doc), str(doc.get("model", "")), _NO_LENGTH_LIMIT, tok)
 
 
-def oracle(requests: Iterable[Request], block_size: int = 16) -> OracleResult:
+def oracle(requests: Iterable[Request], block_size: int = 16, tokenizer: str | None = None) -> OracleResult:
+    """``tokenizer``: the model directory the fleet tokenises with (None: the stand-in)."""
+    tok = HfTokenizer(tokenizer) if tokenizer else None
     seen: set[int] = set()
     hits = queries = 0
     for req in requests:
-        parsed = parse(req.body)
+        parsed = parse(req.body, tok)
         root = kv_cache.root_hash(kv_cache.extra_keys(parsed.model, parsed.cache_salt))
         for tokens in parsed.prompts:
             chain = kv_cache.block_hashes(tokens, block_size, root)

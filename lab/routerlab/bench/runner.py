@@ -25,6 +25,7 @@ from routerlab.bench import report as report_mod
 from routerlab.bench.oracle import oracle
 from routerlab.bench.scenarios import FleetEvent, FleetSpec, LoadSpec, Scenario
 from routerlab.bench.scenarios import get as get_scenario
+from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.trace import Trace
 from routerlab.harness.proc_cpu import CpuMeter
 from routerlab.realvllm.promtext import http_post_json, served_model
@@ -107,7 +108,7 @@ def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None]
         elif arm.available:
             out.append(name)
         else:
-            note(f"skipping {name}: not installed (pip install '.[peers]')")
+            note(f"skipping {name}: not installed (pip install './lab[peers]')")
     return out
 
 
@@ -119,9 +120,12 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     prog = cfg.progress or progress_mod.Quiet()
     model = _model(spec, cfg)
     trace = scenario.trace(params, cfg.seed, model)
-    best = oracle(trace.requests, spec.block_size).hit_rate
     prefix_length = cfg.prefix_length or scenario.prefix_length
     names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
+    if any(arms_mod.get(n).precise for n in names) and not cfg.backend_urls:
+        # every arm's fleet the same: the real (tiny) tokenizer, publishing its events
+        spec = dataclasses.replace(spec, tokenizer=spec.tokenizer or str(TINY_BYTELEVEL), kv_events=True)
+    best = oracle(trace.requests, spec.block_size, spec.tokenizer).hit_rate
     report = report_mod.Report(
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
         fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else "sim", **cfg.backend_info},
@@ -205,7 +209,8 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
         backend.start()  # inside the try: an interrupted start still stops what it started
         start_outside(backend.urls, members)
         with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
-                                 router_settings=cfg.router_settings, endpoints=members) as running:
+                                 router_settings=cfg.router_settings, endpoints=members,
+                                 router_flags=backend.router_flags()) as running:
             before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))

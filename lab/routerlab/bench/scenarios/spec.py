@@ -28,6 +28,8 @@ class FleetSpec:
     num_blocks: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    tokenizer: str | None = None  # a model directory: the replicas tokenise with it (else the stand-in)
+    kv_events: bool = False  # the replicas publish their KV-cache events (precise arms subscribe)
 
 
 @dataclass(frozen=True)

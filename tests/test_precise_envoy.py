@@ -1,0 +1,126 @@
+"""Precise mode end to end: real Envoy (pick.yaml), the router subscribed to the replicas' KV-cache
+events, and simulated vLLM replicas that tokenise with a real (tiny) tokenizer and publish events.
+
+The check that counts: for every request, the router's exact view (asked on its /debug/pick just
+before the request goes through Envoy) names the same prompt length as the replica's
+``usage.prompt_tokens``, and the same cached tokens, for the replica that served it, as the
+replica's own ``prompt_tokens_details.cached_tokens``, through a multi-turn trace with evictions.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from routerlab.assets import TINY_BYTELEVEL
+from routerlab.bench.arms import ARMS, UPSTREAM_HEADER, RunningArm
+from routerlab.bench.backends import SimBackend
+from routerlab.bench.scenarios import FleetSpec
+from routerlab.harness.procs import wait_until
+
+from support import send
+
+MODEL = "sim-tiny"
+SYSTEMS = [f"You are assistant number {i} of the ACME platform team; answer with runbook steps, briefly. " * 6
+           for i in range(3)]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+class Stack:
+    def __init__(self, fleet: SimBackend, arm: RunningArm) -> None:
+        self.fleet = fleet
+        self.arm = arm
+        self.port = int(arm.url.rsplit(":", 1)[1])
+        self.metrics_port = arm.metrics_ports[0]
+
+    def published(self) -> int:
+        """Event batches the replicas have published so far."""
+        return sum(get_json(f"{url}/sim/state")["kv_events"]["next_seq"] for url in self.fleet.urls)
+
+    def caught_up(self) -> None:
+        """Until the router has applied every batch the replicas published (no fixed sleep)."""
+        wait_until(lambda: metric(self.metrics_port, "prefix_router_kv_batches_total") >= self.published(), 10,
+                   "the router to apply every published event batch")
+
+    def explain(self, body: bytes) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/debug/pick", data=body,
+                                         method="POST", headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return json.loads(resp.read())
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    # 2 replicas of 48 blocks of 16 tokens: a few conversations evict each other's blocks
+    spec = FleetSpec(replicas=2, profile="tiny", time_scale=0.05, block_size=16, num_blocks=48,
+                     tokenizer=str(TINY_BYTELEVEL), kv_events=True)
+    fleet = SimBackend(spec).start()
+    try:
+        with RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True,
+                        router_flags=fleet.router_flags()) as arm:
+            stack = Stack(fleet, arm)
+            wait_until(lambda: metric(stack.metrics_port, 'prefix_router_kv_view_origin{origin="none"') == 0
+                       and metric(stack.metrics_port, "prefix_router_kv_view_origin") == 2, 15,
+                       "the router to hear from both replicas")
+            yield stack
+    finally:
+        fleet.stop()
+
+
+def conversation(system: str, turns: int, tag: str) -> Iterator[list[dict]]:
+    messages = [{"role": "system", "content": system}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"{tag}: question {t} about the deploy, in detail please."})
+        yield list(messages)
+        messages.append({"role": "assistant", "content": f"Answer {t} for {tag}: restart the pods, then check."})
+
+
+def test_the_router_knows_each_replicas_cached_tokens_exactly(stack: Stack) -> None:
+    bodies = []
+    convs = [conversation(SYSTEMS[i % 3], 6, f"user{i}") for i in range(6)]
+    for _ in range(6):  # interleave the conversations turn by turn
+        for conv in convs:
+            msgs = next(conv, None)
+            if msgs is not None:
+                bodies.append(json.dumps({"model": MODEL, "messages": msgs, "max_tokens": 4}).encode())
+    rows = []
+    for body in bodies:
+        stack.caught_up()
+        seen = stack.explain(body)
+        reply = send(stack.port, body=body)
+        assert reply.status == 200, reply.body
+        usage = reply.json()["usage"]
+        served = reply.headers[UPSTREAM_HEADER]
+        predicted = {c["address"]: c for c in seen["candidates"]}[served]
+        assert predicted["view"] == "events" and predicted["events_origin"] in ("events", "replayed")
+        rows.append((seen["prompt_tokens"], usage["prompt_tokens"], predicted["cached_tokens"],
+                     usage["prompt_tokens_details"]["cached_tokens"]))
+    assert [r[0] for r in rows] == [r[1] for r in rows]  # the prompt length, exact, every request
+    assert [r[2] for r in rows] == [r[3] for r in rows]  # the cached tokens on the serving replica, exact
+    assert sum(r[3] for r in rows) > 0 and any(r[2] < r[0] - 16 for r in rows)  # hits, and misses
+    evicted = sum(get_json(f"{url}/sim/state")["evictions"] for url in stack.fleet.urls)
+    assert evicted > 0, rows  # the trace outgrew the caches: the view followed evictions too
+
+
+def test_a_request_that_cannot_be_tokenised_is_routed_on_the_learned_view(stack: Stack) -> None:
+    before = metric(stack.metrics_port, 'prefix_router_cache_view_total{reason="multimodal",view="learned"}')
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode()
+    reply = send(stack.port, body=body)  # the replica refuses it (as vLLM would a non-vision model)
+    assert reply.status == 400
+    after = metric(stack.metrics_port, 'prefix_router_cache_view_total{reason="multimodal",view="learned"}')
+    assert after == before + 1
