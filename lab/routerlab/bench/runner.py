@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,12 +23,13 @@ from routerlab.bench import arms as arms_mod
 from routerlab.bench import backends, loadgen, replica_metrics
 from routerlab.bench import progress as progress_mod
 from routerlab.bench import report as report_mod
-from routerlab.bench.oracle import oracle
+from routerlab.bench.oracle import oracle, parse
 from routerlab.bench.scenarios import FleetEvent, FleetSpec, LoadSpec, Scenario
 from routerlab.bench.scenarios import get as get_scenario
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.trace import Trace
 from routerlab.harness.proc_cpu import CpuMeter
+from routerlab.sim.hf_tokenizer import HfTokenizer
 from routerlab.realvllm.promtext import http_post_json, served_model
 
 T = TypeVar("T")
@@ -112,6 +114,19 @@ def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None]
     return out
 
 
+def with_real_tokenizer(spec: FleetSpec, trace: Trace, sample: int = 64) -> FleetSpec:
+    """Every arm's fleet the same for a run with a precise arm: the tiny real tokenizer, publishing
+    KV-cache events. It makes about twice the stand-in's tokens of the same text, so the KV size
+    grows by the measured ratio and the scenario keeps the cache pressure it was designed with."""
+    tokenizer = spec.tokenizer or str(TINY_BYTELEVEL)
+    tok = HfTokenizer(tokenizer)
+    bodies = [r.body for r in trace.requests[:sample]]
+    real = sum(len(p) for b in bodies for p in parse(b, tok).prompts)
+    standin = sum(len(p) for b in bodies for p in parse(b).prompts)
+    blocks = math.ceil(spec.num_blocks * real / standin) if spec.num_blocks and standin else spec.num_blocks
+    return dataclasses.replace(spec, tokenizer=tokenizer, kv_events=True, num_blocks=blocks)
+
+
 def run_bench(cfg: BenchConfig) -> report_mod.Report:
     scenario = get_scenario(cfg.scenario)
     params = _params(scenario, cfg)
@@ -123,8 +138,7 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     prefix_length = cfg.prefix_length or scenario.prefix_length
     names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
     if any(arms_mod.get(n).precise for n in names) and not cfg.backend_urls:
-        # every arm's fleet the same: the real (tiny) tokenizer, publishing its events
-        spec = dataclasses.replace(spec, tokenizer=spec.tokenizer or str(TINY_BYTELEVEL), kv_events=True)
+        spec = with_real_tokenizer(spec, trace)
     best = oracle(trace.requests, spec.block_size, spec.tokenizer).hit_rate
     report = report_mod.Report(
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
@@ -172,7 +186,11 @@ def start_outside(urls: Sequence[str], members: Sequence[int]) -> None:
 
 
 def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetEvent) -> None:
-    """A replica joins (passes health checks, enters pick mode's endpoints) or leaves (the reverse)."""
+    """A replica joins (passes health checks, enters pick mode's endpoints), leaves (the reverse) or
+    restarts (empty cache, same port)."""
+    if event.action == "restart":
+        sim_control(urls[event.replica], restart=True)
+        return
     joins = event.action == "join"
     set_health(urls[event.replica], joins)
     others = [i for i in running.endpoints if i != event.replica]
@@ -188,7 +206,7 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
         for e in events:  # in time order
             await asyncio.sleep(max(0.0, t0 + e.at_s - loop.time()))
             await loop.run_in_executor(None, apply_event, running, urls, e)
-            note(f"t={e.at_s:.0f}s: replica {e.replica} {'joins' if e.action == 'join' else 'leaves'}")
+            note(f"t={e.at_s:.0f}s: replica {e.replica} {e.action}s")
 
     task = asyncio.create_task(drive())
     try:

@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, blocks, zipf_weights
-from routerlab.bench.scenarios.spec import FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.scenarios.spec import FleetEvent, FleetSpec, LoadSpec, Params, Scenario
 from routerlab.bench.trace import TextSource, build_sessions, chat_body, encode
 
 # --- multi-turn -------------------------------------------------------------------------
@@ -111,4 +111,74 @@ ZIPF_CHAT = Scenario(
     load=LoadSpec(concurrency=48, rate=20.0),
     quick=dict(conversations=30, systems=4, system_tokens=1100, max_turns=4, replicas=3, time_scale=20.0,
                output_tokens=8),
+)
+
+# --- kv-pressure ------------------------------------------------------------------------
+
+def _kv_pressure(p: Params, rng: random.Random, model: str):
+    """Many tenants' conversations on many system prompts, with long and varied answers: the
+    working set is larger than the fleet's KV, so replicas evict what a router may still credit."""
+    text = TextSource(rng)
+    systems = [text.text(p["system_tokens"], tag=f"assistant {i}") for i in range(p["systems"])]
+    weights = zipf_weights(len(systems), p["zipf"])
+    chains = []
+    for c in range(p["conversations"]):
+        s = rng.choices(range(len(systems)), weights=weights)[0]
+        tenant = rng.randrange(p["tenants"])
+        headers = (("x-prefix-aware-id", f"tenant-{tenant}"),)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": systems[s]}]
+        chain = []
+        for _ in range(rng.randint(1, p["max_turns"])):
+            out = rng.randint(p["output_min"], p["output_max"])
+            messages.append({"role": "user", "content": text.text(text.between(p["user_min"], p["user_max"]))})
+            chain.append((_tenant_encoding(chat_body(model, list(messages), out), tenant), f"system-{s}/conv-{c}",
+                          out, headers))
+            messages.append({"role": "assistant", "content": _assistant_reply(out)})
+        chains.append(chain)
+    return build_sessions(chains)
+
+
+def _kv_pressure_fleet(p: Params) -> FleetSpec:
+    """KV per replica so that the working set (every system prompt, plus the histories in flight)
+    is ``pressure`` times the fleet's KV."""
+    history = p["max_turns"] * ((p["user_min"] + p["user_max"]) // 2 + (p["output_min"] + p["output_max"]) // 2
+                                + 2 * TEMPLATE_TOKENS) // 2
+    working_set = p["systems"] * blocks(p["system_tokens"]) + p["in_flight"] * blocks(history)
+    return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"], max_num_seqs=p["max_num_seqs"],
+                     num_blocks=math.ceil(working_set / (p["replicas"] * p["pressure"])) + 1)
+
+
+KV_PRESSURE = Scenario(
+    name="kv-pressure",
+    summary="working set 1.75x the fleet's KV: 24 Zipf-popular 2000-token system prompts, 16 tenants, "
+            "conversations of 1-8 turns with 16-384-token answers, 48 in flight on 4 replicas",
+    params=dict(conversations=300, systems=24, system_tokens=2000, zipf=0.8, tenants=16, max_turns=8,
+                user_min=32, user_max=192, output_min=16, output_max=384, replicas=4, time_scale=1.0,
+                max_num_seqs=8, in_flight=48, pressure=1.75),
+    generate=_kv_pressure,
+    fleet=_kv_pressure_fleet,
+    load=LoadSpec(concurrency=48, rate=20.0),
+    arms=("round-robin", "prefix-bounded", "prefix-pick", "prefix-pick-2routers", "prefix-precise",
+          "prefix-precise-2routers"),
+    quick=dict(conversations=40, systems=6, system_tokens=1100, max_turns=4, replicas=3, time_scale=20.0,
+               output_min=4, output_max=24, in_flight=12),
+)
+
+# --- restart ----------------------------------------------------------------------------
+
+def _restart_events(p: Params) -> tuple[FleetEvent, ...]:
+    return (FleetEvent(p["restart_at_s"], "restart", 0),)
+
+
+RESTART = Scenario(
+    name="restart",
+    summary="zipf-chat, and replica 0 restarts mid-run (empty cache, same port): hit rate and TTFT "
+            "before and after, and how fast each router stops crediting what the replica lost",
+    params={**ZIPF_CHAT.params, "conversations": 400, "restart_at_s": 30.0},
+    generate=_zipf_chat,
+    fleet=_zipf_chat_fleet,
+    load=LoadSpec(concurrency=48, rate=20.0, duration_s=70.0),
+    arms=("prefix-bounded", "prefix-pick", "prefix-pick-2routers", "prefix-precise", "prefix-precise-2routers"),
+    events=_restart_events,
+    quick={**ZIPF_CHAT.quick, "conversations": 60, "restart_at_s": 2.0},
 )

@@ -45,14 +45,16 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class FleetEvent:
-    """At ``at_s`` seconds into an arm's load, replica ``replica`` joins or leaves the fleet.
+    """At ``at_s`` seconds into an arm's load, replica ``replica`` joins, leaves or restarts.
 
     A joining replica is running but failing health checks (and absent from pick mode's
-    endpoints) until then; a leaving one starts failing them (and leaves the endpoints).
+    endpoints) until then; a leaving one starts failing them (and leaves the endpoints). A
+    restarting one loses its cache, its requests in flight and its event sequence, and comes
+    back at once on the same port (the simulator's ``restart`` control).
     """
 
     at_s: float
-    action: str  # "join" or "leave"
+    action: str  # "join", "leave" or "restart"
     replica: int
 
 
