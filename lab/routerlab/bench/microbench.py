@@ -30,6 +30,11 @@ from extproc.core.normalize import normalize
 from extproc.core.settings import RouteSettings
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.core import MAX_REQUEST_CHUNKS, PickCore
+from extproc.pick.kv_events import BlockStored
+from extproc.pick.kv_index import EventIndex, block_hashes
+from extproc.pick.precise import PreciseView
+from extproc.pick.prompt_tokens import ModelTokenizer
+from routerlab.assets import TINY_BYTELEVEL
 
 SIZES_KB = (2, 4, 32)
 INDEX_CHUNKS = 50_000  # capacity of the full index the new-prompt column runs on
@@ -197,9 +202,55 @@ def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 
     }
 
 
+class _Live:
+    origin = "events"
+
+
+def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[str, Any]:
+    """Precise mode (the tiny byte-level tokenizer): decide + the choice for requests that share a
+    system prompt already tokenised once (only their new question is tokenised), with half the
+    replicas holding the prompt's blocks in the event view; and the cold tokenisation of one."""
+    settings = RouteSettings(mode="pick")
+    tokenizer = ModelTokenizer(TINY_BYTELEVEL)
+    index = EventIndex()
+    addresses = [f"10.0.0.{i}:8000" for i in range(replicas)]
+    core = PickCore()
+    core.set_endpoints(addresses)
+    core.precise = PreciseView(index, {"*": tokenizer}, {a: _Live() for a in addresses})
+    system = json.loads(chat_body(size_kb * 1024, 0))["messages"][0]["content"]  # one system prompt for all
+    rng = random.Random(1)
+    words = "which replica holds my prompt and how long until the first token arrives".split()
+    bodies = [json.dumps({"model": "llama", "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": " ".join(rng.choices(words, k=30)) + f" ({seed})"}]}).encode()
+        for seed in range(400)]
+    ids = tokenizer.tokens_for(json.loads(bodies[0]), "chat")
+    full = len(ids) // block_size * block_size
+    for i, address in enumerate(addresses[: replicas // 2]):
+        hashes = [(i << 32) + n for n in range(full // block_size)]
+        index.apply(address, [BlockStored(tuple(hashes), None, tuple(ids[:full]), block_size)])
+    decisions = iter([decide(b, {}, settings) for b in bodies] * 50)
+    docs = [json.loads(b) for b in bodies]
+    number = 200 if size_kb <= 4 else 50
+
+    def cold() -> None:
+        tokenizer.clear_cache()
+        tokenizer.tokens_for(docs[0], "chat")
+
+    warm_docs = iter(docs * 50)
+    out = {
+        "precise_total_us": _median_us(lambda: core.release(core.pick(next(decisions), settings)), number),
+        "precise_tokenize_us": _median_us(lambda: tokenizer.tokens_for(next(warm_docs), "chat"), number),
+        "precise_hash_us": _median_us(lambda: block_hashes(ids[:full], block_size), number),
+        "precise_tokenize_cold_us": _median_us(cold, max(5, number // 10)),
+        "prompt_tokens": len(ids),
+    }
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def run(args: argparse.Namespace) -> int:
-    rows = [measure(int(kb), args.replicas, args.warm_prompts, args.index_chunks)
-            for kb in args.sizes.split(",") if kb.strip()]
+    rows = [{**measure(int(kb), args.replicas, args.warm_prompts, args.index_chunks),
+             **precise_measure(int(kb), args.replicas)} for kb in args.sizes.split(",") if kb.strip()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -220,4 +271,12 @@ def run(args: argparse.Namespace) -> int:
           "(ext_proc: two messages in, two replies out; ext_authz: one Check in, one answer out); "
           "the choice: pick mode on an already decided body; "
           f"a new prompt on a full index: its chunks all recorded and as many evicted ({args.index_chunks} chunks held)")
+    print("\nprecise mode (the tiny byte-level tokenizer, half the replicas holding the system prompt in the "
+          "event view):\n")
+    print("| body | prompt tokens | decide() + choice, system prompt tokenised before | of which render + "
+          "tokenise | of which block hashes | cold render + tokenise |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['prompt_tokens']} | {r['precise_total_us']} | "
+              f"{r['precise_tokenize_us']} | {r['precise_hash_us']} | {r['precise_tokenize_cold_us']} |")
     return 0
