@@ -9,6 +9,7 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.pick.chain_cache import ChainCache
 from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from extproc.pick.kv_index import (
     BYTES_PER_BLOCK, ROOT, EventIndex, block_hashes, request_extra_keys,
@@ -249,3 +250,32 @@ def test_bytes_per_block_estimate_is_close_to_measured() -> None:
         index.remove(address)
     assert (index.stats().entries, index.stats().chunks, index.stats().bytes) == (0, 0, 0)
     assert BYTES_PER_BLOCK > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(prefix=st.lists(st.integers(0, 2**32 - 1), max_size=700), tails=st.lists(
+    st.lists(st.integers(0, 2**32 - 1), max_size=200), min_size=1, max_size=4),
+    bs=st.sampled_from([1, 4, 16]), salt=st.sampled_from([None, "tenant-a", "t\u00e9"]))
+def test_the_chain_cache_gives_exactly_the_uncached_hashes(prefix, tails, bs, salt) -> None:
+    """Requests sharing a prefix, each hashed twice (the second time from the cache), with a cache
+    small enough to evict: always exactly block_hashes with the request's extra keys."""
+    cache = ChainCache(max_spans=3, span=4)
+    for _ in range(2):
+        for tail in tails:
+            tokens = prefix + tail
+            n = len(tokens) // bs
+            expected = block_hashes(tokens, bs, request_extra_keys(n, salt, None) if salt else None)
+            assert cache.hashes(tokens, bs, salt) == expected
+
+
+def test_a_shared_prefix_is_hashed_once() -> None:
+    cache = ChainCache(span=32)
+    system = list(range(5000))
+    cache.hashes(system + [1, 2, 3] * 40, 16, "s")
+    misses = cache.misses
+    assert cache.hashes(system + [7, 8, 9] * 40, 16, "s") == block_hashes(
+        system + [7, 8, 9] * 40, 16, request_extra_keys((5000 + 120) // 16, "s", None))
+    shared, spans = 5000 // 16 // 32, (5000 + 120) // 16 // 32
+    assert cache.hits == shared and cache.misses == misses + spans - shared  # only the new span was hashed
+    cache.hashes(system + [7, 8, 9] * 40, 16, "other")  # another salt shares nothing
+    assert cache.misses == misses + spans - shared + spans

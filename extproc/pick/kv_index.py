@@ -27,7 +27,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from struct import Struct
 from typing import Final, NamedTuple
 
 import msgpack
@@ -36,8 +35,7 @@ import xxhash
 from extproc.pick.index import IndexStats, leading_runs
 from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
 
-SEED: Final = 0x6A09E667F3BCC908  # any fixed value; only this router compares own hashes
-ROOT: Final = 0  # the parent of block 0
+ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed value; only this router compares own hashes
 
 # Memory per resident block (the engine -> own entry, both hashes as ints, the holders entry),
 # measured with tracemalloc on CPython 3.11 for blocks no other replica holds (shared blocks
@@ -45,7 +43,6 @@ ROOT: Final = 0  # the parent of block 0
 # resizes, 160-206 with 32-byte bytes hashes. tests/test_kv_index.py checks it stays close.
 BYTES_PER_BLOCK: Final = 180
 
-_U64: Final = Struct("<Q").pack
 _hash: Final = xxhash.xxh3_64_intdigest
 
 
@@ -53,9 +50,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
                  extra_keys: Sequence[Sequence | None] | None = None, parent: int = ROOT) -> list[int]:
     """Own chain hash of every FULL block of ``token_ids``, continuing from ``parent``.
 
-    h_i = xxh3_64(h_{i-1} as u64 LE + block tokens as u32 LE + msgpack(list(extra_i))), so a
-    hash names the whole prefix up to its block's end and a salt or LoRA on block 0 changes
-    every hash after it. Lists and tuples in extra keys pack identically (events arrive as
+    h_i = xxh3_64(block tokens as u32 LE + msgpack(list(extra_i)), seed = h_{i-1}) (h_{-1} =
+    ``parent``, ROOT for a chain's first block), so a hash names the whole prefix up to its block's end and a salt or
+    LoRA on block 0 changes every hash after it. Seeding with the parent rather than hashing it
+    in halves the work per block: this runs over every block of every precise-mode request. Lists and tuples in extra keys pack identically (events arrive as
     lists, requests build tuples). Token ids outside uint32 raise OverflowError.
     """
     n = len(token_ids) // block_size
@@ -66,9 +64,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     raw = data.tobytes()
     out: list[int] = []
     append = out.append
-    if not extra_keys:
+    if not extra_keys or not any(extra_keys):
+        view = memoryview(raw)
         for start in range(0, n * step, step):
-            parent = _hash(_U64(parent) + raw[start:start + step], SEED)
+            parent = _hash(view[start:start + step], parent)
             append(parent)
         return out
     last: object = None
@@ -77,7 +76,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
         extra = extra_keys[i] if i < len(extra_keys) else None
         if extra is not last:  # a request's lora-only keys are one shared tuple
             last, last_bytes = extra, msgpack.packb(list(extra)) if extra else b""
-        parent = _hash(_U64(parent) + raw[start:start + step] + last_bytes, SEED)
+        parent = _hash(raw[start:start + step] + last_bytes, parent)
         append(parent)
     return out
 

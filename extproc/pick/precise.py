@@ -16,7 +16,8 @@ from typing import Any, Final, NamedTuple, Protocol
 import orjson
 
 from extproc.core.decide import Decision
-from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.chain_cache import ChainCache
+from extproc.pick.kv_index import EventIndex
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 
 EVENTS: Final = "events"
@@ -42,6 +43,7 @@ class PreciseView:
         self.index = index
         self.tokenizers = dict(tokenizers)
         self.origins: Mapping[str, Origin] = origins if origins is not None else {}
+        self.chains = ChainCache()
 
     def origin(self, address: str) -> str:
         view = self.origins.get(address)
@@ -81,8 +83,7 @@ class PreciseView:
                 cached[address] = 0  # covered, nothing stored yet
         for size, addresses in by_size.items():
             blocks = max(len(ids) - 1, 0) // size
-            held = self.index.match(block_hashes(ids[: blocks * size], size,
-                                                 request_extra_keys(blocks, salt, None))) if blocks else {}
+            held = self.index.match(self.chains.hashes(ids[: blocks * size], size, salt)) if blocks else {}
             for address in addresses:
                 cached[address] = held.get(address, 0) * size
         return Exact(len(ids), cached)

@@ -31,7 +31,7 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.core import MAX_REQUEST_CHUNKS, PickCore
 from extproc.pick.kv_events import BlockStored
-from extproc.pick.kv_index import EventIndex, block_hashes
+from extproc.pick.kv_index import EventIndex
 from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
@@ -241,7 +241,7 @@ def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[s
     out = {
         "precise_total_us": _median_us(lambda: core.release(core.pick(next(decisions), settings)), number),
         "precise_tokenize_us": _median_us(lambda: tokenizer.tokens_for(next(warm_docs), "chat"), number),
-        "precise_hash_us": _median_us(lambda: block_hashes(ids[:full], block_size), number),
+        "precise_hash_us": _median_us(lambda: core.precise.chains.hashes(ids[:full], block_size), number),
         "precise_tokenize_cold_us": _median_us(cold, max(5, number // 10)),
         "prompt_tokens": len(ids),
     }
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     print("\nprecise mode (the tiny byte-level tokenizer, half the replicas holding the system prompt in the "
           "event view):\n")
     print("| body | prompt tokens | decide() + choice, system prompt tokenised before | of which render + "
-          "tokenise | of which block hashes | cold render + tokenise |")
+          "tokenise | of which block hashes (span cache warm) | cold render + tokenise |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['prompt_tokens']} | {r['precise_total_us']} | "
