@@ -45,11 +45,13 @@ CORE = {"ServiceAccount", "Deployment", "Service", "PodDisruptionBudget"}
 ISTIO = {"DestinationRule", "EnvoyFilter"}
 ENVOY_GATEWAY = {"ClientTrafficPolicy", "EnvoyExtensionPolicy", "BackendTrafficPolicy", "EnvoyPatchPolicy"}
 VARIANTS = {
-    "": CORE, "base": CORE, "pick": CORE,
+    "": CORE, "base": CORE, "pick": CORE, "precise": CORE,
     "istio": CORE | ISTIO, "istio-pick": CORE | ISTIO,
     "envoy-gateway": CORE | ENVOY_GATEWAY, "envoy-gateway-pick": CORE | ENVOY_GATEWAY,
 }
-PICK = {"pick", "istio-pick", "envoy-gateway-pick"}
+PICK = {"pick", "istio-pick", "envoy-gateway-pick", "precise"}
+MESH_PICK = PICK - {"pick", "precise"}
+PRECISE = DEPLOY / "precise"
 # Kubernetes versions the core kinds must validate against: the oldest these manifests claim
 # (gRPC probes, preStop sleep: 1.30) and the newest kubernetes-validate ships.
 KUBE_VERSIONS = ("1.30", "1.37")
@@ -724,10 +726,68 @@ def test_envoy_gateway_policies_say_what_the_reference_says(variant: str, tmp_pa
     envoy_accepts(cfg, tmp_path)
 
 
-@pytest.mark.parametrize("variant", sorted(PICK - {"pick"}))
+@pytest.mark.parametrize("variant", sorted(MESH_PICK))
 def test_stateful_session_header_is_the_routers_pick_header(variant: str) -> None:
     docs = render(variant)
     _, route = router_settings(docs)
     text = json.dumps([d for d in docs if not is_core(d)])
     names = re.findall(r'HeaderBasedSessionState", "name": "([^"]+)"', text)
     assert names == [route.pick_header]
+
+
+# ---------------------------------------------------------------------------- precise mode
+
+def test_precise_router_subscribes_with_a_mounted_tokenizer() -> None:
+    docs = render("precise")
+    server, route = router_settings(docs)  # the router's own parser: kv events need endpoints and a tokenizer
+    assert route.mode == "pick" and route.cache_view == "auto"  # auto: the events, since it subscribes
+    assert server.kv_events and server.endpoints_dns and not server.kv_ports_relative
+    assert render("pick") != docs and server.endpoints_dns == router_settings(render("pick"))[0].endpoints_dns
+    deployment = one(docs, "Deployment", "prefix-router")
+    assert deployment["spec"]["replicas"] == 2  # each copy subscribes to every vLLM pod
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in router_container(docs)["volumeMounts"]}
+    tokenizer = mounts[server.tokenizer]
+    assert tokenizer.get("readOnly") is True and "emptyDir" in volumes[tokenizer["name"]]
+    # the init container fills that volume (the router image's python3, into the same directory)
+    (init,) = pod["initContainers"]
+    assert init["image"] == router_container(docs)["image"]
+    (fill,) = [m for m in init["volumeMounts"] if m["name"] == tokenizer["name"]]
+    assert not fill.get("readOnly") and fill["mountPath"] == server.tokenizer
+    script = init["command"][-1]
+    compile(script, "fetch-tokenizer", "exec")
+    assert all(f in script for f in ("tokenizer.json", "tokenizer_config.json", f'"{server.tokenizer}"'))
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {e["name"] for e in init["env"]} >= {"MODEL", "REVISION"}
+
+
+def test_precise_vllm_patch_publishes_where_the_router_subscribes(tmp_path: Path) -> None:
+    """vllm-kv-events.yaml on a stand-in vLLM Deployment: vLLM's --kv-events-config names the
+    ports and topic the router subscribes to, and the result validates."""
+    server, _ = router_settings(render("precise"))
+    headless = one(render("precise"), "Service", "vllm-headless")
+    vllm = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm", "namespace": "default"},
+            "spec": {"selector": {"matchLabels": headless["spec"]["selector"]},
+                     "template": {"metadata": {"labels": headless["spec"]["selector"]},
+                                  "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.0.0",
+                                                           "args": ["--model", "acme/model-x", "--port", "8000"],
+                                                           "ports": [{"name": "http", "containerPort": 8000}]}]}}}}
+    (tmp_path / "vllm.yaml").write_text(yaml.safe_dump(vllm))
+    shutil.copy(PRECISE / "vllm-kv-events.yaml", tmp_path / "vllm-kv-events.yaml")
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": ["vllm.yaml"],
+        "patches": [{"path": "vllm-kv-events.yaml", "target": {"kind": "Deployment", "name": "vllm"}}]}))
+    (patched,) = render_dir(tmp_path)
+    assert not schema_errors([("vllm-kv-events.yaml on a vLLM Deployment", patched)])
+    (container,) = patched["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[:4] == ["--model", "acme/model-x", "--port", "8000"]  # appended, not replaced
+    assert "--enable-prompt-tokens-details" in args
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq"
+    assert config["endpoint"] == f"tcp://*:{server.kv_events_port}"  # a wildcard: vLLM binds it
+    assert config["replay_endpoint"] == f"tcp://*:{server.kv_replay_port}"
+    assert config["topic"] == server.kv_events_topic and server.kv_dp_ranks == 1
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["kv-events"], ports["kv-replay"]) == (server.kv_events_port, server.kv_replay_port)
