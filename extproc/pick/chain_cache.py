@@ -38,7 +38,8 @@ class ChainCache:
         if blocks < self.span:
             return block_hashes(tokens[: blocks * block_size], block_size,
                                 request_extra_keys(blocks, cache_salt, None) if cache_salt else None)
-        raw = array("I", tokens[: blocks * block_size]).tobytes()
+        whole = tokens if isinstance(tokens, array) else array("I", tokens)
+        raw = whole[: blocks * block_size].tobytes()
         step = self.span * block_size * 4
         prints = xxhash.xxh3_64(seed=block_size)
         if cache_salt:

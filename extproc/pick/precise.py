@@ -10,7 +10,7 @@ tokenised) stays with the learned view, and the caller says so.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, NamedTuple, Protocol
 
 import orjson
@@ -52,7 +52,7 @@ class PreciseView:
     def covered(self) -> list[str]:
         return [a for a, view in self.origins.items() if view.origin in COVERED]
 
-    def tokens(self, decision: Decision) -> list[int]:
+    def tokens(self, decision: Decision) -> Sequence[int]:
         """The prompt's token ids as the replica computes them; raises NotTokenizable."""
         doc = decision.document
         if doc is None and decision.normalize == "raw" and decision.fallback is None and decision.normalized:
@@ -63,9 +63,9 @@ class PreciseView:
         if tokenizer is None:
             raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {doc.get('model')!r}")
         if "messages" in doc:
-            return tokenizer.tokens_for(doc, "chat")
+            return tokenizer.token_array(doc, "chat")
         if "prompt" in doc:
-            return tokenizer.tokens_for(doc, "completions")
+            return tokenizer.token_array(doc, "completions")
         raise NotTokenizable("bad_request", "neither messages nor prompt")
 
     def match(self, decision: Decision) -> Exact:

@@ -307,14 +307,19 @@ class ModelTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=...).ids``, served from the segment cache."""
+        return self.encode_array(text, add_special_tokens=add_special_tokens).tolist()
+
+    def encode_array(self, text: str, *, add_special_tokens: bool = False) -> array:
+        """``encode`` as an ``array('I')``: cached segments join by memory copy, and precise mode
+        hashes the ids' bytes, so a 17,000-token prompt never becomes a list of int objects."""
         if add_special_tokens:
             if self._special_affix is None:
-                return self.encode_uncached(text, add_special_tokens=True)
+                return array("I", self.encode_uncached(text, add_special_tokens=True))
             prefix, suffix = self._special_affix
-            return [*prefix, *self.encode(text), *suffix]
+            return array("I", prefix) + self.encode_array(text) + array("I", suffix)
         if not self.cache_enabled or self.cache_limit == 0 or self._split_re is None:
-            return self.encode_uncached(text)
-        out: list[int] = []
+            return array("I", self.encode_uncached(text))
+        out: list[array | int] = []
         pos = 0
         pending: list[tuple[int, bool, str]] = []  # (index in out, first, text) still to tokenise
         parts: list[Any] = []
@@ -337,30 +342,25 @@ class ModelTokenizer:
                 cache.move_to_end(key)
                 self.cache_hits += 1
                 self.cache_hit_chars += len(key[1])
-                out.extend(hit)
+                out.append(hit)
             else:
                 pending.append((len(out), key[0], key[1]))
                 out.append(-1)  # placeholder, replaced below
         if not pending:
-            return out
+            return _joined(out)
         inputs = [seg if first else self._sep + seg for _, first, seg in pending]
         encoded = self._tok.encode_batch_fast(inputs, add_special_tokens=False) if len(inputs) > 1 else \
             [self._tok.encode(inputs[0], add_special_tokens=False)]
-        results: list[list[int]] = []
-        for (_, first, seg), enc in zip(pending, encoded, strict=True):
+        for (at, first, seg), enc in zip(pending, encoded, strict=True):
             ids = enc.ids
             if not first:
                 if not ids or ids[0] != self._sep_id:  # cannot happen with a split-before tokenizer
-                    return self.encode_uncached(text)
+                    return array("I", self.encode_uncached(text))
                 ids = ids[1:]
-            results.append(ids)
             self.cache_misses += 1
             self.cache_miss_chars += len(seg)
-            self._store((first, seg), ids)
-        # Splice the new pieces in place of their placeholders (from the end: indices stay valid).
-        for (at, _, _), ids in zip(reversed(pending), reversed(results), strict=True):
-            out[at:at + 1] = ids
-        return out
+            out[at] = self._store((first, seg), ids)
+        return _joined(out)
 
     @property
     def _added_ids(self) -> dict[str, int]:
@@ -370,11 +370,11 @@ class ModelTokenizer:
             self._added_ids_map = ids
         return ids
 
-    def _store(self, key: tuple[bool, str], ids: list[int]) -> None:
+    def _store(self, key: tuple[bool, str], ids: list[int]) -> array:
         value = array("I", ids)
         cost = self._cost(key, value)
         if cost > self.cache_limit:
-            return
+            return value
         old = self._cache.pop(key, None)
         if old is not None:
             self.cache_bytes_used -= self._cost(key, old)
@@ -383,6 +383,7 @@ class ModelTokenizer:
         while self.cache_bytes_used > self.cache_limit:
             k, v = self._cache.popitem(last=False)
             self.cache_bytes_used -= self._cost(k, v)
+        return value
 
     @staticmethod
     def _cost(key: tuple[bool, str], value: array) -> int:
@@ -403,18 +404,22 @@ class ModelTokenizer:
         """The prompt token ids vLLM computes for the request body ``doc`` on ``path_kind``
         ("chat": /v1/chat/completions, "completions": /v1/completions); raises
         :class:`NotTokenizable` when it cannot say."""
+        return self.token_array(doc, path_kind).tolist()
+
+    def token_array(self, doc: Mapping[str, Any], path_kind: PathKind) -> array:
+        """``tokens_for`` as an ``array('I')`` (what precise mode hashes)."""
         if not isinstance(doc, Mapping):
             raise NotTokenizable("bad_request", "the body is not a JSON object")
         if doc.get("truncate_prompt_tokens") is not None:
             raise NotTokenizable("unsupported", "truncate_prompt_tokens")
         if path_kind == "chat":
             text = self.render_chat(doc)
-            return self.encode(text, add_special_tokens=_bool(doc, "add_special_tokens", False))
+            return self.encode_array(text, add_special_tokens=_bool(doc, "add_special_tokens", False))
         if path_kind == "completions":
             return self._completion_tokens(doc)
         raise NotTokenizable("bad_request", f"unknown path kind {path_kind!r}")
 
-    def _completion_tokens(self, doc: Mapping[str, Any]) -> list[int]:
+    def _completion_tokens(self, doc: Mapping[str, Any]) -> array:
         if doc.get("prompt_embeds") is not None:
             raise NotTokenizable("unsupported", "prompt_embeds")
         prompt = doc.get("prompt")
@@ -423,16 +428,16 @@ class ModelTokenizer:
             if not prompt:
                 raise NotTokenizable("bad_request", "empty prompt list")
             if all(_is_token_id(t) for t in prompt):
-                return list(prompt)
+                return _ids(prompt)
             if len(prompt) > 1:
                 raise NotTokenizable("multiple_prompts", f"{len(prompt)} prompts")
             prompt = prompt[0]
             if isinstance(prompt, list):
                 if prompt and all(_is_token_id(t) for t in prompt):
-                    return list(prompt)
+                    return _ids(prompt)
                 raise NotTokenizable("bad_request", "a prompt list that is not token ids")
         if isinstance(prompt, str):
-            return self.encode(prompt, add_special_tokens=add_special)
+            return self.encode_array(prompt, add_special_tokens=add_special)
         raise NotTokenizable("bad_request", "prompt is neither a string nor token ids")
 
     def render_chat(self, doc: Mapping[str, Any]) -> str:
@@ -547,6 +552,24 @@ class ModelTokenizer:
         if role == "developer":
             out["tools"] = message.get("tools")
         return out
+
+
+def _joined(parts: list[array | int]) -> array:
+    """The pieces of a text's ids, in order: cached arrays and single added-token ids."""
+    out = array("I")
+    for part in parts:
+        if isinstance(part, int):
+            out.append(part)
+        else:
+            out.extend(part)
+    return out
+
+
+def _ids(prompt: list[Any]) -> array:
+    try:
+        return array("I", prompt)
+    except OverflowError:
+        raise NotTokenizable("bad_request", "a token id outside 0..2**32-1") from None
 
 
 def _bool(doc: Mapping[str, Any], key: str, default: bool) -> bool:
