@@ -20,7 +20,7 @@ from extproc.pick.choose import REASONS, Choice, choose, prefill_tokens
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
-from extproc.pick.precise import EVENTS, PreciseView
+from extproc.pick.precise import EVENTS, Exact, PreciseView
 from extproc.pick.prompt_tokens import NotTokenizable
 from extproc.pick.state import ReplicaState
 
@@ -46,6 +46,7 @@ class PickCore:
         self.clock = clock
         self.precise: PreciseView | None = None  # precise mode: the events' exact view (Picker sets it)
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
+        self._pended: dict[int, tuple[str, list[int]]] = {}  # id(choice) -> its blocks pending on a replica
 
     def chunks_for(self, tokens: int) -> int:
         return int(tokens // self.chunk_tokens) if tokens else 0
@@ -69,6 +70,8 @@ class PickCore:
             return
         if sample.capacity_tokens and not self.kv_capacity_tokens:
             self.index.set_capacity(address, self.chunks_for(sample.capacity_tokens))
+        if sample.block_size and self.precise is not None:
+            self.precise.block_size_hint = sample.block_size
         before = self._hits.get(address)
         self._hits[address] = sample.prefix_cache_hits
         if before is not None:  # a counter that went back is a restarted replica: all of it is new
@@ -78,9 +81,12 @@ class PickCore:
 
     # --- the request path --------------------------------------------------------------
     def evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int]]:
-        """The choice for a request, without recording it (``explain`` stops here).
+        """The choice for a request, without recording it (``explain`` stops here)."""
+        choice, chunks, _ = self._evaluate(decision, settings)
+        return choice, chunks
 
-        The learned index always answers (and keeps learning, for replicas and requests the
+    def _evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int], Exact | None]:
+        """The learned index always answers (and keeps learning, for replicas and requests the
         events do not cover); with precise mode on the route, the events' exact figures
         replace its estimates for every replica they cover, and the prompt length is exact."""
         chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
@@ -88,6 +94,7 @@ class PickCore:
         cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
         prompt_tokens = self.tokens(len(decision.normalized))
         views: dict[str, str] = {}
+        exact = None
         if self.precise is not None and settings.cache_view != "learned":
             started = time.perf_counter()
             try:
@@ -104,14 +111,16 @@ class PickCore:
                 views = dict.fromkeys(exact.cached, EVENTS)
                 metrics.cache_view_counter(EVENTS, "covered" if exact.cached else "none_covered").inc()
         choice = choose(decision.key, prompt_tokens, cached, self.load.snapshot(self.clock()), settings, views)
-        return choice, chunks
+        return choice, chunks, exact
 
     def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
-        choice, chunks = self.evaluate(decision, settings)
+        choice, chunks, exact = self._evaluate(decision, settings)
         _PICKS[choice.reason].inc()
         if choice.address is not None:
             if chunks:
                 self.index.record(choice.address, chunks)
+            if exact is not None and self.precise is not None:
+                self._pended[id(choice)] = (choice.address, self.precise.pend(choice.address, exact))
             self.load.assign(choice.address, _prefill(choice), self.clock())
             chosen = choice.candidates[0] if choice.candidates[0].address == choice.address else next(
                 c for c in choice.candidates if c.address == choice.address)
@@ -123,6 +132,9 @@ class PickCore:
         """The picked request ended (Envoy closed its stream)."""
         if choice.address is not None:
             self.load.release(choice.address, _prefill(choice))
+            pended = self._pended.pop(id(choice), None)
+            if pended is not None and self.precise is not None:
+                self.precise.unpend(*pended)
 
     # --- observation -------------------------------------------------------------------
     def publish_metrics(self) -> None:

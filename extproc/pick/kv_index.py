@@ -136,6 +136,10 @@ class EventIndex:
         """Replica -> how many leading blocks of ``own_hashes`` it holds (only those with >= 1)."""
         return leading_runs(own_hashes, self._owners, self._name)
 
+    def holds_block(self, address: str, own_hash: int) -> bool:
+        replica = self._replicas.get(address)
+        return replica is not None and bool(self._owners.get(own_hash, 0) & replica.bit)
+
     def block_size(self, address: str) -> int | None:
         """The block size ``address``'s events announce (None before its first BlockStored)."""
         replica = self._replicas.get(address)

@@ -39,6 +39,7 @@ class Sample:
     capacity_tokens: int  # 0 when vllm:cache_config_info is missing
     seen: bool = True  # the page had vLLM's load gauges
     prefix_cache_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens, all engines): what it really reused
+    block_size: int = 0  # vllm:cache_config_info's block_size (0 when missing)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ tokenised) stays with the learned view, and the caller says so.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, NamedTuple, Protocol
 
@@ -33,6 +34,8 @@ class Origin(Protocol):
 class Exact(NamedTuple):
     prompt_tokens: int
     cached: dict[str, int]  # every covered replica -> prompt tokens it holds (0 included)
+    hashes: dict[int, list[int]]  # block size -> the request's own block hashes (for ``pend``)
+    sizes: dict[str, int]  # covered replica -> its block size (absent while unknown)
 
 
 class PreciseView:
@@ -44,6 +47,10 @@ class PreciseView:
         self.tokenizers = dict(tokenizers)
         self.origins: Mapping[str, Origin] = origins if origins is not None else {}
         self.chains = ChainCache()
+        self.block_size_hint = 0  # the fleet's block size before a replica's events said it (scraped)
+        # Blocks of this router's requests still in flight, per replica: they are being computed
+        # there, so a request sent now will find them; vLLM announces them only once stored.
+        self.pending: dict[str, Counter[int]] = {}
 
     def origin(self, address: str) -> str:
         view = self.origins.get(address)
@@ -69,24 +76,46 @@ class PreciseView:
         raise NotTokenizable("bad_request", "neither messages nor prompt")
 
     def match(self, decision: Decision) -> Exact:
-        """Exact cached tokens on every covered replica; raises NotTokenizable."""
+        """Exact cached tokens on every covered replica (what its events say it holds, continued by
+        the blocks this router's requests in flight there are computing); raises NotTokenizable."""
         ids = self.tokens(decision)
         doc = decision.document or {}
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
-        cached: dict[str, int] = {}
-        by_size: dict[int, list[str]] = {}
-        for address in self.covered():
-            size = self.index.block_size(address)
-            if size:
-                by_size.setdefault(size, []).append(address)
-            else:
-                cached[address] = 0  # covered, nothing stored yet
-        for size, addresses in by_size.items():
+        sizes = {a: s for a in self.covered() if (s := self.index.block_size(a) or self.block_size_hint)}
+        hashes: dict[int, list[int]] = {}
+        held: dict[int, dict[str, int]] = {}
+        for size in set(sizes.values()):
             blocks = max(len(ids) - 1, 0) // size
-            held = self.index.match(self.chains.hashes(ids[: blocks * size], size, salt)) if blocks else {}
-            for address in addresses:
-                cached[address] = held.get(address, 0) * size
-        return Exact(len(ids), cached)
+            hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt) if blocks else []
+            held[size] = self.index.match(hashes[size]) if blocks else {}
+        cached = dict.fromkeys(self.covered(), 0)
+        for address, size in sizes.items():
+            run, n = hashes[size], held[size].get(address, 0)
+            pending = self.pending.get(address)
+            if pending:
+                while n < len(run) and (run[n] in pending or self.index.holds_block(address, run[n])):
+                    n += 1
+            cached[address] = n * size
+        return Exact(len(ids), cached, hashes, sizes)
+
+    def pend(self, address: str, exact: Exact) -> list[int]:
+        """The request goes to ``address``: its blocks count as there until ``unpend``."""
+        size = exact.sizes.get(address)
+        run = exact.hashes.get(size, []) if size else []
+        if run:
+            self.pending.setdefault(address, Counter()).update(run)
+        return run
+
+    def unpend(self, address: str, run: list[int]) -> None:
+        """The request ended: its blocks are in the events by now, or were never stored."""
+        pending = self.pending.get(address)
+        if pending is not None:
+            pending.subtract(run)
+            for h in run:
+                if pending[h] <= 0:
+                    del pending[h]
+            if not pending:
+                del self.pending[address]
 
 
 def _object(data: bytes) -> dict[str, Any] | None:

@@ -41,7 +41,7 @@ def parse_metrics(text: str) -> Sample:
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
     running = waiting = usage = hits = 0.0
-    engines = capacity = 0
+    engines = capacity = block_size = 0
     seen = False
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -60,10 +60,11 @@ def parse_metrics(text: str) -> Sample:
         elif name == CACHE_INFO:
             labels = dict(_LABEL.findall(line))
             try:
-                capacity += int(labels.get("num_gpu_blocks", "0")) * int(labels.get("block_size", "0"))
+                block_size = int(labels.get("block_size", "0"))
+                capacity += int(labels.get("num_gpu_blocks", "0")) * block_size
             except ValueError:
                 pass
-    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits)
+    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits, block_size)
 
 
 class Scraper:

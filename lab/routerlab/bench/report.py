@@ -105,6 +105,23 @@ def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: fl
     return summary
 
 
+def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, Any]:
+    """How well the routers' cache view predicted what the replicas served from cache: the cached
+    tokens they expected at the replicas they chose, over the tokens the replicas report they hit
+    (a ratio of sums over the arm: 1.0 is exact on the whole; over 1, the view credited blocks
+    that were gone; under 1, the replicas reused more than the view knew). By view when the
+    choices used the events (precise mode) or the learned index."""
+    actual = sum(r.hits for r in fleet.per_replica)
+    views = {v: predicted[v] for v in ("events", "learned") if predicted.get(v)}
+    return {
+        "predicted_tokens": {v: int(t) for v, t in views.items()},
+        "actual_hit_tokens": int(actual),
+        "accuracy": round(sum(views.values()) / actual, 4) if actual else None,
+        "choices_by_view": {v: int(predicted.get(f"requests_{v}", 0)) for v in ("events", "learned")
+                            if predicted.get(f"requests_{v}")},
+    }
+
+
 @dataclass
 class Report:
     """Everything one ``bench`` run produced; ``to_json`` is the report.json schema."""
@@ -194,6 +211,19 @@ def markdown_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def prediction_table(report: Report) -> str:
+    rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
+    if not rows:
+        return ""
+    lines = ["| arm | predicted (events) | predicted (learned) | replicas' hits | accuracy | choices by view |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name, p in rows:
+        views = ", ".join(f"{v} {n}" for v, n in p["choices_by_view"].items()) or "learned (no events configured)"
+        lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p['predicted_tokens'].get('learned', 0)} "
+                     f"| {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} | {views} |")
+    return "\n".join(lines)
+
+
 def to_markdown(report: Report) -> str:
     parts = [
         f"# prefix-router bench: {report.scenario}",
@@ -211,6 +241,12 @@ def to_markdown(report: Report) -> str:
     phases = timeline_table(report)
     if phases:
         parts += ["", "## Per phase (split at the fleet changes)", "", phases]
+    predictions = prediction_table(report)
+    if predictions:
+        parts += ["", "## How well the routers' cache view predicted the replicas' cache hits", "",
+                  "Cached tokens the routers expected at the replicas they chose, by the view that said so, "
+                  "against the tokens the replicas report they served from cache (ratio of sums over the arm).",
+                  "", predictions]
     cpu = ["", "## CPU seconds per process during the run", "",
            "| arm | client | " + " | ".join(_cpu_names(report)) + " | machine busy | client saturated |",
            "|---|---:|" + "---:|" * len(_cpu_names(report)) + "---:|---|"]

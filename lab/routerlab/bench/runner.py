@@ -30,7 +30,7 @@ from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.trace import Trace
 from routerlab.harness.proc_cpu import CpuMeter
 from routerlab.sim.hf_tokenizer import HfTokenizer
-from routerlab.realvllm.promtext import http_post_json, served_model
+from routerlab.realvllm.promtext import fetch_metrics, http_post_json, served_model
 
 T = TypeVar("T")
 
@@ -228,7 +228,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
         start_outside(backend.urls, members)
         with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
                                  router_settings=cfg.router_settings, endpoints=members,
-                                 router_flags=backend.router_flags()) as running:
+                                 router_flags=backend.router_flags(), router_metrics=arm.pick) as running:
             before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
@@ -239,11 +239,14 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             cpu = meter.stop()
             after = _scrape(backend.urls)
             envoy = running.envoy_stats()
+            predicted = _predictions(running.metrics_ports)
     finally:
         backend.stop()
     fleet = replica_metrics.delta(before, after) if before and after else None
     summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
                                    backend_urls=backend.urls, cpu=cpu, envoy=envoy)
+    if predicted and fleet is not None:
+        summary["prediction"] = report_mod.prediction(predicted, fleet)
     if events:
         labels = ["start"] + [f"after {e.action} of replica {e.replica}" for e in events]
         summary["timeline"] = report_mod.timeline(result.results, [e.at_s for e in events], backend.urls, labels)
@@ -251,6 +254,24 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
                 f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}")
     ttfts = [r.ttft * 1000 for r in result.results if r.ok and r.ttft is not None]
     return summary, ttfts
+
+
+def _predictions(metrics_ports: Sequence[int]) -> dict[str, float]:
+    """What the pick arm's routers expected their choices to find cached, by view, summed over
+    routers; and by which view their choices went ({} when they serve no metrics)."""
+    out: dict[str, float] = {}
+    for port in metrics_ports:
+        try:
+            samples = fetch_metrics(f"http://127.0.0.1:{port}")
+        except OSError:
+            continue
+        for s in samples:
+            if s.name == "prefix_router_predicted_cached_tokens_total":
+                out[s.labels["view"]] = out.get(s.labels["view"], 0.0) + s.value
+            elif s.name == "prefix_router_cache_view_total":
+                key = f"requests_{s.labels['view']}"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def _scrape(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:

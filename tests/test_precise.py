@@ -1,0 +1,117 @@
+"""Precise mode's matching and pick mode's use of it, pure (no sockets): PreciseView and PickCore."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extproc.core.decide import decide
+from extproc.core.settings import RouteSettings
+from extproc.pick.core import PickCore
+from extproc.pick.kv_events import BlockStored
+from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.precise import PreciseView
+from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
+from routerlab.assets import TINY_BYTELEVEL
+
+BS = 16
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+PICK = RouteSettings(mode="pick")
+SYSTEM = "You answer questions about the ACME deploy pipeline with numbered runbook steps. " * 8
+
+
+class Live:
+    origin = "events"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer(TINY_BYTELEVEL)
+
+
+def body(question: str, system: str = SYSTEM, **extra: object) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "system", "content": system},
+                                                  {"role": "user", "content": question}], **extra}).encode()
+
+
+def store(index: EventIndex, address: str, ids: list[int], salt: str | None = None) -> None:
+    """What vLLM would announce after computing ``ids``: every full block, with its extra keys."""
+    n = len(ids) // BS
+    extra = request_extra_keys(n, salt, None)
+    index.apply(address, [BlockStored(tuple(range(1000, 1000 + n)), None, tuple(ids[:n * BS]), BS,
+                                      extra_keys=tuple(extra))])
+
+
+def core_with(tokenizer: ModelTokenizer, covered: tuple[str, ...] = (A, B)) -> tuple[PickCore, EventIndex]:
+    index = EventIndex()
+    core = PickCore()
+    core.set_endpoints([A, B])
+    core.precise = PreciseView(index, {"*": tokenizer}, {a: Live() for a in covered})
+    return core, index
+
+
+def test_cached_tokens_are_whole_blocks_capped_below_the_prompt(tokenizer: ModelTokenizer) -> None:
+    core, index = core_with(tokenizer)
+    first = decide(body("How do I roll back?"), {}, PICK)
+    ids = tokenizer.tokens_for(first.document, "chat")
+    store(index, A, ids)
+    exact = core.precise.match(first)
+    assert exact.prompt_tokens == len(ids)
+    assert exact.cached == {A: (len(ids) - 1) // BS * BS, B: 0}  # vLLM computes at least the last token
+    second = core.precise.match(decide(body("And how do I roll forward?"), {}, PICK))
+    shared = next(i for i, (x, y) in enumerate(zip(ids, tokenizer.tokens_for(
+        json.loads(body("And how do I roll forward?")), "chat"))) if x != y)
+    assert second.cached[A] == shared // BS * BS and second.cached[B] == 0
+
+
+def test_a_salted_request_matches_only_blocks_stored_with_its_salt(tokenizer: ModelTokenizer) -> None:
+    core, index = core_with(tokenizer)
+    salted = decide(body("q", cache_salt="tenant-a"), {}, PICK)
+    ids = tokenizer.tokens_for(salted.document, "chat")
+    store(index, A, ids, salt="tenant-a")
+    store(index, B, ids)  # the same tokens without the salt
+    exact = core.precise.match(salted)
+    assert exact.cached[A] > 0 and exact.cached[B] == 0
+    assert core.precise.match(decide(body("q"), {}, PICK)).cached == {A: 0, B: exact.cached[A]}
+
+
+def test_a_request_in_flight_counts_its_blocks_on_its_replica_until_it_ends(tokenizer: ModelTokenizer) -> None:
+    """Two requests on a new system prompt arriving together must meet on one replica: the first's
+    blocks are being computed there before vLLM announces them."""
+    core, _ = core_with(tokenizer)
+    core.precise.block_size_hint = BS  # as the first scrape of vllm:cache_config_info sets it
+    long_system = SYSTEM * 8  # long enough that waiting behind the first beats computing it again
+    first = core.pick(decide(body("first question", system=long_system), {}, PICK), PICK)
+    second_decision = decide(body("second question", system=long_system), {}, PICK)
+    during = core.precise.match(second_decision).cached
+    assert during[first.address] > 0 and sum(during.values()) == during[first.address]
+    second = core.pick(second_decision, PICK)
+    assert second.address == first.address and second.reason == "cheapest"
+    core.release(first)
+    core.release(second)
+    assert core.precise.pending == {} and core.precise.match(second_decision).cached == {A: 0, B: 0}
+
+
+def test_uncovered_replicas_and_untokenisable_requests_keep_the_learned_view(tokenizer: ModelTokenizer) -> None:
+    core, index = core_with(tokenizer, covered=(A,))
+    d = decide(body("q"), {}, PICK)
+    store(index, A, tokenizer.tokens_for(d.document, "chat"))
+    choice, _ = core.evaluate(d, PICK)
+    assert {c.address: c.view for c in choice.candidates} == {A: "events", B: "learned"}
+    image = decide(json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode(), {}, PICK)
+    with pytest.raises(NotTokenizable) as exc:
+        core.precise.match(image)
+    assert exc.value.reason == "multimodal"
+    assert {c.view for c in core.evaluate(image, PICK)[0].candidates} == {"learned"}
+    learned_only = RouteSettings(mode="pick", cache_view="learned")  # a route that turns it off
+    assert {c.view for c in core.evaluate(d, learned_only)[0].candidates} == {"learned"}
+
+
+def test_request_hashes_match_what_vllm_stores_for_completions_token_prompts(tokenizer: ModelTokenizer) -> None:
+    core, index = core_with(tokenizer)
+    ids = list(range(5, 5 + 10 * BS + 3))
+    index.apply(B, [BlockStored(tuple(range(10)), None, tuple(ids[:10 * BS]), BS)])
+    exact = core.precise.match(decide(json.dumps({"model": "m", "prompt": ids}).encode(), {}, PICK))
+    assert exact.cached == {A: 0, B: 10 * BS} and exact.hashes[BS] == block_hashes(ids[:10 * BS], BS)
