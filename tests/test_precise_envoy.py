@@ -71,7 +71,7 @@ def stack() -> Iterator[Stack]:
     fleet = SimBackend(spec).start()
     try:
         with RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True,
-                        router_flags=fleet.router_flags()) as arm:
+                        event_flags=fleet.event_flags()) as arm:
             stack = Stack(fleet, arm)
             wait_until(lambda: metric(stack.metrics_port, 'prefix_router_kv_view_origin{origin="none"') == 0
                        and metric(stack.metrics_port, "prefix_router_kv_view_origin") == 2, 15,

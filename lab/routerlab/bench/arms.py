@@ -158,7 +158,8 @@ class RunningArm:
     def __init__(self, arm: ArmSpec, backend_urls: list[str], *, prefix_length: int = 4096,
                  balance_factor: int = DEFAULT_BALANCE_FACTOR, router_settings: Mapping[str, str] | None = None,
                  endpoints: Sequence[int] | None = None, router_metrics: bool = False,
-                 health_interval: float | None = 0.5, router_flags: Sequence[str] = ()) -> None:
+                 health_interval: float | None = 0.5, router_flags: Sequence[str] = (),
+                 event_flags: Sequence[str] = ()) -> None:
         self.arm = arm
         self.health_interval = health_interval
         self.router_metrics = router_metrics  # serve each router's /metrics (metrics_ports[i])
@@ -167,7 +168,8 @@ class RunningArm:
         self.prefix_length = prefix_length
         self.balance_factor = balance_factor
         self.router_settings = dict(router_settings or {})
-        self.router_flags = list(router_flags)  # precise arms: where the fleet's events are (SimBackend.router_flags)
+        self.router_flags = list(router_flags)  # process flags for every router of this arm (--router-flag)
+        self.event_flags = list(event_flags)  # precise arms: where the fleet's events are (SimBackend.event_flags)
         # pick mode: the indexes of backend_urls the router starts with (default all)
         self.endpoints = list(range(len(backend_urls)) if endpoints is None else endpoints)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -216,10 +218,9 @@ class RunningArm:
                                  "--log-level", "warning", "--drain-seconds", "1")
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
-            if self.arm.precise:
-                if not self.router_flags:
-                    raise RuntimeError(f"{self.arm.name}: the fleet publishes no KV-cache events")
-                argv += self.router_flags
+            if self.arm.precise and not self.event_flags:
+                raise RuntimeError(f"{self.arm.name}: the fleet publishes no KV-cache events")
+            argv += [*(self.event_flags if self.arm.precise else ()), *self.router_flags]
             # appended before the wait, so stop() reaches it
             self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))
             self.routers[-1].wait_for_line("prefix-router ready", timeout=30)

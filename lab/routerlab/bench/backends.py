@@ -24,7 +24,7 @@ class Backend(Protocol):
 
     def start(self) -> "Backend": ...
     def stop(self) -> None: ...
-    def router_flags(self) -> list[str]: ...
+    def event_flags(self) -> list[str]: ...
     @property
     def pids(self) -> dict[str, int]: ...
 
@@ -51,7 +51,7 @@ class _ChildFleet:
     def count(self) -> int:
         raise NotImplementedError
 
-    def router_flags(self) -> list[str]:
+    def event_flags(self) -> list[str]:
         """Router flags this fleet asks of precise arms (none: it publishes no KV-cache events)."""
         return []
 
@@ -95,7 +95,7 @@ class SimBackend(_ChildFleet):
         super().start()
         return self
 
-    def router_flags(self) -> list[str]:
+    def event_flags(self) -> list[str]:
         """What a precise-mode router needs to read this fleet's events (none without events)."""
         s, n = self.spec, self.spec.replicas
         if not s.kv_events:
@@ -146,7 +146,7 @@ class ExternalBackend:
         self.reset_ok = all(reset_prefix_cache(u) for u in self.urls)
         return self
 
-    def router_flags(self) -> list[str]:
+    def event_flags(self) -> list[str]:
         return []  # --backend-url gives no event ports: precise arms need the simulated fleet
 
     def stop(self) -> None:

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--router-setting", action="append", default=[], metavar="NAME=VALUE",
                          help="a router setting for the prefix arms, sent as x-prefix-router-NAME stream metadata "
                               "(e.g. load-tokens=2048, concurrency-threshold=8; repeatable)")
+    routing.add_argument("--router-flag", action="append", default=[], metavar="--FLAG=VALUE",
+                         help="a process flag for every prefix arm's router, e.g. --bytes-per-token=1.9 "
+                              "(what stream metadata cannot set; repeatable)")
     routing.add_argument("--balance-factor", type=int, default=DEFAULT_BALANCE_FACTOR,
                          help=f"hash_balance_factor of the prefix-bounded arm (default {DEFAULT_BALANCE_FACTOR}, as shipped)")
     backend = parser.add_argument_group("backend")
@@ -104,6 +107,7 @@ def config_from_args(args: argparse.Namespace):
         load_mode=args.load_mode, concurrency=args.concurrency, rate=args.rate, duration_s=args.duration_s,
         num_blocks=args.num_blocks, profile=args.profile, prefix_length=args.prefix_length,
         balance_factor=args.balance_factor, router_settings=_params(args.router_setting),
+        router_flags=tuple(args.router_flag),
         backend_urls=list(args.backend_url), plots=not args.no_plots,
         progress=progress.default(),
     )

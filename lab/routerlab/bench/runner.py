@@ -58,6 +58,7 @@ class BenchConfig:
     prefix_length: int | None = None
     balance_factor: int = arms_mod.DEFAULT_BALANCE_FACTOR
     router_settings: Mapping[str, str] = field(default_factory=dict)  # x-prefix-router-* for prefix arms
+    router_flags: Sequence[str] = ()  # process flags for every prefix arm's router (--router-flag)
     backend_urls: Sequence[str] = ()
     backend_info: Mapping[str, Any] = field(default_factory=dict)  # what the URLs are, for the report
     plots: bool = True
@@ -144,7 +145,8 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
         fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else "sim", **cfg.backend_info},
         load={**dataclasses.asdict(load), "prefix_length": prefix_length,
-              **({"router_settings": dict(cfg.router_settings)} if cfg.router_settings else {})},
+              **({"router_settings": dict(cfg.router_settings)} if cfg.router_settings else {}),
+              **({"router_flags": list(cfg.router_flags)} if cfg.router_flags else {})},
         oracle_hit_rate=best,
     )
     prog.note(f"{scenario.name}: {len(trace)} requests in {len(trace.sessions)} sessions, oracle hit rate "
@@ -228,7 +230,8 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
         start_outside(backend.urls, members)
         with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
                                  router_settings=cfg.router_settings, endpoints=members,
-                                 router_flags=backend.router_flags(), router_metrics=arm.pick) as running:
+                                 router_flags=cfg.router_flags, event_flags=backend.event_flags(),
+                                 router_metrics=arm.pick) as running:
             before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
