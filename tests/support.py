@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,3 +40,13 @@ def start_router(*flags: str, env: dict[str, str] | None = None) -> tuple[Proces
                    name="prefix-router", env=env)
     proc.wait_for_line("ready on", timeout=30)
     return proc, port, metrics_port
+
+
+async def until(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    """In a running event loop: wait for ``check()`` with a deadline (never a fixed sleep)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -12,12 +12,14 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import zmq
-from routerlab.harness.procs import free_port_run, free_ports
-from routerlab.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 
 from extproc.pick import kv_events
 from extproc.pick.kv_index import ApplyResult, EventIndex
 from extproc.pick.kv_subscriber import KvEventSubscriber
+from routerlab.harness.procs import free_port_run, free_ports
+from routerlab.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
+
+from support import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,13 +61,6 @@ def stored(mark: int) -> BlockStored:
                        list(range(8)), 4, extra_keys=[None, None])
 
 
-async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def run(coro: Callable[[], Awaitable[None]]) -> None:

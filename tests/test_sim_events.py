@@ -16,6 +16,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+
+from extproc.pick import kv_events
+from extproc.pick.kv_index import EventIndex, request_extra_keys
+from extproc.pick.kv_index import block_hashes as own_hashes
+from extproc.pick.kv_subscriber import KvEventSubscriber
+from extproc.pick.prompt_tokens import ModelTokenizer
 from routerlab.harness.procs import free_ports
 from routerlab.sim.fleet import FleetThread, SimConfig
 from routerlab.sim.hf_tokenizer import HfTokenizer
@@ -23,11 +29,7 @@ from routerlab.sim.kv_cache import KVCache, block_hashes, extra_keys, root_hash
 from routerlab.sim.profiles import get_profile
 from routerlab.sim.scheduler import Scheduler, Sequence
 
-from extproc.pick import kv_events
-from extproc.pick.kv_index import EventIndex, request_extra_keys
-from extproc.pick.kv_index import block_hashes as own_hashes
-from extproc.pick.kv_subscriber import KvEventSubscriber
-from extproc.pick.prompt_tokens import ModelTokenizer
+from support import until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -160,13 +162,6 @@ def test_real_tokenizer_outputs_are_vocabulary_ids(model_dir: Path) -> None:
 
 # ---- (b) end to end -------------------------------------------------------------------------
 
-async def until(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 SYSTEM = ("You are a careful assistant for the prefix router lab. Answer in short sentences, cite "

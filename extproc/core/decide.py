@@ -53,7 +53,8 @@ def prefix_key(tenant: str | None, prefix: bytes) -> str:
     return h.hexdigest()
 
 
-def _parsed_object(body: bytes) -> dict[str, Any] | None:
+def parsed_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None when it is not one."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -91,7 +92,7 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     doc = norm.document
     if doc is None and complete and norm.mode == "raw" and norm.fallback is None and (
             settings.tenant_isolation or BODY_FIELD_BYTES in body):
-        doc = _parsed_object(body)  # raw mode hashes the bytes but still reads the tenant (and salt) fields
+        doc = parsed_object(body)  # raw mode hashes the bytes but still reads the tenant (and salt) fields
     tenant, source = header_tenant(headers, settings)
     if tenant is None:
         tenant = body_tenant(doc)

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol
 
-import orjson
-
-from extproc.core.decide import Decision
+from extproc.core.decide import Decision, parsed_object
 from extproc.pick.chain_cache import ChainCache
 from extproc.pick.kv_index import EventIndex
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
@@ -63,7 +61,7 @@ class PreciseView:
         """The prompt's token ids as the replica computes them; raises NotTokenizable."""
         doc = decision.document
         if doc is None and decision.normalize == "raw" and decision.fallback is None and decision.normalized:
-            doc = _object(decision.normalized)  # raw mode hashed the bytes without parsing them
+            doc = parsed_object(decision.normalized)  # raw mode hashed the bytes without parsing them
         if doc is None:
             raise NotTokenizable("not_json", "the body is not a whole JSON object")
         tokenizer = self.tokenizers.get(str(doc.get("model"))) or self.tokenizers.get(ANY_MODEL)
@@ -117,10 +115,3 @@ class PreciseView:
             if not pending:
                 del self.pending[address]
 
-
-def _object(data: bytes) -> dict[str, Any] | None:
-    try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, blocks, zipf_weights
@@ -13,6 +15,7 @@ from routerlab.bench.trace import TextSource, build_sessions, chat_body, encode
 
 # --- multi-turn -------------------------------------------------------------------------
 
+@lru_cache(maxsize=1024)
 def _assistant_reply(tokens: int) -> str:
     """What the simulator generates for ``tokens`` output tokens (its deterministic filler)."""
     from routerlab.sim.tokenizer import output_token
@@ -70,12 +73,12 @@ def _tenant_encoding(body: dict[str, Any], tenant: int) -> bytes:
     return json.dumps(dict(reversed(list(body.items()))), separators=(", ", ": ")).encode()
 
 
-def _zipf_chat(p: Params, rng: random.Random, model: str):
-    """Conversations on a few Zipf-popular long system prompts, each resending its history."""
+def _tenant_conversations(p: Params, rng: random.Random, model: str, output_tokens: Callable[[], int]):
+    """Conversations on Zipf-popular long system prompts, each resending its history, from tenants
+    that serialise their JSON their own way; ``output_tokens()`` sizes each answer."""
     text = TextSource(rng)
     systems = [text.text(p["system_tokens"], tag=f"assistant {i}") for i in range(p["systems"])]
     weights = zipf_weights(len(systems), p["zipf"])
-    reply = _assistant_reply(p["output_tokens"])
     chains = []
     for c in range(p["conversations"]):
         s = rng.choices(range(len(systems)), weights=weights)[0]
@@ -84,12 +87,17 @@ def _zipf_chat(p: Params, rng: random.Random, model: str):
         messages: list[dict[str, Any]] = [{"role": "system", "content": systems[s]}]
         chain = []
         for _ in range(rng.randint(1, p["max_turns"])):
+            out = output_tokens()
             messages.append({"role": "user", "content": text.text(text.between(p["user_min"], p["user_max"]))})
-            body = chat_body(model, list(messages), p["output_tokens"])
-            chain.append((_tenant_encoding(body, tenant), f"system-{s}/conv-{c}", p["output_tokens"], headers))
-            messages.append({"role": "assistant", "content": reply})
+            body = chat_body(model, list(messages), out)
+            chain.append((_tenant_encoding(body, tenant), f"system-{s}/conv-{c}", out, headers))
+            messages.append({"role": "assistant", "content": _assistant_reply(out)})
         chains.append(chain)
     return build_sessions(chains)
+
+
+def _zipf_chat(p: Params, rng: random.Random, model: str):
+    return _tenant_conversations(p, rng, model, lambda: p["output_tokens"])
 
 
 def _zipf_chat_fleet(p: Params) -> FleetSpec:
@@ -118,24 +126,7 @@ ZIPF_CHAT = Scenario(
 def _kv_pressure(p: Params, rng: random.Random, model: str):
     """Many tenants' conversations on many system prompts, with long and varied answers: the
     working set is larger than the fleet's KV, so replicas evict what a router may still credit."""
-    text = TextSource(rng)
-    systems = [text.text(p["system_tokens"], tag=f"assistant {i}") for i in range(p["systems"])]
-    weights = zipf_weights(len(systems), p["zipf"])
-    chains = []
-    for c in range(p["conversations"]):
-        s = rng.choices(range(len(systems)), weights=weights)[0]
-        tenant = rng.randrange(p["tenants"])
-        headers = (("x-prefix-aware-id", f"tenant-{tenant}"),)
-        messages: list[dict[str, Any]] = [{"role": "system", "content": systems[s]}]
-        chain = []
-        for _ in range(rng.randint(1, p["max_turns"])):
-            out = rng.randint(p["output_min"], p["output_max"])
-            messages.append({"role": "user", "content": text.text(text.between(p["user_min"], p["user_max"]))})
-            chain.append((_tenant_encoding(chat_body(model, list(messages), out), tenant), f"system-{s}/conv-{c}",
-                          out, headers))
-            messages.append({"role": "assistant", "content": _assistant_reply(out)})
-        chains.append(chain)
-    return build_sessions(chains)
+    return _tenant_conversations(p, rng, model, lambda: rng.randint(p["output_min"], p["output_max"]))
 
 
 def _kv_pressure_fleet(p: Params) -> FleetSpec:
