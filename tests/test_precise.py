@@ -11,7 +11,7 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.kv_events import BlockStored
 from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
-from extproc.pick.precise import PreciseView
+from extproc.pick.precise import PreciseView, _shared
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 from routerlab.assets import TINY_BYTELEVEL
 
@@ -115,3 +115,9 @@ def test_request_hashes_match_what_vllm_stores_for_completions_token_prompts(tok
     index.apply(B, [BlockStored(tuple(range(10)), None, tuple(ids[:10 * BS]), BS)])
     exact = core.precise.match(decide(json.dumps({"model": "m", "prompt": ids}).encode(), {}, PICK))
     assert exact.cached == {A: 0, B: 10 * BS} and exact.hashes[BS] == block_hashes(ids[:10 * BS], BS)
+
+
+def test_shared_leading_blocks_of_two_chains() -> None:
+    chain = block_hashes(list(range(160)), BS)  # 10 blocks
+    other = block_hashes(list(range(100)) + [7] * 60, BS)  # the same first 6 blocks, then apart
+    assert [_shared(chain, o) for o in (chain, other, chain[:3], [], chain + [1])] == [10, 6, 3, 0, 10]

@@ -10,7 +10,6 @@ tokenised) stays with the learned view, and the caller says so.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Final, NamedTuple, Protocol
 
@@ -46,9 +45,12 @@ class PreciseView:
         self.origins: Mapping[str, Origin] = origins if origins is not None else {}
         self.chains = ChainCache()
         self.block_size_hint = 0  # the fleet's block size before a replica's events said it (scraped)
-        # Blocks of this router's requests still in flight, per replica: they are being computed
-        # there, so a request sent now will find them; vLLM announces them only once stored.
-        self.pending: dict[str, Counter[int]] = {}
+        # The block hash runs of this router's requests still in flight, per replica: they are
+        # being computed there, so a request sent now will find them; vLLM announces them only
+        # once stored. Runs, not a count per hash: adding and dropping one costs nothing, and a
+        # chain hash equal at block i is equal at every block before it, so the shared length
+        # with a request is a binary search.
+        self.pending: dict[str, list[list[int]]] = {}
 
     def origin(self, address: str) -> str:
         view = self.origins.get(address)
@@ -91,7 +93,8 @@ class PreciseView:
             run, n = hashes[size], held[size].get(address, 0)
             pending = self.pending.get(address)
             if pending:
-                while n < len(run) and (run[n] in pending or self.index.holds_block(address, run[n])):
+                n = max(n, *(_shared(run, other) for other in pending))
+                while n < len(run) and self.index.holds_block(address, run[n]):
                     n += 1
             cached[address] = n * size
         return Exact(len(ids), cached, hashes, sizes)
@@ -101,17 +104,28 @@ class PreciseView:
         size = exact.sizes.get(address)
         run = exact.hashes.get(size, []) if size else []
         if run:
-            self.pending.setdefault(address, Counter()).update(run)
+            self.pending.setdefault(address, []).append(run)
         return run
 
     def unpend(self, address: str, run: list[int]) -> None:
         """The request ended: its blocks are in the events by now, or were never stored."""
-        pending = self.pending.get(address)
-        if pending is not None:
-            pending.subtract(run)
-            for h in run:
-                if pending[h] <= 0:
-                    del pending[h]
-            if not pending:
+        runs = self.pending.get(address)
+        if runs is not None and run:
+            for i, other in enumerate(runs):
+                if other is run:
+                    del runs[i]
+                    break
+            if not runs:
                 del self.pending[address]
 
+
+def _shared(run: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading block hashes two chains share (equal at i means equal before i)."""
+    lo, hi = 0, min(len(run), len(other))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if run[mid - 1] == other[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -224,11 +224,11 @@ def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[s
         {"role": "system", "content": system},
         {"role": "user", "content": " ".join(rng.choices(words, k=30)) + f" ({seed})"}]}).encode()
         for seed in range(400)]
-    ids = tokenizer.tokens_for(json.loads(bodies[0]), "chat")
+    ids = tokenizer.token_array(json.loads(bodies[0]), "chat")  # as precise mode gets them
     full = len(ids) // block_size * block_size
     for i, address in enumerate(addresses[: replicas // 2]):
         hashes = [(i << 32) + n for n in range(full // block_size)]
-        index.apply(address, [BlockStored(tuple(hashes), None, tuple(ids[:full]), block_size)])
+        index.apply(address, [BlockStored(tuple(hashes), None, tuple(ids[:full].tolist()), block_size)])
     decisions = iter([decide(b, {}, settings) for b in bodies] * 50)
     docs = [json.loads(b) for b in bodies]
     number = 200 if size_kb <= 4 else 50
@@ -240,7 +240,7 @@ def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[s
     warm_docs = iter(docs * 50)
     out = {
         "precise_total_us": _median_us(lambda: core.release(core.pick(next(decisions), settings)), number),
-        "precise_tokenize_us": _median_us(lambda: tokenizer.tokens_for(next(warm_docs), "chat"), number),
+        "precise_tokenize_us": _median_us(lambda: tokenizer.token_array(next(warm_docs), "chat"), number),
         "precise_hash_us": _median_us(lambda: core.precise.chains.hashes(ids[:full], block_size), number),
         "precise_tokenize_cold_us": _median_us(cold, max(5, number // 10)),
         "prompt_tokens": len(ids),
