@@ -19,7 +19,6 @@ from extproc.pick.kv_index import EventIndex
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 
 EVENTS: Final = "events"
-LEARNED: Final = "learned"
 COVERED: Final = frozenset({"events", "replayed"})  # origins whose view comes from events
 ANY_MODEL: Final = "*"
 
@@ -81,14 +80,15 @@ class PreciseView:
         ids = self.tokens(decision)
         doc = decision.document or {}
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
-        sizes = {a: s for a in self.covered() if (s := self.index.block_size(a) or self.block_size_hint)}
+        covered = self.covered()
+        sizes = {a: s for a in covered if (s := self.index.block_size(a) or self.block_size_hint)}
         hashes: dict[int, list[int]] = {}
         held: dict[int, dict[str, int]] = {}
         for size in set(sizes.values()):
             blocks = max(len(ids) - 1, 0) // size
             hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt) if blocks else []
             held[size] = self.index.match(hashes[size]) if blocks else {}
-        cached = dict.fromkeys(self.covered(), 0)
+        cached = dict.fromkeys(covered, 0)
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             pending = self.pending.get(address)
