@@ -1,9 +1,12 @@
-"""`prefix-router demo` (`make demo`): a short sagemaker-8k A/B, round robin vs pick mode.
+"""`prefix-router demo` (`make demo`): a short sagemaker-8k A/B, round robin vs precise mode.
 
-Sized to finish in about a minute on a 2-core machine, and bounded by ``--duration`` (75 s)
-per arm: 7 simulated Llama-3.1-70B replicas (time-scaled), 35 shared 8000-token prefixes
-of which each replica caches 8, sustained closed-loop load. Prints the comparison table
-and where the report is.
+Precise mode (pick mode on the replicas' own KV-cache events, matched against the requests'
+exact token ids) is the mode to recommend where the replicas can publish events: every router
+replica then sees the same cache view. The simulated replicas tokenise with the tiny real
+tokenizer and publish events, for both arms. Sized to finish in about a minute on a 2-core
+machine, and bounded by ``--duration`` (75 s) per arm: 7 simulated Llama-3.1-70B replicas, 35
+shared 8000-token prefixes of which each replica caches 8, sustained closed-loop load. Prints
+the comparison table and where the report is.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ def run(args: argparse.Namespace) -> int:
     from routerlab.bench.runner import BenchConfig, run_bench
 
     out = Path(args.out)
-    print("prefix-router demo: sagemaker-8k, stock Envoy round robin vs prefix-aware pick mode "
-          "(real Envoy, real ext_proc server, 7 simulated vLLM replicas on loopback)\n", flush=True)
+    print("prefix-router demo: sagemaker-8k, stock Envoy round robin vs precise mode (pick mode on the replicas' "
+          "KV-cache events; real Envoy, real ext_proc server, 7 simulated vLLM replicas on loopback)\n", flush=True)
     report = run_bench(BenchConfig(
-        scenario="sagemaker-8k", arms=("round-robin", "prefix-pick"), seed=args.seed, out=out,
+        scenario="sagemaker-8k", arms=("round-robin", "prefix-precise"), seed=args.seed, out=out,
         params={**DEMO_PARAMS, "requests": args.requests}, duration_s=args.duration, progress=progress.default(),
     ))
     print()
