@@ -20,6 +20,7 @@ from routerlab.bench.arms import ARMS, UPSTREAM_HEADER, RunningArm
 from routerlab.bench.backends import SimBackend
 from routerlab.bench.scenarios import FleetSpec
 from routerlab.harness.procs import wait_until
+from routerlab.realvllm.promtext import fetch_metrics
 
 from support import send
 
@@ -33,11 +34,10 @@ def get_json(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
+def metric(port: int, name: str, **labels: str) -> float:
+    """The sum of the router's samples called ``name`` whose labels include ``labels``."""
+    return sum(s.value for s in fetch_metrics(f"http://127.0.0.1:{port}")
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 class Stack:
@@ -73,7 +73,7 @@ def stack() -> Iterator[Stack]:
         with RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True,
                         event_flags=fleet.event_flags()) as arm:
             stack = Stack(fleet, arm)
-            wait_until(lambda: metric(stack.metrics_port, 'prefix_router_kv_view_origin{origin="none"') == 0
+            wait_until(lambda: metric(stack.metrics_port, "prefix_router_kv_view_origin", origin="none") == 0
                        and metric(stack.metrics_port, "prefix_router_kv_view_origin") == 2, 15,
                        "the router to hear from both replicas")
             yield stack
@@ -117,10 +117,10 @@ def test_the_router_knows_each_replicas_cached_tokens_exactly(stack: Stack) -> N
 
 
 def test_a_request_that_cannot_be_tokenised_is_routed_on_the_learned_view(stack: Stack) -> None:
-    before = metric(stack.metrics_port, 'prefix_router_cache_view_total{reason="multimodal",view="learned"}')
+    before = metric(stack.metrics_port, "prefix_router_cache_view_total", reason="multimodal", view="learned")
     body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode()
     reply = send(stack.port, body=body)  # the replica refuses it (as vLLM would a non-vision model)
     assert reply.status == 400
-    after = metric(stack.metrics_port, 'prefix_router_cache_view_total{reason="multimodal",view="learned"}')
+    after = metric(stack.metrics_port, "prefix_router_cache_view_total", reason="multimodal", view="learned")
     assert after == before + 1

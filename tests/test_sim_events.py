@@ -208,6 +208,13 @@ class Rig:
             return pub.subscriptions() if pub is not None else 0
         return await self.on_fleet(count)
 
+    async def subscribe(self) -> None:
+        """The router's subscriber on this replica, its subscription seen by the publisher and the
+        first replay answered (the subscriber must be started)."""
+        self.sub.set_endpoints([self.address])
+        await self.wait_subscribed()
+        await until(lambda: all(s.synced for s in self.sub._streams[self.address]), "the first replay's answer")
+
     async def wait_subscribed(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 15
@@ -243,10 +250,8 @@ def test_router_view_equals_the_replicas_cached_tokens(encoding: str, hashes: st
 
     async def body() -> None:
         await rig.sub.start()
-        rig.sub.set_endpoints([rig.address])
         try:
-            await rig.wait_subscribed()
-            await until(lambda: all(s.synced for s in rig.sub._streams[rig.address]), "the first replay's answer")
+            await rig.subscribe()
             async with aiohttp.ClientSession() as http:
                 doc1 = chat("What does the router do with a cold replica?", salt=salt)
                 n1, predicted1 = rig.view(doc1)
@@ -305,10 +310,8 @@ def test_reset_cache_publishes_all_blocks_cleared_and_bad_requests_are_400() -> 
 
     async def body() -> None:
         await rig.sub.start()
-        rig.sub.set_endpoints([rig.address])
         try:
-            await rig.wait_subscribed()
-            await until(lambda: all(s.synced for s in rig.sub._streams[rig.address]), "the first replay's answer")
+            await rig.subscribe()
             async with aiohttp.ClientSession() as http:
                 doc = chat("Hello?")
                 status, _ = await rig.post(http, "/v1/chat/completions", doc)

@@ -16,7 +16,7 @@ from typing import Any, Final
 from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
-from extproc.pick.choose import REASONS, Choice, choose, prefill_tokens
+from extproc.pick.choose import REASONS, Candidate, Choice, choose, prefill_tokens
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
@@ -122,8 +122,7 @@ class PickCore:
             if exact is not None and self.precise is not None:
                 self._pended[id(choice)] = (choice.address, self.precise.pend(choice.address, exact))
             self.load.assign(choice.address, _prefill(choice), self.clock())
-            chosen = choice.candidates[0] if choice.candidates[0].address == choice.address else next(
-                c for c in choice.candidates if c.address == choice.address)
+            chosen = _chosen(choice)
             if chosen.cached_tokens:
                 metrics.PREDICTED_CACHED.labels(choice.address, chosen.view).inc(chosen.cached_tokens)
         return choice
@@ -189,10 +188,14 @@ class PickCore:
         return core
 
 
+def _chosen(choice: Choice) -> Candidate:
+    """The chosen replica's candidate (``choice.address`` is one of them)."""
+    return next(c for c in choice.candidates if c.address == choice.address)
+
+
 def _prefill(choice: Choice) -> int:
     """Prefill tokens the chosen replica computes for this request (its cost's first term)."""
-    held = next((c.cached_tokens for c in choice.candidates if c.address == choice.address), 0)
-    return prefill_tokens(choice.prompt_tokens, held)
+    return prefill_tokens(choice.prompt_tokens, _chosen(choice).cached_tokens)
 
 
 def _forget_series(gauge: Any, *labels: str) -> None:
