@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from routerlab.assets import TINY_BYTELEVEL
+from routerlab.assets import TINY_BYTELEVEL, TINY_METASPACE
 from routerlab.bench.arms import ARMS, UPSTREAM_HEADER, RunningArm
 from routerlab.bench.backends import SimBackend
 from routerlab.bench.scenarios import FleetSpec
@@ -124,3 +124,32 @@ def test_a_request_that_cannot_be_tokenised_is_routed_on_the_learned_view(stack:
     assert reply.status == 400
     after = metric(stack.metrics_port, "prefix_router_cache_view_total", reason="multimodal", view="learned")
     assert after == before + 1
+
+
+def chat_body(text: str) -> bytes:
+    return json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": text}]}).encode()
+
+
+def test_the_router_checks_its_tokenizer_against_the_replicas_own(stack: Stack) -> None:
+    """The first request of a model is checked against the replica's POST /tokenize: they agree."""
+    assert send(stack.port, body=chat_body("is the tokenizer right?")).status == 200
+    wait_until(lambda: metric(stack.metrics_port, "prefix_router_tokenizer_checks_total", result="match") >= 1, 10,
+               "a tokenizer check")
+    assert metric(stack.metrics_port, "prefix_router_tokenizer_checks_total", result="mismatch") == 0
+    assert metric(stack.metrics_port, "prefix_router_tokenizer_trusted", model=MODEL) == 1
+
+
+def test_a_router_given_the_wrong_tokenizer_notices_and_routes_on_the_learned_view(stack: Stack) -> None:
+    """A second router pointed at another tokenizer family (Metaspace, not the replicas' byte-level
+    BPE): its first check disagrees, it says so in a metric and routes that model on the learned view."""
+    wrong = [f"--tokenizer={MODEL}={TINY_METASPACE}", "--tokenizer-check-every=1"]
+    with RunningArm(ARMS["prefix-precise"], stack.fleet.urls, router_metrics=True,
+                    event_flags=stack.fleet.event_flags(), router_flags=wrong) as arm:
+        port, metrics_port = int(arm.url.rsplit(":", 1)[1]), arm.metrics_ports[0]
+        assert send(port, body=chat_body("first, checked")).status == 200
+        wait_until(lambda: metric(metrics_port, "prefix_router_tokenizer_checks_total", result="mismatch") >= 1, 10,
+                   "the tokenizer check to find the mismatch")
+        assert metric(metrics_port, "prefix_router_tokenizer_trusted", model=MODEL) == 0
+        assert send(port, body=chat_body("second, after the check")).status == 200
+        assert metric(metrics_port, "prefix_router_cache_view_total", view="learned", reason="tokenizer_mismatch") >= 1

@@ -88,6 +88,7 @@ class ServerSettings:
     kv_dp_ranks: int = 1  # data-parallel ranks per endpoint: rank r publishes on port + r
     kv_ports_relative: bool = False  # the two ports are offsets from each endpoint's port (one host, many replicas)
     index_max_blocks: int = 8_000_000  # memory bound of the event view over all replicas
+    tokenizer_check_every: int = 100  # check each model's first request, then 1 in N, against vLLM's /tokenize; 0: off
     # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
     # command lines are visible to every local user).
     tenant_secret_file: str = ""
@@ -239,6 +240,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "kv_dp_ranks": _Spec(_number_in(int, 1, 1024), "an integer in 1..1024"),
     "kv_ports_relative": _Spec(_switch, "on or off"),
     "index_max_blocks": _Spec(_number_in(int, 1, 10**10), "an integer in 1..10000000000"),
+    "tokenizer_check_every": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (requests per check; 0: off)"),
     "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))

@@ -45,6 +45,8 @@ class PickCore:
         self.load = LoadTracker(prefill_tokens_per_s)
         self.clock = clock
         self.precise: PreciseView | None = None  # precise mode: the events' exact view (Picker sets it)
+        # precise mode: told of every request it routed (the run-time tokenizer check samples them)
+        self.on_precise_pick: Callable[[str, Decision], None] | None = None
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
         self._pended: dict[int, tuple[str, list[int]]] = {}  # id(choice) -> its blocks pending on a replica
 
@@ -122,6 +124,8 @@ class PickCore:
             if exact is not None and self.precise is not None:
                 self._pended[id(choice)] = (choice.address, self.precise.pend(choice.address, exact))
             self.load.assign(choice.address, _prefill(choice), self.clock())
+            if self.on_precise_pick is not None and settings.cache_view != "learned":
+                self.on_precise_pick(choice.address, decision)
             chosen = _chosen(choice)
             if chosen.cached_tokens:
                 metrics.PREDICTED_CACHED.labels(choice.address, chosen.view).inc(chosen.cached_tokens)

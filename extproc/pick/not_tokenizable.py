@@ -17,6 +17,7 @@ REASONS: Final = frozenset({
     "multiple_prompts",  # /v1/completions with more than one prompt
     "bad_request",  # the body is not what vLLM accepts (vLLM would answer 400)
     "unsupported",  # valid for vLLM, not reproduced here (per-request template, truncation, ...)
+    "tokenizer_mismatch",  # a run-time check found the router's tokenizer disagrees with the replica's
     "not_json",  # the body is not a whole JSON object (cut at the buffer limit, or not JSON)
 })
 

@@ -19,6 +19,7 @@ from extproc.pick.kv_subscriber import KvEventSubscriber
 from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer, TokenizerError
 from extproc.pick.scrape import Scraper
+from extproc.pick.tokenizer_check import RESULTS, TokenizerCheck
 
 
 def load_tokenizers(cfg: ServerSettings) -> dict[str, ModelTokenizer]:
@@ -39,6 +40,7 @@ class Picker(PickCore):
         super().__init__(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks,
                          cfg.prefill_tokens_per_s)
         self.subscriber: KvEventSubscriber | None = None
+        self.tokenizer_check: TokenizerCheck | None = None
         if cfg.kv_events:
             events = EventIndex(cfg.index_max_blocks)
             self.subscriber = KvEventSubscriber(events, cfg.kv_events_port, cfg.kv_replay_port or None,
@@ -46,6 +48,8 @@ class Picker(PickCore):
                                                 ports_relative=cfg.kv_ports_relative)
             self.precise = PreciseView(events, tokenizers if tokenizers is not None else load_tokenizers(cfg),
                                        self.subscriber.stats.replicas)
+            self.tokenizer_check = TokenizerCheck(self.precise, cfg.tokenizer_check_every)
+            self.on_precise_pick = self.tokenizer_check.offer
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
 
@@ -57,6 +61,8 @@ class Picker(PickCore):
     async def start(self) -> None:
         if self.subscriber is not None:
             await self.subscriber.start()
+        if self.tokenizer_check is not None:
+            await self.tokenizer_check.start()
         await self.watcher.start()
         if self.load.addresses():
             await self.scraper.scrape_once()  # first loads and capacities before serving
@@ -67,6 +73,8 @@ class Picker(PickCore):
         await self.scraper.stop()
         if self.subscriber is not None:
             await self.subscriber.stop()
+        if self.tokenizer_check is not None:
+            await self.tokenizer_check.stop()
 
 
 
@@ -115,3 +123,19 @@ class PreciseCollector(Collector):
             hits.add_metric([model, "hit"], tok.cache_hits)
             hits.add_metric([model, "miss"], tok.cache_misses)
         yield hits
+        check = self.picker.tokenizer_check
+        if check is not None:
+            checks = CounterMetricFamily("prefix_router_tokenizer_checks", "Run-time checks of the router's "
+                                         "token ids against a replica's POST /tokenize, by model and result "
+                                         "(error: the check itself failed)", labels=["model", "result"])
+            trusted = GaugeMetricFamily("prefix_router_tokenizer_trusted", "Per model: 0 while its last "
+                                        "tokenizer check disagreed (its requests use the learned view)",
+                                        labels=["model"])
+            for model, c in list(check.models.items()):
+                for result in RESULTS:
+                    checks.add_metric([model, result], c.results[result])
+                trusted.add_metric([model], 0 if model in precise.distrusted else 1)
+            yield checks
+            yield trusted
+            yield CounterMetricFamily("prefix_router_tokenizer_checks_dropped", "Sampled requests not checked "
+                                      "because earlier checks were still waiting", value=check.dropped)

@@ -43,6 +43,7 @@ class PreciseView:
         self.tokenizers = dict(tokenizers)
         self.origins: Mapping[str, Origin] = origins if origins is not None else {}
         self.chains = ChainCache()
+        self.distrusted: set[str] = set()  # models whose last tokenizer check disagreed with a replica
         self.block_size_hint = 0  # the fleet's block size before a replica's events said it (scraped)
         # The block hash runs of this router's requests still in flight, per replica: they are
         # being computed there, so a request sent now will find them; vLLM announces them only
@@ -58,13 +59,17 @@ class PreciseView:
     def covered(self) -> list[str]:
         return [a for a, view in self.origins.items() if view.origin in COVERED]
 
-    def tokens(self, decision: Decision) -> Sequence[int]:
-        """The prompt's token ids as the replica computes them; raises NotTokenizable."""
+    def tokens(self, decision: Decision, *, checking: bool = False) -> Sequence[int]:
+        """The prompt's token ids as the replica computes them; raises NotTokenizable (also for a
+        model whose tokenizer a run-time check found wrong, unless ``checking`` it again)."""
         doc = decision.document
         if doc is None and decision.normalize == "raw" and decision.fallback is None and decision.normalized:
             doc = parsed_object(decision.normalized)  # raw mode hashed the bytes without parsing them
         if doc is None:
             raise NotTokenizable("not_json", "the body is not a whole JSON object")
+        if not checking and self.distrusted and str(doc.get("model")) in self.distrusted:
+            raise NotTokenizable("tokenizer_mismatch", f"the tokenizer of {doc.get('model')!r} disagrees "
+                                 "with the replicas' (extproc.pick.tokenizer_check)")
         tokenizer = self.tokenizers.get(str(doc.get("model"))) or self.tokenizers.get(ANY_MODEL)
         if tokenizer is None:
             raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {doc.get('model')!r}")

@@ -163,6 +163,7 @@ class Replica:
         r.add_get("/metrics", self.metrics_handler)
         r.add_get("/version", self.version)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_post("/tokenize", self.tokenize)
         r.add_post("/sim/control", self.sim_control)
         r.add_get("/sim/state", self.sim_state)
         app.middlewares.append(self._drop_middleware)
@@ -205,6 +206,18 @@ class Replica:
             return error_response(e)
         finally:
             self.in_flight -= 1
+
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``POST /tokenize``: a chat (``messages``) or completions (``prompt``) body's prompt
+        token ids, as this replica computes them for inference."""
+        try:
+            body = api.parse_json(await request.read())
+            kind = "chat" if "messages" in body else "completion"
+            req = api.parse(body, kind, self.model, self.profile.max_model_len, self.tok)
+        except api.ApiError as e:
+            return error_response(e)
+        ids = req.prompts[0]
+        return json_response({"count": len(ids), "max_model_len": self.profile.max_model_len, "tokens": ids})
 
     async def _run(self, request: web.Request, req: api.ParsedRequest) -> web.StreamResponse:
         keys = extra_keys(self.model, req.cache_salt)
