@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 from routerlab.bench.scenarios.parts import ask, prompt_blocks, single
-from routerlab.bench.scenarios.spec import FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.scenarios.spec import PICK_VARIANTS, FleetSpec, LoadSpec, Params, Scenario
 from routerlab.bench.trace import TextSource, build_sessions, chat_body
 
 # --- tenants ----------------------------------------------------------------------------
@@ -49,7 +49,8 @@ TENANTS = Scenario(
     fleet=_tenants_fleet,
     load=LoadSpec(concurrency=16, rate=40.0),
     # with --param salt=false the clients do not salt: only the *-isolated arms keep tenants apart
-    arms=("round-robin", "prefix-bounded", "prefix-bounded-isolated", "prefix-pick", "prefix-pick-isolated"),
+    arms=("round-robin", "prefix-bounded", "prefix-bounded-isolated", "prefix-pick", "prefix-pick-isolated",
+          *PICK_VARIANTS),
     quick=dict(requests=60, tenants=4, documents=2, prefix_tokens=1100, replicas=3, time_scale=20.0,
                output_tokens=8),
 )

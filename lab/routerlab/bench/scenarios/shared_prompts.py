@@ -8,7 +8,7 @@ import dataclasses
 import random
 
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, ask, blocks, prompt_blocks, single, zipf_weights
-from routerlab.bench.scenarios.spec import ENVOY_ARMS, FleetEvent, FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.scenarios.spec import DEFAULT_ARMS, PICK_VARIANTS, FleetEvent, FleetSpec, LoadSpec, Params, Scenario
 from routerlab.bench.trace import TextSource, build_sessions, chat_body
 
 # --- sagemaker-8k -----------------------------------------------------------------------
@@ -145,7 +145,7 @@ HOT_PREFIX = Scenario(
     generate=_hot_prefix,
     fleet=_hot_prefix_fleet,
     load=LoadSpec(concurrency=24, rate=80.0),
-    arms=ENVOY_ARMS,
+    arms=DEFAULT_ARMS,
     quick=dict(requests=60, prefixes=6, prefix_tokens=1100, replicas=3, time_scale=20.0, output_tokens=8),
 )
 
@@ -192,7 +192,7 @@ SCALE_OUT = Scenario(
     generate=_zipf_shared_prefixes,
     fleet=lambda p: dataclasses.replace(_sagemaker_fleet(p), replicas=p["replicas"] + 1),
     load=LoadSpec(mode="open", rate=13.0, duration_s=100.0),
-    arms=("round-robin", "least-request", "prefix-bounded", "prefix-pick"),
+    arms=("round-robin", "least-request", "prefix-bounded", "prefix-pick", *PICK_VARIANTS),
     events=_scale_out_events,
     quick=dict(requests=120, prefixes=8, prefix_tokens=1100, replicas=2, time_scale=20.0, output_tokens=8,
                join_at_s=2.0, leave_at_s=5.0),  # the newcomer is usable ~1.5 s after it joins

@@ -15,6 +15,9 @@ Params = dict[str, Any]
 STOCK_ARMS = ("round-robin", "least-request", "random")
 PREFIX_ARMS = ("prefix-maglev", "prefix-ring", "prefix-bounded", "prefix-pick", "raw-bytes")
 ENVOY_ARMS = STOCK_ARMS + PREFIX_ARMS
+# Pick mode with two routers, and precise mode with one and two: in every scenario that runs pick mode
+PICK_VARIANTS = ("prefix-pick-2routers", "prefix-precise", "prefix-precise-2routers")
+DEFAULT_ARMS = ENVOY_ARMS + PICK_VARIANTS
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class Scenario:
     fleet: Callable[[Params], FleetSpec]
     load: LoadSpec = LoadSpec()
     prefix_length: int = 4096  # router PrefixLength (bytes of the normalised prompt)
-    arms: tuple[str, ...] = ENVOY_ARMS
+    arms: tuple[str, ...] = DEFAULT_ARMS
     quick: Mapping[str, Any] = field(default_factory=dict)
     events: Callable[[Params], tuple[FleetEvent, ...]] = lambda p: ()  # fleet changes during the load
 
