@@ -416,3 +416,107 @@ def test_relative_ports_find_each_replica_s_publisher_beside_its_own_port() -> N
             pub.close()
 
     run(main)
+
+
+# ---- partial views: events that miss what the replica held before them ----------------------
+
+def test_a_late_subscriber_on_a_truncated_buffer_has_a_partial_view_until_the_cache_is_cleared() -> None:
+    """The buffer no longer starts at seq 0: what was stored before is unknown, live events do not
+    change that (a hit announces nothing), an AllBlocksCleared does (the cache is empty after it)."""
+    async def body() -> None:
+        rig = Rig({"buffer_steps": 3})
+        pub = rig.publisher()
+        try:
+            for mark in range(6):
+                pub.publish([stored(mark)])  # nobody listens; the buffer keeps 3, 4, 5
+            await rig.subscribe()
+            await until(lambda: rig.index.marks() == [3, 4, 5], "what the buffer still held")
+            view = rig.sub.stats.replicas[ADDRESS]
+            assert view.origin == "partial" and view.complete == {0: False}
+            pub.publish([stored(6)])
+            await until(lambda: rig.index.marks() == [3, 4, 5, 6], "a live batch")
+            assert view.origin == "partial"
+            pub.publish([AllBlocksCleared()])
+            await until(lambda: view.last_seq == {0: 7}, "the cleared batch")
+            assert view.origin == "events" and view.complete == {0: True}
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_buffer_that_still_holds_seq_0_gives_a_complete_view() -> None:
+    async def body() -> None:
+        rig = Rig({"buffer_steps": 10})
+        pub = rig.publisher()
+        try:
+            for mark in range(6):
+                pub.publish([stored(mark)])
+            await rig.subscribe()
+            await until(lambda: rig.index.marks() == list(range(6)), "the whole buffer")
+            assert rig.sub.stats.replicas[ADDRESS].origin == "replayed"
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_a_restarted_publisher_makes_a_partial_view_complete() -> None:
+    """A new process starts with an empty cache and counts from 0: its events cover all of it."""
+    async def body() -> None:
+        rig = Rig({"buffer_steps": 2})
+        pub = rig.publisher()
+        try:
+            for mark in range(4):
+                pub.publish([stored(mark)])
+            await rig.subscribe()
+            view = rig.sub.stats.replicas[ADDRESS]
+            await until(lambda: rig.index.marks() == [2, 3], "the truncated buffer")
+            assert view.origin == "partial"
+            pub.close()
+            pub = rig.publisher()
+            await until(lambda: pub.subscriptions() >= 1, "the subscriber reconnected")
+            pub.publish([stored(0)])
+            await until(lambda: rig.index.marks() == [2, 3, 0], "the new process's first batch")
+            assert view.origin == "events" and view.complete == {0: True}
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_batches_lost_beyond_the_buffer_leave_a_partial_view() -> None:
+    async def body() -> None:
+        rig = Rig({"buffer_steps": 3})
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            pub.publish([stored(0)])
+            await until(lambda: rig.sub.stats.replicas[ADDRESS].origin == "events", "a complete live view")
+            for mark in range(1, 5):
+                pub.publish([stored(mark)], send=False)  # 1..4 lost; the buffer keeps 3, 4 then 5
+            pub.publish([stored(5)])
+            await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
+            assert rig.sub.stats.replicas[ADDRESS].origin == "partial"
+        finally:
+            await rig.close()
+
+    run(body)
+
+
+def test_without_a_replay_socket_a_late_subscriber_has_a_partial_view() -> None:
+    async def body() -> None:
+        rig = Rig()
+        rig.sub.replay_port = None
+        pub = rig.publisher(replay_port=None)
+        try:
+            for mark in range(3):
+                pub.publish([stored(mark)])  # before the subscriber: never learned
+            await rig.subscribe()
+            pub.publish([stored(3)])
+            await until(lambda: rig.index.marks() == [3], "the first live batch")
+            assert rig.sub.stats.replicas[ADDRESS].origin == "partial"
+        finally:
+            await rig.close()
+
+    run(body)

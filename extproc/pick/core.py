@@ -20,6 +20,7 @@ from extproc.pick.choose import REASONS, Candidate, Choice, choose, prefill_toke
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
+from extproc.pick.partial_view import PARTIAL, merge
 from extproc.pick.precise import EVENTS, Exact, PreciseView
 from extproc.pick.prompt_tokens import NotTokenizable
 from extproc.pick.state import ReplicaState
@@ -90,7 +91,9 @@ class PickCore:
     def _evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int], Exact | None]:
         """The learned index always answers (and keeps learning, for replicas and requests the
         events do not cover); with precise mode on the route, the events' exact figures
-        replace its estimates for every replica they cover, and the prompt length is exact."""
+        replace its estimates for every replica they cover, and the prompt length is exact.
+        A replica whose events miss part of its cache (origin ``partial``) gets the larger of the
+        two views' figures (``extproc.pick.partial_view``)."""
         chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
         held = self.index.match(chunks) if chunks else {}
         cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
@@ -111,6 +114,12 @@ class PickCore:
                 prompt_tokens = exact.prompt_tokens
                 cached.update(exact.cached)
                 views = dict.fromkeys(exact.cached, EVENTS)
+                partial = [a for a in exact.cached if self.precise.origin(a) == PARTIAL]
+                if partial:  # events that miss what the replica held before them: the learned view fills in
+                    merged = merge(partial, exact.cached, held, exact.sizes, chunk_bytes=self.chunk_bytes,
+                                   prompt_bytes=len(decision.normalized), prompt_tokens=exact.prompt_tokens)
+                    cached.update(merged.cached)
+                    views.update(merged.views)
                 metrics.cache_view_counter(EVENTS, "covered" if exact.cached else "none_covered").inc()
         choice = choose(decision.key, prompt_tokens, cached, self.load.snapshot(self.clock()), settings, views)
         return choice, chunks, exact

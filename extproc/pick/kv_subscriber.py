@@ -18,7 +18,10 @@ and applies the batches in sequence order:
 * On connect, and if that went unanswered, at the first live message, the whole replay buffer is
   asked for (from 0), so a router that starts while replicas are warm learns what their buffers
   still hold (origin ``replayed`` until the first live batch is applied, then ``events``). The
-  buffer is bounded and there is no snapshot: blocks stored before it are not learned.
+  buffer is bounded and there is no snapshot: blocks stored before it are not learned. Such a
+  view is *partial* (origin ``partial``, see ``covers_from``), as is one whose batches were lost
+  beyond the buffer (a gap); the request path then credits such a replica with the larger of
+  what its events and the learned view say (``extproc.pick.partial_view``).
 * A frame or payload that does not decode is counted (``bad_frames``) and skipped; a batch whose
   payload is bad still advances the sequence (its content is lost either way: a replay would
   return the same bytes). Nothing raises out of a task: an unexpected error is logged, and the
@@ -48,6 +51,7 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from extproc.pick.kv_events import END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request
+from extproc.pick.partial_view import PARTIAL
 
 log = logging.getLogger("extproc.pick.kv_subscriber")
 
@@ -61,11 +65,37 @@ class Index(Protocol):
     def remove(self, address: str) -> None: ...
 
 
+def covers_from(seq: int) -> bool:
+    """Whether a rank's view is complete (its events cover everything its cache holds) when the
+    first batch it learns, at the start or right after a hole, is ``seq``.
+
+    Only at seq 0: vLLM counts from 0 per process, and a new process starts with an empty cache.
+    (An ``AllBlocksCleared``, vLLM's ``reset_prefix_cache``, completes a view too: the cache is
+    empty after it.) Later than 0 (a router that starts while the replica is warm and its replay
+    buffer no longer starts at 0; no replay socket at all; batches lost beyond the buffer), the
+    blocks stored before and still resident are unknown, and so is every block a request later
+    chains onto them: vLLM announces a prefix-cache hit with nothing, and the router cannot hash
+    a run whose parent it never saw. The view is then *partial*.
+
+    A partial view becomes complete only by one of those two events, never by time or by eviction
+    turnover: vLLM evicts least-recently-used free blocks, so the blocks that keep being hit (hot
+    system prompts, the very ones worth routing on) stay resident and are never announced again,
+    and any count of stores or removals could declare the view complete while the most valuable
+    blocks are still missing. Until then the learned view (this router's own placements) fills
+    in; its errors are bounded by its LRU capacity.
+    """
+    return seq == 0
+
+
 @dataclass
 class ReplicaView:
     """What is known of one replica's event stream (all its DP ranks)."""
 
-    origin: str = "none"  # "none" | "replayed" (built from a replay buffer) | "events" (live events flow)
+    # "none" (nothing heard: the learned view) | "replayed" (built from a replay buffer that holds
+    # the process's whole history) | "events" (live events flow, history complete) | "partial"
+    # (events flow or were replayed, but they miss what the replica stored before them; ``covers_from``)
+    origin: str = "none"
+    complete: dict[int, bool] = field(default_factory=dict)  # rank -> its events cover all it holds
     last_seq: dict[int, int] = field(default_factory=dict)  # rank -> last applied seq
     last_event_time: float = 0.0  # wall clock when its last batch was applied
     lag: float = 0.0  # seconds from the last batch's ts to its application
@@ -89,7 +119,7 @@ class _Stream:
     """One (endpoint, rank) event stream."""
 
     __slots__ = ("address", "rank", "events_url", "replay_url", "applied", "live", "synced", "resync", "task",
-                 "dropped")
+                 "dropped", "complete")
 
     def __init__(self, address: str, rank: int, events_url: str, replay_url: str | None) -> None:
         self.address = address
@@ -102,11 +132,19 @@ class _Stream:
         self.resync = False  # the address was reset: replay from 0 again
         self.task: asyncio.Task[None] | None = None
         self.dropped = False  # the connection to the publisher went down since the last connect
+        self.complete = False  # the batches applied since the last hole cover the cache (``covers_from``)
 
 
 def _host(address: str) -> str:
     host = address.rpartition(":")[0]
     return host or address
+
+
+def _origin(view: ReplicaView, live: bool) -> str:
+    """A replica's origin after a batch: partial while any rank's events miss what it holds."""
+    if not all(view.complete.values()):
+        return PARTIAL
+    return "events" if live or view.origin == "events" else "replayed"
 
 
 def _cleared(result: Any) -> int:
@@ -229,6 +267,7 @@ class KvEventSubscriber:
                 if st.resync:
                     st.resync = False
                     st.applied = -1
+                    st.complete = False
                     await self._initial_replay(st)
                 ready = dict(await poller.poll(self.poll_ms))
                 if monitor in ready:
@@ -262,6 +301,7 @@ class KvEventSubscriber:
             st.live = -1
             st.resync = st.replay_url is not None
             st.applied = -1
+            st.complete = False
 
     async def _on_live(self, st: _Stream, frames: list[bytes]) -> None:
         try:
@@ -280,6 +320,7 @@ class KvEventSubscriber:
             # vLLM counts from 0 per process: the publisher restarted
             self._reset(st, "restart")
             st.applied = -1
+            st.complete = False
         st.live = seq
         if seq == st.applied + 1:
             self._apply(st, frame, live=True)
@@ -295,13 +336,17 @@ class KvEventSubscriber:
         if not answered:
             return  # publisher absent: ask again at its first live message
         st.synced = True
+        if not frames and st.applied < 0:
+            st.complete = True  # an empty buffer: the publisher never sent a batch, its cache is empty
         for fr in frames:
-            if fr.seq > st.applied:  # a fresh buffer may start after 0: learn what it holds
-                st.applied = fr.seq - 1
+            if fr.seq > st.applied + 1:  # a buffer may start after 0: learn what it holds (a partial view)
+                self._skip_to(st, fr.seq)
+            if fr.seq == st.applied + 1:
                 self._apply(st, fr, live=False)
         view = self.stats.replicas.get(st.address)
-        if view is not None and view.origin == "none":
-            view.origin = "replayed"  # an empty buffer answered is knowledge too: a fresh replica holds nothing
+        if view is not None:  # an empty buffer answered is knowledge too: a fresh replica holds nothing
+            view.complete[st.rank] = st.complete
+            view.origin = _origin(view, live=False)
 
     async def _fill_gap(self, st: _Stream, frame: Frame) -> None:
         self.stats.gaps += 1
@@ -319,7 +364,7 @@ class KvEventSubscriber:
                 self._reset(st, "gap")
             # What the buffer does still hold before this batch is true: learn it from its start.
             held = [fr for fr in frames if fr.seq < frame.seq] if answered else []
-            st.applied = (held[0].seq if held else frame.seq) - 1
+            self._skip_to(st, held[0].seq if held else frame.seq)
             for fr in held:
                 if fr.seq == st.applied + 1:
                     self._apply(st, fr, live=False)
@@ -355,8 +400,16 @@ class KvEventSubscriber:
             dealer.close(linger=0)
 
     # ---- applying -----------------------------------------------------------------------
+    @staticmethod
+    def _skip_to(st: _Stream, seq: int) -> None:
+        """The next batch applied is ``seq``, after a hole (or as the first): what came before is unknown."""
+        st.applied = seq - 1
+        st.complete = covers_from(seq)
+
     def _apply(self, st: _Stream, frame: Frame, live: bool) -> None:
         st.applied = frame.seq
+        if frame.seq == 0:
+            st.complete = True  # a process's first batch: its cache was empty before it
         view = self.stats.replicas.get(st.address)
         if view is None:
             return  # the endpoint left while a replay was under way
@@ -376,17 +429,24 @@ class KvEventSubscriber:
         now = time.time()
         view.last_event_time = now
         view.lag = now - batch.ts
-        if live:
-            view.origin = "events"
-        else:
+        if not live:
             stats.replayed_batches += 1
         cleared = _cleared(result)
+        if cleared:
+            st.complete = True  # the cache was emptied: everything after it is announced
         for _ in range(cleared):
             self._count_reset(st.address, "cleared")
+        view.complete[st.rank] = st.complete
+        view.origin = _origin(view, live)
 
     def _reset(self, st: _Stream, cause: str) -> None:
         self.index.reset(st.address)
         self._dirty[st.address] = False
+        view = self.stats.replicas.get(st.address)
+        if view is not None and view.origin != "none":
+            # nothing is known until the streams learn again; the learned view fills in meanwhile
+            view.complete = dict.fromkeys(range(self.dp_ranks), False)
+            view.origin = PARTIAL
         self._count_reset(st.address, cause)
         for other in self._streams.get(st.address, ()):
             if other is not st and other.replay_url is not None:

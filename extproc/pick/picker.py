@@ -108,7 +108,9 @@ class PreciseCollector(Collector):
         lag = GaugeMetricFamily("prefix_router_kv_lag_seconds", "Per replica: from its last event batch's "
                                 "timestamp to its application", labels=["replica"])
         origin = GaugeMetricFamily("prefix_router_kv_view_origin", "Per replica: 1 for where its cache view "
-                                   "comes from (events, replayed, none: the learned view)", labels=["replica", "origin"])
+                                   "comes from (events, replayed, partial: events that miss what it held before "
+                                   "them, the larger of them and the learned view counts; none: the learned view)",
+                                   labels=["replica", "origin"])
         for address, view in list(s.replicas.items()):
             lag.add_metric([address], view.lag)
             origin.add_metric([address, view.origin], 1)

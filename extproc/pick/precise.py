@@ -19,12 +19,12 @@ from extproc.pick.kv_index import EventIndex
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 
 EVENTS: Final = "events"
-COVERED: Final = frozenset({"events", "replayed"})  # origins whose view comes from events
+COVERED: Final = frozenset({"events", "replayed", "partial"})  # origins whose view comes from events
 ANY_MODEL: Final = "*"
 
 
 class Origin(Protocol):
-    origin: str  # "none" | "replayed" | "events" (extproc.pick.kv_subscriber.ReplicaView)
+    origin: str  # "none" | "replayed" | "events" | "partial" (extproc.pick.kv_subscriber.ReplicaView)
 
 
 class Exact(NamedTuple):

@@ -114,7 +114,9 @@ def render_pick(info: dict[str, object]) -> str:
              f"{'cost':>9s}"]
     for c in info["candidates"]:  # type: ignore[attr-defined]
         mark = " <- chosen" if c["address"] == info["address"] else (" (at threshold)" if c["capped"] else "")
-        view = c.get("view", "learned") + (f" ({c['events_origin']})" if c.get("view") == "events" else "")
+        origin = c.get("events_origin", "none")
+        shown = c.get("view") == "events" or origin == "partial"  # partial: the larger of events and learned
+        view = c.get("view", "learned") + (f" ({origin})" if shown else "")
         lines.append(f"  {c['address']:24s} {c['cached_tokens']:>13d} {view:>16s} {c['backlog_tokens']:>14d} "
                      f"{c['in_flight']:>9d} {c['cost']:>9d}{mark}")
     return "\n".join(lines)
