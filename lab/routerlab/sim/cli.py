@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-hashes", choices=("int", "bytes"), default="int",
                         help="block hashes in events: int (vLLM's default) or bytes")
     parser.add_argument("--kv-events-topic", default="kv", help="topic of the KV event messages (default kv)")
+    parser.add_argument("--kv-events-buffer-steps", type=int, default=10_000, metavar="N",
+                        help="event batches the replay socket keeps (vLLM's buffer_steps, default 10000)")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="tokenise with this model directory's tokenizer and chat template "
                              "(Hugging Face layout) instead of the stand-in")
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         seed=args.seed, kv_events_port_offset=args.kv_events_port_offset,
         kv_replay_port_offset=args.kv_replay_port_offset, kv_events_encoding=args.kv_events_encoding,
-        kv_events_hashes=args.kv_events_hashes, kv_events_topic=args.kv_events_topic, tokenizer=args.tokenizer,
+        kv_events_hashes=args.kv_events_hashes, kv_events_topic=args.kv_events_topic,
+        kv_events_buffer_steps=args.kv_events_buffer_steps, tokenizer=args.tokenizer,
     )
     try:
         config.resolved_profile()

@@ -47,6 +47,7 @@ class SimConfig:
     kv_events_encoding: str = "array"
     kv_events_hashes: str = "int"
     kv_events_topic: str = "kv"
+    kv_events_buffer_steps: int = 10_000  # batches the replay socket keeps (vLLM's buffer_steps)
     tokenizer: str | None = None
 
     def kv_events(self) -> KvEventsConfig | None:
@@ -56,7 +57,8 @@ class SimConfig:
                 raise ValueError("kv_replay_port_offset needs kv_events_port_offset")
             return None
         return KvEventsConfig(self.kv_events_port_offset, self.kv_replay_port_offset,
-                              self.kv_events_encoding, self.kv_events_hashes, self.kv_events_topic)
+                              self.kv_events_encoding, self.kv_events_hashes, self.kv_events_topic,
+                              self.kv_events_buffer_steps)
 
     def resolved_profile(self) -> Profile:
         return get_profile(self.profile).with_overrides(
