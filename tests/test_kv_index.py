@@ -265,7 +265,7 @@ def test_the_chain_cache_gives_exactly_the_uncached_hashes(prefix, tails, bs, sa
             tokens = prefix + tail
             n = len(tokens) // bs
             expected = block_hashes(tokens, bs, request_extra_keys(n, salt, None) if salt else None)
-            assert cache.hashes(tokens, bs, salt) == expected
+            assert list(cache.hashes(tokens, bs, salt)) == expected
 
 
 def test_a_shared_prefix_is_hashed_once() -> None:
@@ -273,9 +273,78 @@ def test_a_shared_prefix_is_hashed_once() -> None:
     system = list(range(5000))
     cache.hashes(system + [1, 2, 3] * 40, 16, "s")
     misses = cache.misses
-    assert cache.hashes(system + [7, 8, 9] * 40, 16, "s") == block_hashes(
+    assert list(cache.hashes(system + [7, 8, 9] * 40, 16, "s")) == block_hashes(
         system + [7, 8, 9] * 40, 16, request_extra_keys((5000 + 120) // 16, "s", None))
     shared, spans = 5000 // 16 // 32, (5000 + 120) // 16 // 32
     assert cache.hits == shared and cache.misses == misses + spans - shared  # only the new span was hashed
     cache.hashes(system + [7, 8, 9] * 40, 16, "other")  # another salt shares nothing
     assert cache.misses == misses + spans - shared + spans
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), span=st.sampled_from([1, 2, 3, 8]))
+def test_the_match_memo_gives_exactly_the_walk_over_random_event_streams(seed: int, span: int) -> None:
+    """Stores, removals (holes included), clears and replicas leaving, between matches of chains
+    sharing prefixes: the memo's resumed walk is always leading_runs over the index as it is."""
+    from extproc.pick.index import leading_runs
+
+    rng = random.Random(seed)
+    index = EventIndex(match_span=span)
+    replicas = [A, B, C, "10.0.0.4:8000"]
+    stems = [[rng.randrange(50) for _ in range(BS * rng.randrange(1, 12))] for _ in range(3)]
+
+    def chain() -> list[int]:
+        tokens = list(rng.choice(stems))[: BS * rng.randrange(0, 12)]
+        return tokens + [rng.randrange(50) for _ in range(BS * rng.randrange(0, 6))]
+
+    for _ in range(60):
+        op, address = rng.random(), rng.choice(replicas)
+        if op < 0.45:
+            tokens = chain()
+            hashes = own(tokens)
+            index.apply(address, [stored([h ^ hash(address) for h in hashes], tokens[: len(hashes) * BS])])
+        elif op < 0.7:
+            held = index.holds(address)
+            gone = rng.sample(held, min(len(held), rng.randrange(0, 4)))
+            index.apply(address, [BlockRemoved(tuple(h ^ hash(address) for h in gone), None)])
+        elif op < 0.74:
+            index.apply(address, [AllBlocksCleared()])
+        elif op < 0.77:
+            index.remove(address)
+        for _ in range(3):
+            hashes = own(chain())
+            assert index.match(hashes) == leading_runs(hashes, index._owners, index._name)
+
+
+def test_the_match_memo_resumes_a_shared_prefix_and_sees_a_change_in_it() -> None:
+    index = EventIndex(match_span=2)
+    system = TOKENS[:24]  # 6 blocks
+    index.apply(A, [stored(own(system), system)])
+    index.apply(B, [stored(own(system[:8]), system[:8])])
+    first = own(system + [1, 2, 3, 4])
+    assert index.match(first) == {A: 6, B: 2}
+    again = own(system + [5, 6, 7, 8])
+    assert index.match(again) == {A: 6, B: 2} and index._memo.hits == 1
+    index.apply(A, [BlockRemoved((own(system)[3],), None)])  # a hole in A's copy of the prefix
+    assert index.match(again) == {A: 3, B: 2}
+    index.apply(C, [stored(own(system), system)])
+    assert index.match(again) == {A: 3, B: 2, C: 6}
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), span=st.sampled_from([1, 2, 5]), max_spans=st.sampled_from([2, 10, 60]))
+def test_the_chain_cache_serves_remembered_chains_exactly_and_stays_in_its_bound(seed, span, max_spans) -> None:
+    """Conversations growing turn by turn, salted and not, in a cache that evicts: every answer is
+    block_hashes, and what it holds is counted once per chain and stays within the bound."""
+    rng = random.Random(seed)
+    cache = ChainCache(max_spans=max_spans, span=span)
+    talks = [[rng.randrange(2**32) for _ in range(rng.randrange(0, 40))] for _ in range(3)]
+    for _ in range(25):
+        i = rng.randrange(len(talks))
+        talks[i] = talks[i] + [rng.randrange(2**32) for _ in range(rng.randrange(0, 30))]
+        tokens = talks[i] if rng.random() < 0.8 else talks[i][: rng.randrange(len(talks[i]) + 1)]
+        bs, salt = rng.choice([1, 4]), rng.choice([None, None, "s"])
+        n = len(tokens) // bs
+        assert list(cache.hashes(tokens, bs, salt)) == block_hashes(tokens, bs, request_extra_keys(n, salt, None) if salt else None)
+        distinct = {id(c): len(c) for c in cache._chains.values()}
+        assert cache.held == sum(distinct.values()) and (cache.held <= cache.max_hashes or not cache._chains)

@@ -32,8 +32,9 @@ from typing import Final, NamedTuple
 import msgpack
 import xxhash
 
-from extproc.pick.index import IndexStats, leading_runs
+from extproc.pick.index import IndexStats
 from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from extproc.pick.match_memo import SPAN, MatchMemo
 
 ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed value; only this router compares own hashes
 
@@ -125,16 +126,18 @@ class EventIndex:
     subscriber seeing ``refused`` should not read those as a gap.
     """
 
-    def __init__(self, max_blocks: int = 2_000_000) -> None:  # ~360 MB at BYTES_PER_BLOCK
+    def __init__(self, max_blocks: int = 2_000_000, match_span: int = SPAN) -> None:  # ~360 MB at BYTES_PER_BLOCK
         self.max_blocks = max_blocks
         self._replicas: dict[str, _Replica] = {}
         self._name: dict[int, str] = {}  # bit -> address
         self._owners: dict[int, int] = {}  # own hash -> bit mask of replicas holding it
+        self._memo = MatchMemo(span=match_span)  # match's walk states of earlier chains; told of every holder change
 
     # --- reads -------------------------------------------------------------------------
     def match(self, own_hashes: Sequence[int]) -> dict[str, int]:
-        """Replica -> how many leading blocks of ``own_hashes`` it holds (only those with >= 1)."""
-        return leading_runs(own_hashes, self._owners, self._name)
+        """Replica -> how many leading blocks of ``own_hashes`` it holds (only those with >= 1):
+        ``index.leading_runs``, resumed where an earlier request sharing the prefix stood."""
+        return self._memo.match(own_hashes, self._owners, self._name)
 
     def holds_block(self, address: str, own_hash: int) -> bool:
         replica = self._replicas.get(address)
@@ -174,6 +177,7 @@ class EventIndex:
         engine, extra = replica.engine, replica.extra
         stored = removed = duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
         share = self.share()
+        changed = self._memo.log.append if self._memo.active() else None  # holders changed, for the memo
         for event in events:
             if type(event) is BlockStored:
                 hashes, bs = event.block_hashes, event.block_size
@@ -213,6 +217,8 @@ class EventIndex:
                         duplicates += 1
                     else:
                         owners[h] = held | bit
+                        if changed:
+                            changed(h)
                 stored += n
                 replica.blocks += n
             elif type(event) is BlockRemoved:
@@ -239,9 +245,14 @@ class EventIndex:
                             owners[h] = left
                         else:
                             del owners[h]
+                        if changed:
+                            changed(h)
             elif type(event) is AllBlocksCleared:
                 self.reset(address)
+                changed = None  # the reset dropped the memo's states: nothing to keep valid
                 cleared += 1
+        if len(self._memo.log) > self._memo.max_log:
+            self._memo.clear()
         return ApplyResult(stored, removed, duplicates, unknown_parent, cleared, malformed, refused,
                            unknown)
 
@@ -250,6 +261,7 @@ class EventIndex:
         replica = self._replicas.get(address)
         if replica is None:
             return
+        self._memo.clear()
         owners, bit = self._owners, replica.bit
         for h in replica.engine.values():
             held = owners.get(h, 0)
