@@ -113,7 +113,8 @@ class SimBackend(_ChildFleet):
             if value is not None:
                 argv += [flag, str(value)]
         if s.kv_events:
-            argv += ["--kv-events-port-offset", str(s.replicas), "--kv-replay-port-offset", str(2 * s.replicas)]
+            argv += ["--kv-events-port-offset", str(s.replicas), "--kv-replay-port-offset", str(2 * s.replicas),
+                     "--kv-events-buffer-steps", str(s.kv_buffer_steps)]
         return argv
 
 

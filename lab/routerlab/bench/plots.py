@@ -163,6 +163,25 @@ def requests_per_replica(report: Report, path: Path) -> Path:
     return path
 
 
+def hit_rate_over_time(report: Report, path: Path) -> Path:
+    """The rolling client-seen hit rate of each arm over the run, the router restart marked."""
+    with _figure(path, f"{report.scenario}: hit rate over time (5 s windows, client-seen), router restart dashed") as ax:
+        for name, a in report.arms.items():
+            rr = a.get("router_restart") or {}
+            if rr.get("rolling"):
+                ts, rates = zip(*rr["rolling"])
+                ax.plot([t + rr["convergence"]["window_s"] for t in ts], [r * 100 for r in rates], label=name)
+                ax.axvline(rr["at_s"], color="grey", linestyle="--", linewidth=1)
+        ax.axhline(report.oracle_hit_rate * 100, color="tab:red", linestyle=":", linewidth=1,
+                   label=f"oracle (whole trace): {report.oracle_hit_rate * 100:.0f}%")
+        ax.set_xlabel("seconds into the arm's load (end of each 5 s window)")
+        ax.set_ylabel("hit rate (%, usage cached / prompt tokens)")
+        ax.set_ylim(0, 105)
+        ax.grid(True, alpha=0.3)
+        _legend_outside(ax, title="arm")
+    return path
+
+
 def write_all(report: Report, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -170,6 +189,8 @@ def write_all(report: Report, out: Path) -> dict[str, Path]:
         "hit_rate.png": hit_rate(report, out / "hit_rate.png"),
         "requests_per_replica.png": requests_per_replica(report, out / "requests_per_replica.png"),
     }
+    if any(a.get("router_restart") for a in report.arms.values()):
+        paths["hit_rate_over_time.png"] = hit_rate_over_time(report, out / "hit_rate_over_time.png")
     report.files.update({k: str(v) for k, v in paths.items()})
     return paths
 

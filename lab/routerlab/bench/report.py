@@ -189,6 +189,26 @@ def timeline_table(report: Report) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def router_restart_table(report: Report) -> str:
+    """Per phase of a router restart, and how long its rolling hit rate took to come back."""
+    rows = [(name, a["router_restart"]) for name, a in report.arms.items() if a.get("router_restart")]
+    if not rows:
+        return ""
+    lines = ["| arm | phase | requests | failed | TTFT p50 ms | TTFT p90 ms | hit rate (client) | of oracle "
+             "| prediction accuracy | level before | dip | converged after s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, rr in rows:
+        c = rr["convergence"]
+        for phase, p in rr["phases"].items():
+            acc = (p.get("prediction") or {}).get("accuracy")
+            tail = (f"| {_rate(c['level'])} | {_rate(c['dip'])} | {_fmt(c['seconds'], 0)} |" if phase == "after"
+                    else "| | | |")
+            lines.append(f"| {name} | {phase} | {p['ok']} | {p['failed']} | {_fmt(p['ttft_ms']['p50'], 0)} "
+                         f"| {_fmt(p['ttft_ms']['p90'], 0)} | {_rate(p['client_hit_rate'])} | {_fmt(p['of_oracle'], 2)} "
+                         f"| {_fmt(acc, 3)} {tail}")
+    return "\n".join(lines)
+
+
 def markdown_table(report: Report) -> str:
     """The SageMaker-style comparison: each arm vs the baseline arm."""
     base = report.arms.get(report.baseline or "", {})
@@ -241,6 +261,15 @@ def to_markdown(report: Report) -> str:
     phases = timeline_table(report)
     if phases:
         parts += ["", "## Per phase (split at the fleet changes)", "", phases]
+    restarts = router_restart_table(report)
+    if restarts:
+        parts += ["", "## Router restart: per phase and convergence", "",
+                  "Hit rate as the client saw it (usage cached_tokens / prompt_tokens); of oracle: over the whole "
+                  "trace's oracle hit rate. Level: the hit rate of the requests sent in the 10 s before the "
+                  "restart; converged: from the restart to the end of the first 5 s window (sliding by 1 s, "
+                  "starting at or after the restart) whose hit rate is at least 95 % of the level (5 s is the "
+                  "resolution); dip: the lowest such window in the 20 s after the restart. Prediction accuracy "
+                  "per phase (the restarted router's counters start from 0).", "", restarts]
     predictions = prediction_table(report)
     if predictions:
         parts += ["", "## How well the routers' cache view predicted the replicas' cache hits", "",

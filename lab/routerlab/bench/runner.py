@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 from extproc.process import event_loop
 from routerlab.bench import arms as arms_mod
-from routerlab.bench import backends, loadgen, replica_metrics
+from routerlab.bench import backends, loadgen, replica_metrics, router_restart
 from routerlab.bench import progress as progress_mod
 from routerlab.bench import report as report_mod
 from routerlab.bench.oracle import oracle, parse
@@ -187,35 +188,55 @@ def start_outside(urls: Sequence[str], members: Sequence[int]) -> None:
         set_health(urls[i], False)
 
 
-def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetEvent) -> None:
+def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetEvent) -> dict[str, Any] | None:
     """A replica joins (passes health checks, enters pick mode's endpoints), leaves (the reverse) or
-    restarts (empty cache, same port)."""
+    restarts (empty cache, same port); or a router restarts, and then what its metrics and the
+    replicas' counters said just before is returned (its counters start again from 0)."""
+    if event.action == "router-restart":
+        snapshot = {"at_s": event.at_s, "predicted": _predictions(running.metrics_ports), "replicas": _scrape(urls)}
+        started = time.monotonic()
+        running.restart_router(event.replica)
+        snapshot["restart_s"] = round(time.monotonic() - started, 3)
+        return snapshot
     if event.action == "restart":
         sim_control(urls[event.replica], restart=True)
-        return
+        return None
     joins = event.action == "join"
     set_health(urls[event.replica], joins)
     others = [i for i in running.endpoints if i != event.replica]
     running.set_endpoints(sorted([*others, event.replica] if joins else others))
+    return None
+
+
+def _event_label(e: FleetEvent) -> str:
+    return f"router {e.replica} restart" if e.action == "router-restart" else f"{e.action} of replica {e.replica}"
 
 
 async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningArm, urls: Sequence[str],
-                       events: Sequence[FleetEvent], note: Callable[[str], None]) -> T:
-    """Run ``load`` while replicas join and leave at the events' times."""
+                       events: Sequence[FleetEvent], note: Callable[[str], None],
+                       snapshots: list[dict[str, Any]] | None = None) -> T:
+    """Run ``load`` while replicas join and leave (or routers restart) at the events' times. An
+    event under way when the load ends is finished first (its thread cannot be cancelled)."""
+    applying: list[asyncio.Future[Any]] = []
+
     async def drive() -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         for e in events:  # in time order
             await asyncio.sleep(max(0.0, t0 + e.at_s - loop.time()))
-            await loop.run_in_executor(None, apply_event, running, urls, e)
-            note(f"t={e.at_s:.0f}s: replica {e.replica} {e.action}s")
+            applying[:] = [loop.run_in_executor(None, apply_event, running, urls, e)]
+            snapshot = await asyncio.shield(applying[0])
+            if snapshot is not None and snapshots is not None:
+                snapshots.append(snapshot)
+            took = f" (ready again after {snapshot['restart_s']:.1f} s)" if snapshot else ""
+            note(f"t={e.at_s:.0f}s: {_event_label(e)}{took}")
 
     task = asyncio.create_task(drive())
     try:
         return await load
     finally:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(task, *applying, return_exceptions=True)
 
 
 def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
@@ -235,10 +256,11 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             before = _scrape(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
+            snapshots: list[dict[str, Any]] = []
             result = event_loop.run(_with_events(loadgen.run_load(
                 running.url, trace.sessions, mode=load.mode, concurrency=load.concurrency, rate=load.rate,
                 duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance),
-                running, backend.urls, events, prog.note))
+                running, backend.urls, events, prog.note, snapshots))
             cpu = meter.stop()
             after = _scrape(backend.urls)
             envoy = running.envoy_stats()
@@ -251,10 +273,17 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     if predicted and fleet is not None:
         summary["prediction"] = report_mod.prediction(predicted, fleet)
     if events:
-        labels = ["start"] + [f"after {e.action} of replica {e.replica}" for e in events]
+        labels = ["start"] + [f"after {_event_label(e)}" for e in events]
         summary["timeline"] = report_mod.timeline(result.results, [e.at_s for e in events], backend.urls, labels)
+    restarted = ""
+    if snapshots:
+        summary["router_restart"] = router_restart.summary(result.results, snapshots[0], before, after, predicted,
+                                                            oracle_rate)
+        conv = summary["router_restart"]["convergence"]
+        restarted = (f", hit rate back within 5 % after {conv['seconds']} s" if conv["seconds"] is not None
+                     else ", hit rate not back within 5 % before the end")
     prog.finish(f"{label}: ttft p50 {summary['ttft_ms']['p50']} ms, hit rate {summary['kv_hit_rate']}, "
-                f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}")
+                f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}{restarted}")
     ttfts = [r.ttft * 1000 for r in result.results if r.ok and r.ttft is not None]
     return summary, ttfts
 

@@ -13,7 +13,7 @@ family: ``shared_prompts``, ``conversations``, ``clients``.
 from __future__ import annotations
 
 from routerlab.bench.scenarios.clients import SERIALIZATION, TENANTS
-from routerlab.bench.scenarios.conversations import KV_PRESSURE, MULTI_TURN, RESTART, ZIPF_CHAT
+from routerlab.bench.scenarios.conversations import KV_PRESSURE, MULTI_TURN, RESTART, ROUTER_RESTART, ZIPF_CHAT
 from routerlab.bench.scenarios.parts import blocks
 from routerlab.bench.scenarios.shared_prompts import (FAULT_LOAD, GSP, HOT_PREFIX, NO_SHARING, SAGEMAKER_8K, SCALE_OUT,
                                                       SHORT_CHAT)
@@ -25,7 +25,7 @@ __all__ = ["SCENARIOS", "get", "FAULT_LOAD", "Scenario", "FleetSpec", "LoadSpec"
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     SAGEMAKER_8K, SHORT_CHAT, MULTI_TURN, GSP, HOT_PREFIX, TENANTS, SERIALIZATION, NO_SHARING, ZIPF_CHAT,
-    SCALE_OUT, KV_PRESSURE, RESTART)}
+    SCALE_OUT, KV_PRESSURE, RESTART, ROUTER_RESTART)}
 
 
 def get(name: str) -> Scenario:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -172,4 +173,28 @@ RESTART = Scenario(
     arms=("prefix-bounded", "prefix-pick", "prefix-pick-2routers", "prefix-precise", "prefix-precise-2routers"),
     events=_restart_events,
     quick={**ZIPF_CHAT.quick, "conversations": 60, "restart_at_s": 2.0},
+)
+
+# --- router-restart ---------------------------------------------------------------------
+
+def _router_restart_events(p: Params) -> tuple[FleetEvent, ...]:
+    return (FleetEvent(p["restart_router_at_s"], "router-restart", 0),)
+
+
+def _router_restart_fleet(p: Params) -> FleetSpec:
+    return dataclasses.replace(_zipf_chat_fleet(p), kv_buffer_steps=p["kv_buffer_steps"])
+
+
+ROUTER_RESTART = Scenario(
+    name="router-restart",
+    summary="zipf-chat, and the router restarts mid-run while the replicas stay warm: how long its rolling "
+            "hit rate takes to come back, with a replay buffer that holds everything (kv_buffer_steps=10000) "
+            "or only the last few seconds (e.g. 200)",
+    params={**ZIPF_CHAT.params, "conversations": 400, "restart_router_at_s": 30.0, "kv_buffer_steps": 10_000},
+    generate=_zipf_chat,
+    fleet=_router_restart_fleet,
+    load=LoadSpec(concurrency=48, rate=20.0, duration_s=75.0),
+    arms=("prefix-pick", "prefix-precise"),
+    events=_router_restart_events,
+    quick={**ZIPF_CHAT.quick, "conversations": 60, "restart_router_at_s": 2.0},
 )

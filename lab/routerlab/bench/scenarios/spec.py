@@ -33,6 +33,7 @@ class FleetSpec:
     max_num_batched_tokens: int | None = None
     tokenizer: str | None = None  # a model directory: the replicas tokenise with it (else the stand-in)
     kv_events: bool = False  # the replicas publish their KV-cache events (precise arms subscribe)
+    kv_buffer_steps: int = 10_000  # event batches each replica's replay socket keeps (vLLM's buffer_steps)
 
 
 @dataclass(frozen=True)
@@ -48,17 +49,20 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class FleetEvent:
-    """At ``at_s`` seconds into an arm's load, replica ``replica`` joins, leaves or restarts.
+    """At ``at_s`` seconds into an arm's load, replica ``replica`` joins, leaves or restarts, or the
+    arm's router number ``replica`` restarts.
 
     A joining replica is running but failing health checks (and absent from pick mode's
     endpoints) until then; a leaving one starts failing them (and leaves the endpoints). A
     restarting one loses its cache, its requests in flight and its event sequence, and comes
-    back at once on the same port (the simulator's ``restart`` control).
+    back at once on the same port (the simulator's ``restart`` control). A restarting router
+    (``router-restart``) is killed and started again on its ports while the replicas stay warm:
+    it comes back with no learned view and, in precise mode, replays the replicas' buffers.
     """
 
     at_s: float
-    action: str  # "join", "leave" or "restart"
-    replica: int
+    action: str  # "join", "leave", "restart" or "router-restart"
+    replica: int  # the replica's index; for router-restart, the router's
 
 
 @dataclass(frozen=True)
