@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from routerlab.bench.scenarios import FleetSpec
@@ -120,19 +121,37 @@ class SimBackend(_ChildFleet):
 
 @dataclass
 class ZeroBackend(_ChildFleet):
-    """Zero-work servers (the overhead scenario)."""
+    """Zero-work servers (the overhead scenario); with ``announce``, each also publishes KV-cache
+    events announcing the prompts in that file (routerlab.bench.zero_events), for precise mode."""
 
     replicas: int
     urls: list[str] = field(default_factory=list)
     process: Process | None = None
     block_size: int = 16
+    announce: Path | None = None  # zero_events.write_announcement's file
+    tokenizer: str = ""  # the router's --tokenizer for the announced prompts (NAME=DIR)
     name = "backend"
 
     def count(self) -> int:
         return self.replicas
 
+    def event_flags(self) -> list[str]:
+        """What a precise-mode router needs to read this fleet's events (none without them)."""
+        n = self.replicas
+        if self.announce is None:
+            return []
+        # no run-time tokenizer checks: a zero backend has no POST /tokenize to check against
+        return ["--kv-events", "on", "--tokenizer", self.tokenizer, "--kv-ports-relative", "on",
+                "--kv-events-port", str(n), "--kv-replay-port", str(2 * n), "--tokenizer-check-every", "0"]
+
     def argv(self) -> list[str]:
-        return python_module("routerlab.bench.zero_backend", "--ports", ",".join(map(str, free_ports(self.replicas))))
+        n = self.replicas
+        if self.announce is None:
+            return python_module("routerlab.bench.zero_backend", "--ports", ",".join(map(str, free_ports(n))))
+        base = free_port_run(3 * n)  # replica i on base + i, its events on base + n + i, replay on base + 2n + i
+        return python_module("routerlab.bench.zero_backend", "--ports", ",".join(str(base + i) for i in range(n)),
+                             "--announce", str(self.announce), "--kv-events-port-offset", str(n),
+                             "--kv-replay-port-offset", str(2 * n))
 
 
 @dataclass

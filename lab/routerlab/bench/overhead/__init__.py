@@ -12,6 +12,13 @@ envoy-fast.yaml, pick.yaml), three arms in front of the same zero-work backends
 * ``router``: the config as shipped with ``prefix-router serve`` (pick.yaml: with the
   backends as its endpoints).
 
+A config named ``CONFIG+events`` (``pick.yaml+events``; not among the defaults) is CONFIG with
+the router in precise mode: the backends publish KV-cache events announcing the rig's own bodies
+and the router gets the tiny tokenizer, so every request renders, tokenises, hashes and matches
+(``events``; the run checks, per phase, that the requests took the events view).
+``id_at`` puts each request's id at the start of the system prompt (default: no two requests
+share a prefix) or at the end of the prompt (all share all but their end).
+
 Everything starts once and keeps running; then ``rounds`` interleaved rounds: round r runs,
 for each config, body size and connection count, every arm for ``phase_s`` seconds, one
 after the other (the arm order rotates each round), so drift on a shared machine hits all
@@ -40,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from routerlab.bench import drill
+from routerlab.bench.overhead.events import has_events
 from routerlab.bench.overhead.figures import difference, median, per_request_us, phase_figures, ratio, summarize
 from routerlab.bench.overhead.plan import (ARM_SUMMARY, ARMS, CONFIGS, Config, connection_levels, estimate_s, rotated,
                                            schedule, validate)
@@ -73,7 +81,7 @@ FLAGS = ("replicas",)
 PARAMS: dict[str, Callable[[str], Any]] = {
     "rounds": int, "phase_s": int, "sizes": _ints, "configs": drill.names, "arms": drill.names,
     "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int, "floor_shape": str,
-    "processes": int,
+    "processes": int, "id_at": str,
 }
 
 
@@ -120,10 +128,13 @@ def run(cfg: Config) -> dict[str, Any]:
             scripts = {}
             for size in cfg.sizes:
                 scripts[size] = Path(tmp) / f"chat-{size}kb.lua"
-                scripts[size].write_text(lua_script(size))
+                scripts[size].write_text(lua_script(size, cfg.id_at))
             report["setup"]["wrk_example"] = " ".join(wrk_argv(
                 GENERATOR, "http://127.0.0.1:LISTENER", Path(f"chat-{cfg.sizes[-1]}kb.lua"), max(connection_levels(cfg)),
                 cfg.threads, cfg.phase_s, "RUN"))
+            report["setup"]["kv_view_origins"] = {
+                config: rig.origins(stack) for (config, arm), stack in rig.stacks.items()
+                if arm == "router" and has_events(config)}
             warm_up(rig, cfg, binary, scripts)
             report["phases"].extend(phases(rig, cfg, binary, scripts, plan))
     finally:

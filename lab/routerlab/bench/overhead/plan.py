@@ -8,6 +8,8 @@ from pathlib import Path
 
 from routerlab.bench import drill
 from routerlab.bench.noop_extproc import SHAPES
+from routerlab.bench.overhead.events import SUFFIX, envoy_file, has_events
+from routerlab.bench.overhead.wrk import ID_AT
 from routerlab.harness import envoy_config
 
 
@@ -36,6 +38,7 @@ class Config(drill.Common):
     envoy_concurrency: int = 1
     floor_shape: str = "aio-uvloop"  # the do-nothing server's shape: aio-uvloop (as serve), aio-asyncio, sync
     processes: int = 1  # ext_proc server processes per arm, all in the prefix_router cluster
+    id_at: str = "start"  # where each request's own id sits: start of the system prompt, or end of the prompt
 
 
 def connection_levels(cfg: Config) -> tuple[int, ...]:
@@ -63,6 +66,7 @@ def estimate_s(cfg: Config) -> float:
 
 
 def validate(cfg: Config) -> None:
+    from routerlab.bench.overhead.rig import is_pick  # the rig imports this module
     unknown = [a for a in cfg.arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
@@ -70,9 +74,14 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"the arms must include {BASELINE!r}: every ratio is against Envoy alone")
     if cfg.floor_shape not in SHAPES:
         raise ValueError(f"unknown floor_shape {cfg.floor_shape!r}; choose from {', '.join(SHAPES)}")
+    if cfg.id_at not in ID_AT:
+        raise ValueError(f"unknown id_at {cfg.id_at!r}; choose from {', '.join(ID_AT)}")
     for config in cfg.configs:
-        if not Path(config).exists() and not (envoy_config.ENVOY_DIR / config).exists():
-            raise ValueError(f"no Envoy config {config!r} (in {envoy_config.ENVOY_DIR} or as a path)")
+        path = envoy_file(config)
+        if not Path(path).exists() and not (envoy_config.ENVOY_DIR / path).exists():
+            raise ValueError(f"no Envoy config {path!r} (in {envoy_config.ENVOY_DIR} or as a path)")
+        if has_events(config) and not is_pick(envoy_config.load(path)):
+            raise ValueError(f"{config}: precise mode ({SUFFIX}) needs a config whose router picks (pick.yaml)")
     for name, value in (("rounds", cfg.rounds), ("phase_s", cfg.phase_s), ("threads", cfg.threads),
                         ("replicas", cfg.replicas), ("envoy_concurrency", cfg.envoy_concurrency),
                         ("processes", cfg.processes),

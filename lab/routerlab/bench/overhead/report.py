@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from routerlab.bench import drill
+from routerlab.bench.overhead.events import has_events
 from routerlab.bench.overhead.figures import median
 from routerlab.bench.overhead.plan import LATENCY_CONNECTIONS, Config
 
@@ -28,6 +29,13 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
         n = sum(p["counts"].get(key, 0) for p in phases)
         if n:
             out.append(f"{n:.0f} requests {what}: those phases do not measure the full hop.")
+    for config in dict.fromkeys(p["config"] for p in phases if has_events(p["config"])):
+        mine = [p for p in phases if p["config"] == config and p["arm"] == "router"]
+        taken = sum(p["counts"].get("events_covered", 0) for p in mine)
+        other = sum(p["counts"].get("not_covered", 0) for p in mine)
+        out.append(f"{config}: the router's requests in its phases took the events view (prefix_router_cache_view_total"
+                   f"{{view=\"events\",reason=\"covered\"}}) {taken:.0f} times, another view {other:.0f} times"
+                   + (": those phases do not measure precise mode alone." if other else "."))
     limit = SATURATED_SHARE * cfg.threads
     busy_wrk = [p for p in phases if p["cpu_share"]["generator"] >= limit]
     if busy_wrk:

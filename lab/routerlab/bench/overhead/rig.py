@@ -7,20 +7,24 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any
 
 from extproc.core.settings import metadata_key
 from routerlab.bench import arms as arms_mod
 from routerlab.bench.backends import ZeroBackend
 from routerlab.bench.noop_extproc import STREAMS_METRIC as NOOP_COUNT
+from routerlab.bench.overhead import events
 from routerlab.bench.overhead.plan import Config
 from routerlab.harness import envoy_config
 from routerlab.harness.envoy_proc import Envoy
-from routerlab.harness.procs import Process, free_ports, python_module
+from routerlab.harness.procs import Process, free_ports, python_module, wait_until
 from routerlab.realvllm.promtext import fetch_metrics, metric_sum
 
 
 ROUTER_COUNT = "prefix_router_decisions_total"
+COVERAGE_TIMEOUT_S = 30.0  # for a precise router to hear from every backend
 ENVOY_STATS = r"ext_proc\.(streams_started|stream_msgs_sent|failure_mode_allowed|message_timeouts|" \
               r"spurious_msgs_received)|ext_authz\.(ok|denied|error|failure_mode_allowed)|" \
               r"downstream_rq_total|downstream_rq_[245]xx"
@@ -53,13 +57,13 @@ class Stack:
 
 
 def _server_argv(arm: str, port: int, metrics_port: int, pick: bool, endpoints: Sequence[str],
-                 floor_shape: str = "aio-uvloop") -> list[str]:
+                 floor_shape: str = "aio-uvloop", precise: Sequence[str] = ()) -> list[str]:
     if arm == "floor":
         return python_module("routerlab.bench.noop_extproc", "--port", str(port), "--metrics-port", str(metrics_port),
                              "--shape", floor_shape, *(["--hold"] if pick else []))
     return python_module("extproc", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
                          "--log-level", "warning", "--drain-seconds", "1",
-                         *(["--endpoints", ",".join(endpoints)] if pick else []))
+                         *(["--endpoints", ",".join(endpoints)] if pick else []), *precise)
 
 
 def _parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> None:
@@ -90,13 +94,17 @@ class Rig:
 
     def _start(self) -> None:
         cfg = self.cfg
-        self.backends = [ZeroBackend(1) for _ in range(cfg.replicas)]
+        announce = None
+        if any(events.has_events(c) for c in cfg.configs):  # the backends announce the rig's bodies
+            tmp = Path(self._stop.enter_context(TemporaryDirectory(prefix="overhead-events-")))
+            announce = events.write(tmp / "announce.json", cfg.sizes, cfg.id_at)
+        self.backends = [ZeroBackend(1, announce=announce, tokenizer=events.TOKENIZER) for _ in range(cfg.replicas)]
         for b in self.backends:
             self._stop.callback(b.stop)
         _parallel(lambda b: b.start(), self.backends)
         hosts = arms_mod.host_ports([u for b in self.backends for u in b.urls])
         addresses = [f"{h}:{p}" for h, p in hosts]
-        loaded = {c: envoy_config.load(c) for c in cfg.configs}
+        loaded = {c: envoy_config.load(events.envoy_file(c)) for c in cfg.configs}
         pairs = [(c, a) for c in cfg.configs for a in cfg.arms]
         with_server = [p for p in pairs if p[1] != "alone"]
         ports = iter(free_ports(2 * len(pairs) + 2 * cfg.processes * len(with_server)))
@@ -104,8 +112,9 @@ class Rig:
         for config, arm in with_server:
             for i in range(cfg.processes):
                 port, metrics_port = next(ports), next(ports)
+                precise = self.backends[0].event_flags() if arm == "router" and events.has_events(config) else []
                 proc = Process(_server_argv(arm, port, metrics_port, is_pick(loaded[config]), addresses,
-                                            cfg.floor_shape),
+                                            cfg.floor_shape, precise),
                                name=f"{arm} ext_proc {i} for {config}", env=arms_mod.ROUTER_ENV)
                 self._stop.callback(proc.stop)
                 servers.setdefault((config, arm), []).append((proc, port, metrics_port))
@@ -129,6 +138,22 @@ class Rig:
                 stack.envoy.wait_healthy("prefix_router", len(stack.servers))
 
         _parallel(ready, list(self.stacks.values()))
+        for (config, arm), stack in self.stacks.items():
+            if arm == "router" and events.has_events(config):
+                self._wait_covered(stack, addresses)
+
+    def _wait_covered(self, stack: Stack, addresses: Sequence[str]) -> None:
+        """Until the precise router takes every backend's view from its events (else its requests
+        would go to the learned view, and the row would not measure precise mode)."""
+        def covered() -> bool:
+            return all(all(events.origins(fetch_metrics(f"http://127.0.0.1:{port}")).get(a) in events.COVERED
+                           for a in addresses) for port in stack.metrics_ports)
+
+        wait_until(covered, COVERAGE_TIMEOUT_S, f"the events of every backend in {stack.config}'s router")
+
+    def origins(self, stack: Stack) -> list[dict[str, str]]:
+        """Per server of ``stack``: replica -> the origin of its cache view (precise routers only)."""
+        return [events.origins(fetch_metrics(f"http://127.0.0.1:{port}")) for port in stack.metrics_ports]
 
     def backend_pids(self) -> dict[str, int]:
         return {f"backend-{i}": b.process.pid for i, b in enumerate(self.backends) if b.process}
@@ -152,6 +177,10 @@ class Rig:
         for arm, metric in (("floor", NOOP_COUNT), ("router", ROUTER_COUNT)):
             other = self.stacks.get((stack.config, arm))
             if other is not None and other.metrics_ports:
-                out[f"{arm}_count"] = sum(metric_sum(fetch_metrics(f"http://127.0.0.1:{port}"), metric)
-                                          for port in other.metrics_ports)
+                scraped = [fetch_metrics(f"http://127.0.0.1:{port}") for port in other.metrics_ports]
+                out[f"{arm}_count"] = sum(metric_sum(samples, metric) for samples in scraped)
+                if arm == "router" and events.has_events(stack.config):  # which cache view its requests took
+                    for samples in scraped:
+                        for k, v in events.views(samples).items():
+                            out[k] = out.get(k, 0.0) + v
         return out

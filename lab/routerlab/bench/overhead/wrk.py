@@ -3,6 +3,7 @@ command line, and one run read back as wrk's JSON summary plus its CPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -44,15 +45,30 @@ end
 """
 
 
-def body_template(size_kb: int) -> tuple[bytes, bytes]:
-    """The bytes before and after the per-request id of a ``size_kb`` KB chat body."""
-    body = chat_body(size_kb * 1024, size_kb, marker=MARKER, model="zero")
+ID_AT = ("start", "end")
+
+
+def body_template(size_kb: int, id_at: str = "start") -> tuple[bytes, bytes]:
+    """The bytes before and after the per-request id of a ``size_kb`` KB chat body.
+
+    ``start``: the id starts the system prompt, so no two requests share a prefix (the worst
+    case for the router's index); ``end``: it ends the user message, so every request shares
+    all but its end with every other (a cached system prompt; every request then has the same
+    hash-mode key)."""
+    if id_at == "start":
+        body = chat_body(size_kb * 1024, size_kb, marker=MARKER, model="zero")
+    elif id_at == "end":
+        doc = json.loads(chat_body(size_kb * 1024, size_kb, model="zero"))
+        doc["messages"][-1]["content"] += " " + MARKER
+        body = json.dumps(doc).encode()
+    else:
+        raise ValueError(f"id_at must be one of {', '.join(ID_AT)}, got {id_at!r}")
     head, _, tail = body.partition(MARKER.encode())
     return head, tail
 
 
-def lua_script(size_kb: int) -> str:
-    head, tail = body_template(size_kb)
+def lua_script(size_kb: int, id_at: str = "start") -> str:
+    head, tail = body_template(size_kb, id_at)
     if b"]==]" in head + tail:
         raise ValueError("body text would end the Lua long string")
     return _LUA.format(size=len(head) + len(tail), head=head.decode(), tail=tail.decode())
