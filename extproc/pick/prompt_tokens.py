@@ -39,6 +39,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import xxhash
+
+from extproc.pick.added_split import AddedTokenSplit
 from extproc.pick.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
 from extproc.pick.not_tokenizable import REASONS, NotTokenizable
@@ -130,7 +133,7 @@ class ModelTokenizer:
         self._setup_post_processor()
 
         self.cache_limit = max(0, int(cache_bytes))
-        self._cache: OrderedDict[tuple[bool, str], array] = OrderedDict()
+        self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
         self.cache_bytes_used = 0
         self.cache_hits = 0
         self.cache_misses = 0
@@ -153,6 +156,7 @@ class ModelTokenizer:
             reasons.append("encode_special_tokens is on")
         contents = sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
         self._split_re = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
+        self._split = AddedTokenSplit(contents) if contents else None
         # A separator for pieces that do not start the text: an added token that encodes to one id.
         self._sep: str | None = None
         self._sep_id = -1
@@ -204,17 +208,17 @@ class ModelTokenizer:
                 return array("I", self.encode_uncached(text, add_special_tokens=True))
             prefix, suffix = self._special_affix
             return array("I", prefix) + self.encode_array(text) + array("I", suffix)
-        if not self.cache_enabled or self.cache_limit == 0 or self._split_re is None:
+        if not self.cache_enabled or self.cache_limit == 0 or self._split is None:
             return array("I", self.encode_uncached(text))
         out: list[array | int] = []
         pos = 0
         pending: list[tuple[int, bool, str]] = []  # (index in out, first, text) still to tokenise
         parts: list[Any] = []
-        for m in self._split_re.finditer(text):
-            if m.start() > pos:
-                parts.append((pos == 0, text[pos:m.start()]))
-            parts.append(m.group())
-            pos = m.end()
+        for start, end in self._split.spans(text):
+            if start > pos:
+                parts.append((pos == 0, text[pos:start]))
+            parts.append(text[start:end])
+            pos = end
         if pos < len(text):
             parts.append((pos == 0, text[pos:]))
         added_ids = self._added_ids
@@ -223,21 +227,22 @@ class ModelTokenizer:
             if isinstance(part, str):
                 out.append(added_ids[part])
                 continue
-            key = part
+            first, seg = part
+            key = _key(first, seg)
             hit = cache.get(key)
-            if hit is not None:
+            if hit is not None and hit[0] == seg:
                 cache.move_to_end(key)
                 self.cache_hits += 1
-                self.cache_hit_chars += len(key[1])
-                out.append(hit)
+                self.cache_hit_chars += len(seg)
+                out.append(hit[1])
             else:
-                pending.append((len(out), key[0], key[1]))
+                pending.append((len(out), first, seg))
                 out.append(-1)  # placeholder, replaced below
         if not pending:
             return _joined(out)
         inputs = [seg if first else self._sep + seg for _, first, seg in pending]
-        encoded = self._tok.encode_batch_fast(inputs, add_special_tokens=False) if len(inputs) > 1 else \
-            [self._tok.encode(inputs[0], add_special_tokens=False)]
+        # encode_batch_fast even for one text: no offsets computed (a third of a short text's cost)
+        encoded = self._tok.encode_batch_fast(inputs, add_special_tokens=False)
         for (at, first, seg), enc in zip(pending, encoded, strict=True):
             ids = enc.ids
             if not first:
@@ -246,7 +251,7 @@ class ModelTokenizer:
                 ids = ids[1:]
             self.cache_misses += 1
             self.cache_miss_chars += len(seg)
-            out[at] = self._store((first, seg), ids)
+            out[at] = self._store(first, seg, ids)
         return _joined(out)
 
     @property
@@ -257,25 +262,28 @@ class ModelTokenizer:
             self._added_ids_map = ids
         return ids
 
-    def _store(self, key: tuple[bool, str], ids: list[int]) -> array:
+    def _store(self, first: bool, seg: str, ids: list[int]) -> array:
         value = array("I", ids)
-        cost = self._cost(key, value)
+        entry = (seg, value)
+        cost = self._cost(entry)
         if cost > self.cache_limit:
             return value
+        key = _key(first, seg)
         old = self._cache.pop(key, None)
         if old is not None:
-            self.cache_bytes_used -= self._cost(key, old)
-        self._cache[key] = value
+            self.cache_bytes_used -= self._cost(old)
+        self._cache[key] = entry
         self.cache_bytes_used += cost
         while self.cache_bytes_used > self.cache_limit:
-            k, v = self._cache.popitem(last=False)
-            self.cache_bytes_used -= self._cost(k, v)
+            _, v = self._cache.popitem(last=False)
+            self.cache_bytes_used -= self._cost(v)
         return value
 
     @staticmethod
-    def _cost(key: tuple[bool, str], value: array) -> int:
+    def _cost(entry: tuple[str, array]) -> int:
         # The text (up to 4 bytes a character in CPython), the ids, and the entries' overhead.
-        return len(key[1]) * (1 if key[1].isascii() else 4) + 4 * len(value) + 200
+        seg, value = entry
+        return len(seg) * (1 if seg.isascii() else 4) + 4 * len(value) + 200
 
     @property
     def cache_entries(self) -> int:
@@ -330,6 +338,13 @@ class ModelTokenizer:
         if isinstance(prompt, str):
             return self.encode_array(prompt, add_special_tokens=add_special)
         raise NotTokenizable("bad_request", "prompt is neither a string nor token ids")
+
+
+def _key(first: bool, seg: str) -> tuple[bool, int | str]:
+    """A segment's cache key: an ASCII text by its xxh3-128 (its bytes are its characters, so
+    hashing them costs ~1/5 of ``hash(str)`` over a 32 KB system prompt; a hit compares the
+    texts, so a collision is a miss, never a wrong answer), any other text by itself."""
+    return (first, xxhash.xxh3_128_intdigest(seg.encode("ascii"))) if seg.isascii() else (first, seg)
 
 
 def _joined(parts: list[array | int]) -> array:
