@@ -56,7 +56,11 @@ def compile_template(source: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env, env.from_string(source)
+    template = env.from_string(source)
+    # The template's globals are a ChainMap over the environment's, copied into every render's
+    # context key by key (~1/3 of a short template's render); the same names, flattened once.
+    template.globals = dict(template.globals)
+    return env, template
 
 
 def detect_content_format(env: Any, source: str) -> Literal["string", "openai"]:
@@ -183,12 +187,14 @@ def parse_message(message: Any, content_format: Literal["string", "openai"]) -> 
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
-        parts = [{"type": "text", "text": content}]
+        parts = []  # one text part, taken as the loop below would take it (the common case, no loop)
     elif isinstance(content, list):
         parts = content
     else:
         raise NotTokenizable("bad_request", "content is neither a string nor a list of parts")
     texts: list[Any] = []
+    if isinstance(content, str) and (content or content_format != "string"):
+        texts.append(content if content_format == "string" else {"type": "text", "text": content})
     for part in parts:
         if isinstance(part, str):
             texts.append(part if content_format == "string" else {"type": "text", "text": part})
