@@ -3,13 +3,17 @@
 Each server is ``python -m vllm.entrypoints.openai.api_server`` with
 ``VLLM_CPU_OMP_THREADS_BIND=<core>`` (replica i on core i mod cores), caches under a temp dir
 (``VLLM_CACHE_ROOT``, ``XDG_CACHE_HOME``, ``HF_HOME``), ``HF_HUB_OFFLINE=1``,
-``--enable-prefix-caching`` and, when given, ``--block-size`` and
-``--num-gpu-blocks-override``. Logs go to ``<workdir>/vllm-<port>.log``. Usage and CLI:
+``--enable-prefix-caching`` and, when given, ``--block-size``,
+``--num-gpu-blocks-override``, ``--enable-prompt-tokens-details`` and a ``--kv-events-config``
+that publishes KV-cache events (replica port + ``kv_events_offset``, bound on every interface
+since vLLM binds its PUB socket only for a wildcard endpoint; its replay socket on
+127.0.0.1:<replica port + ``kv_replay_offset``>: the router's ``--kv-ports-relative on``). Logs go to ``<workdir>/vllm-<port>.log``. Usage and CLI:
 :mod:`routerlab.realvllm.launcher`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -51,6 +55,11 @@ class VllmFleet:
     served_model_name: ``--served-model-name`` (default: the model path, vLLM's default).
     dev_mode: set ``VLLM_SERVER_DEV_MODE=1`` so that ``POST /reset_prefix_cache`` works
         (see :meth:`reset_prefix_cache`; benchmarks use it between runs).
+    prompt_tokens_details: ``--enable-prompt-tokens-details`` (usage carries
+        ``prompt_tokens_details.cached_tokens``).
+    kv_events_offset: publish KV-cache events (ZMQ PUB, topic ``kv_events_topic``) on
+        ``127.0.0.1:<replica port + offset>`` (None: no events).
+    kv_replay_offset: the replay socket on ``<replica port + offset>`` (None: none).
     extra_args: more api_server arguments, appended as is.
     extra_env: more environment variables for the servers.
     workdir: where logs and caches go (default: a new temp dir, removed by :meth:`stop`
@@ -76,6 +85,10 @@ class VllmFleet:
         cores: Sequence[int] | None = None,
         served_model_name: str | None = None,
         dev_mode: bool = False,
+        prompt_tokens_details: bool = False,
+        kv_events_offset: int | None = None,
+        kv_replay_offset: int | None = None,
+        kv_events_topic: str = "kv",
         extra_args: Sequence[str] = (),
         extra_env: dict[str, str] | None = None,
         workdir: str | os.PathLike | None = None,
@@ -108,6 +121,10 @@ class VllmFleet:
             raise ValueError("cores must have one entry per replica")
         self.served_model_name = served_model_name
         self.dev_mode = dev_mode
+        self.prompt_tokens_details = prompt_tokens_details
+        self.kv_events_offset = kv_events_offset
+        self.kv_replay_offset = kv_replay_offset
+        self.kv_events_topic = kv_events_topic
         self.extra_args = list(extra_args)
         self.extra_env = dict(extra_env or {})
         self._own_workdir = workdir is None
@@ -127,6 +144,20 @@ class VllmFleet:
     @property
     def urls(self) -> list[str]:
         return [f"http://{self.host}:{p}" for p in self.ports]
+
+    @property
+    def kv_event_urls(self) -> list[str]:
+        """Each replica's KV-event PUB endpoint (empty without events)."""
+        if self.kv_events_offset is None:
+            return []
+        return [f"tcp://{self.host}:{p + self.kv_events_offset}" for p in self.ports]
+
+    @property
+    def kv_replay_urls(self) -> list[str]:
+        """Each replica's replay (ROUTER) endpoint (empty without one)."""
+        if self.kv_events_offset is None or self.kv_replay_offset is None:
+            return []
+        return [f"tcp://{self.host}:{p + self.kv_replay_offset}" for p in self.ports]
 
     @property
     def pids(self) -> list[int]:
@@ -162,7 +193,24 @@ class VllmFleet:
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.prompt_tokens_details:
+            cmd += ["--enable-prompt-tokens-details"]
+        if self.kv_events_offset is not None:
+            cmd += ["--kv-events-config", json.dumps(self.kv_events_config(i))]
         return cmd + self.extra_args
+
+    def kv_events_config(self, i: int) -> dict[str, object]:
+        """Replica ``i``'s ``--kv-events-config`` (vLLM's KVEventsConfig fields), loopback only."""
+        assert self.kv_events_offset is not None
+        port = self.ports[i]
+        # vLLM 0.32 binds the PUB socket only for a wildcard endpoint and CONNECTS it for a host
+        # (ZmqEventPublisher._is_bind_endpoint): "tcp://127.0.0.1:P" would publish to nobody.
+        cfg: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": f"tcp://*:{port + self.kv_events_offset}",
+                                  "topic": self.kv_events_topic}
+        if self.kv_replay_offset is not None:
+            cfg["replay_endpoint"] = f"tcp://{self.host}:{port + self.kv_replay_offset}"
+        return cfg
 
     def environment(self, i: int) -> dict[str, str]:
         """The environment of replica ``i`` (the current one plus vLLM CPU settings)."""
@@ -199,7 +247,8 @@ class VllmFleet:
             raise RuntimeError("fleet already started")
         if not Path(self.python).exists():
             raise VllmStartError(f"vLLM python not found: {self.python}")
-        for port in self.ports:
+        for port in self.ports + [p + o for p in self.ports for o in (self.kv_events_offset, self.kv_replay_offset)
+                                  if o is not None and self.kv_events_offset is not None]:
             if not port_free(self.host, port):
                 raise VllmStartError(f"port {port} on {self.host} is in use")
         if self.workdir is None:

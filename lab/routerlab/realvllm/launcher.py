@@ -56,6 +56,12 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="logs and caches (default: a temp dir)")
     p.add_argument("--dev-mode", action="store_true",
                    help="VLLM_SERVER_DEV_MODE=1 (enables POST /reset_prefix_cache)")
+    p.add_argument("--prompt-tokens-details", action="store_true",
+                   help="--enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens)")
+    p.add_argument("--kv-events-offset", type=int, default=None, metavar="N",
+                   help="publish KV-cache events on 127.0.0.1:<replica port + N> (topic kv)")
+    p.add_argument("--kv-replay-offset", type=int, default=None, metavar="N",
+                   help="with --kv-events-offset: the replay socket on <replica port + N>")
 
 
 def fleet_from_args(a: argparse.Namespace) -> VllmFleet:
@@ -64,7 +70,8 @@ def fleet_from_args(a: argparse.Namespace) -> VllmFleet:
         num_gpu_blocks=a.num_gpu_blocks, max_model_len=a.max_model_len,
         max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_space_gb=a.kv_cache_space_gb,
         startup_timeout=a.startup_timeout, workdir=a.workdir, dev_mode=a.dev_mode,
-        keep_workdir=a.workdir is not None,
+        keep_workdir=a.workdir is not None, prompt_tokens_details=a.prompt_tokens_details,
+        kv_events_offset=a.kv_events_offset, kv_replay_offset=a.kv_replay_offset,
     )
 
 

