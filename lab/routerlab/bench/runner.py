@@ -226,6 +226,7 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
             await asyncio.sleep(max(0.0, t0 + e.at_s - loop.time()))
             applying[:] = [loop.run_in_executor(None, apply_event, running, urls, e)]
             snapshot = await asyncio.shield(applying[0])
+            applying.clear()
             if snapshot is not None and snapshots is not None:
                 snapshots.append(snapshot)
             took = f" (ready again after {snapshot['restart_s']:.1f} s)" if snapshot else ""
@@ -236,7 +237,9 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
         return await load
     finally:
         task.cancel()
-        await asyncio.gather(task, *applying, return_exceptions=True)
+        done = await asyncio.gather(task, *applying, return_exceptions=True)
+        if snapshots is not None:  # a router restart the load's end overtook still counts
+            snapshots += [d for d in done[1:] if isinstance(d, dict)]
 
 
 def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
