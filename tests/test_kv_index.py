@@ -290,6 +290,8 @@ def test_the_match_memo_gives_exactly_the_walk_over_random_event_streams(seed: i
 
     rng = random.Random(seed)
     index = EventIndex(match_span=span)
+    memo = index._memo
+    memo.max_hashes, memo.max_states = rng.choice([(8, 3), (60, 10), (10_000, 1000)])
     replicas = [A, B, C, "10.0.0.4:8000"]
     stems = [[rng.randrange(50) for _ in range(BS * rng.randrange(1, 12))] for _ in range(3)]
 
@@ -314,6 +316,9 @@ def test_the_match_memo_gives_exactly_the_walk_over_random_event_streams(seed: i
         for _ in range(3):
             hashes = own(chain())
             assert index.match(hashes) == leading_runs(hashes, index._owners, index._name)
+            sets = {id(p): len(p) for state in memo._states.values() for p in state.blocks}
+            assert memo.held == sum(sets.values()) and len(memo._states) <= memo.max_states
+            assert memo.held <= memo.max_hashes or len(memo._states) <= 1
 
 
 def test_the_match_memo_resumes_a_shared_prefix_and_sees_a_change_in_it() -> None:

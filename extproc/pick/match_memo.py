@@ -34,12 +34,16 @@ class _State(NamedTuple):
 class MatchMemo:
     """Walk states of earlier chains, keyed by (hash at a boundary, blocks before it)."""
 
-    def __init__(self, max_states: int = 4096, span: int = SPAN, max_log: int = 1 << 16) -> None:
+    def __init__(self, max_states: int = 4096, span: int = SPAN, max_log: int = 1 << 16,
+                 max_hashes: int = 500_000) -> None:
         self.max_states = max_states
         self.span = span
         self.max_log = max_log
+        self.max_hashes = max_hashes  # hashes the states' prefix sets may hold (~60 bytes each)
         self.log: list[int] = []  # hashes whose holders changed, in order (the index appends)
         self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
+        self._sets: dict[int, list[int]] = {}  # id(prefix set) -> [states holding it, its size]
+        self.held = 0  # hashes in the distinct prefix sets held
         self.hits = 0
         self.misses = 0
 
@@ -49,6 +53,8 @@ class MatchMemo:
 
     def clear(self) -> None:
         self._states.clear()
+        self._sets.clear()
+        self.held = 0
         self.log.clear()
 
     def match(self, hashes: Sequence[int], owners: Mapping[int, int], name: Mapping[int, str]) -> dict[str, int]:
@@ -67,7 +73,7 @@ class MatchMemo:
                 start, alive, stopped, pieces = k, state.alive, dict(state.stopped), state.blocks
                 self.hits += 1
             else:
-                del self._states[key]
+                self._drop(self._states.pop(key))
             break
         if not start:
             self.misses += 1
@@ -112,10 +118,25 @@ class MatchMemo:
         return all(piece.isdisjoint(changed) for piece in state.blocks)
 
     def _put(self, key: tuple[int, int], state: _State) -> None:
+        old = self._states.pop(key, None)
+        if old is not None:
+            self._drop(old)
         self._states[key] = state
-        self._states.move_to_end(key)
-        while len(self._states) > self.max_states:
-            self._states.popitem(last=False)
+        for piece in state.blocks:
+            entry = self._sets.setdefault(id(piece), [0, len(piece)])
+            if not entry[0]:
+                self.held += entry[1]
+            entry[0] += 1
+        while self._states and (len(self._states) > self.max_states or self.held > self.max_hashes):
+            self._drop(self._states.popitem(last=False)[1])
+
+    def _drop(self, state: _State) -> None:
+        for piece in state.blocks:
+            entry = self._sets[id(piece)]
+            entry[0] -= 1
+            if not entry[0]:
+                del self._sets[id(piece)]
+                self.held -= entry[1]
 
 
 def _bits(mask: int) -> Iterable[int]:
