@@ -96,3 +96,26 @@ def test_the_routers_tokenizer_computes_vllms_prompt_token_ids(capture: dict) ->
     for req in capture["requests"]:
         kind = "chat" if req["path"].endswith("chat/completions") else "completions"
         assert list(tokenizer.token_array(req["body"], kind)) == req["prompt_token_ids"], req["label"]
+
+
+def test_the_simulators_map_events_carry_the_fields_vllm_032_sends() -> None:
+    import msgpack
+
+    from routerlab.harness.procs import free_ports
+    from routerlab.sim.kv_events import KvEventPublisher
+
+    real: dict[str, set[str]] = {}
+    for f in map(RawFrame.from_json, load("int")["frames"]):
+        for e in msgpack.unpackb(f.payload, raw=False)[1]:
+            real.setdefault(e["type"], set(e))
+    pub = KvEventPublisher(events_port=free_ports(1)[0], replay_port=None, encoding="map")
+    try:
+        pub.stored([1, 2], None, list(range(8)), 4, [None, None])
+        pub.removed([2])
+        pub.publish(pub._pending, send=False)
+        sim_batch = msgpack.unpackb(pub._buffer[-1][1], raw=False)
+    finally:
+        pub.close()
+    sim = {e["type"]: set(e) for e in sim_batch[1]}
+    assert sim == real  # the same keys per event type (values differ: the simulator's own hashes)
+    assert [e.get("group_idx") for e in sim_batch[1]] == [0, 0]

@@ -130,14 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=40, help="requests in the non-evicting phase")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-port", type=int, default=8291)
-    p.add_argument("--sim-port", type=int, default=8391)
+    p.add_argument("--sim-port", type=int, default=8621)
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
     ensure_tiny_model(Path(a.model), a.vllm_python)
     trace = build_trace(block_size=a.block_size, seed=a.seed, requests=a.requests, num_blocks=a.num_gpu_blocks,
                         evict=True, vocab_high=4096)
-    max_len = max(2048, max(len(r.prompt) for r in trace.requests) + 8)
+    max_len = min((a.num_gpu_blocks - 1) * a.block_size, 8192)  # vLLM refuses a longer one than its cache holds
+    if max(len(r.prompt) for r in trace.requests) >= max_len:
+        raise SystemExit(f"--num-gpu-blocks {a.num_gpu_blocks} is too small for the trace's longest prompt")
     fleet = VllmFleet(a.model, 1, a.vllm_port, a.vllm_python, block_size=a.block_size,
                       num_gpu_blocks=a.num_gpu_blocks, max_model_len=max_len, max_num_batched_tokens=8192,
                       cores=[0], prompt_tokens_details=True, kv_events_offset=EVENTS_OFFSET,

@@ -19,7 +19,8 @@ copy of the same file that adds the topic frame to replay answers):
 * payload: the batch ``[ts, events, data_parallel_rank]`` (``batch_encoding="array"``) or the map
   ``{"ts", "events", "data_parallel_rank"}`` (``"map"``); events as positional arrays tagged by
   class name with trailing defaults omitted (``encoding="array"``, vLLM before June 2026) or maps
-  with a ``"type"`` key, default-valued optional fields omitted (``"map"``). Block hashes are
+  with a ``"type"`` key, default-valued optional fields omitted (``"map"``; as vLLM 0.32 sends it,
+  with ``group_idx`` 0 and ``kv_cache_spec_kind`` "full_attention", tests/fixtures/vllm_kv_events). Block hashes are
   unsigned 64-bit ints by default, or bytes (``hash_type="bytes"``, 32 bytes big-endian, like a
   sha256 digest) when asked.
 
@@ -64,6 +65,7 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 @dataclass
@@ -100,7 +102,8 @@ def encode_event(ev: Event, encoding: Encoding = "array", hash_type: HashType = 
             ("medium", ev.medium),
             ("lora_name", ev.lora_name),
         ]
-        optional: list[tuple[str, Any]] = [("extra_keys", ev.extra_keys), ("group_idx", ev.group_idx)]
+        optional: list[tuple[str, Any]] = [("extra_keys", ev.extra_keys), ("group_idx", ev.group_idx),
+                                           ("kv_cache_spec_kind", ev.kv_cache_spec_kind)]
     elif isinstance(ev, BlockRemoved):
         name = "BlockRemoved"
         required = [("block_hashes", [_hash(h, hash_type) for h in ev.block_hashes]), ("medium", ev.medium)]
@@ -182,10 +185,19 @@ class KvEventPublisher:
     def stored(self, block_hashes: Sequence[int | bytes], parent_hash: int | bytes | None,
                token_ids: Sequence[int], block_size: int, extra_keys: Sequence[Any] | None = None) -> None:
         self._pending.append(BlockStored(list(block_hashes), parent_hash, list(token_ids), block_size,
-                                         extra_keys=None if extra_keys is None else list(extra_keys)))
+                                         extra_keys=None if extra_keys is None else list(extra_keys),
+                                         **self._group(stored=True)))
 
     def removed(self, block_hashes: Sequence[int | bytes]) -> None:
-        self._pending.append(BlockRemoved(list(block_hashes)))
+        self._pending.append(BlockRemoved(list(block_hashes), **self._group(stored=False)))
+
+    def _group(self, stored: bool) -> dict[str, Any]:
+        """The KV-cache group fields: vLLM 0.32 (map encoding, seen on the wire) sends ``group_idx: 0``
+        on both events and ``kv_cache_spec_kind: "full_attention"`` on BlockStored; the array
+        encoding of older vLLM is left without them."""
+        if self.encoding != "map":
+            return {}
+        return {"group_idx": 0, **({"kv_cache_spec_kind": "full_attention"} if stored else {})}
 
     def cleared(self) -> None:
         self._pending.append(AllBlocksCleared())
