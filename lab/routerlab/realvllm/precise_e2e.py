@@ -67,6 +67,8 @@ class Row:
     picked: str  # the replica the router chose (Envoy may serve elsewhere only if it was unhealthy)
     completion_tokens: int
     ms: float
+    candidates: dict[str, int]  # the router's predicted cached tokens on every replica
+
 
     @property
     def prompt_ok(self) -> bool:
@@ -123,7 +125,10 @@ class OwnView:
         return self.index.match(own).get(address, 0) * size
 
 
-def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int) -> tuple[list[Row], dict[str, Any]]:
+def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int,
+        restart_at: int | None = None) -> tuple[list[Row], dict[str, Any]]:
+    """The trace through the stack; with ``restart_at``, the router is restarted before that request and
+    must rebuild its view from vLLM's replay buffers (its counters start again at 0)."""
     name = fleet.model_name
     addresses = [u.split("://", 1)[1] for u in fleet.urls]
     flags = ["--kv-events", "on", "--tokenizer", f"{name}={model_dir}", "--kv-ports-relative", "on",
@@ -141,6 +146,12 @@ def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int)
         late = 0
         t_start = time.monotonic()
         for req in trace:
+            if req.index == restart_at:
+                arm.restart_router(0)
+                log(f"[e2e] router restarted before #{req.index}: its view comes from vLLM's replay buffers")
+                if not wait(lambda: router_metric(mport, "prefix_router_kv_view_origin", origin="none") == 0, 30):
+                    raise RuntimeError("the restarted router did not hear from every replica within 30 s")
+                info["replayed_batches_after_restart"] = router_metric(mport, "prefix_router_kv_replayed_batches_total")
             published = rec.batches()
             if not wait(lambda: router_metric(mport, "prefix_router_kv_batches_total") >= published, 10):
                 late += 1
@@ -170,7 +181,8 @@ def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int)
             candidate = {c["address"]: c for c in seen["candidates"]}.get(served, {})
             row = Row(req.index, req.path, req.label, served, seen["prompt_tokens"], p,
                       int(candidate.get("cached_tokens", -1)), cached, view, local_ids == list(vllm_ids),
-                      str(candidate.get("events_origin")), str(seen.get("address")), m, round(ms, 1))
+                      str(candidate.get("events_origin")), str(seen.get("address")), m, round(ms, 1),
+                      {c["address"]: int(c["cached_tokens"]) for c in seen["candidates"]})
             rows.append(row)
             expected = (p + m - 1) // block - cached // block
             if not rec.wait(lambda: rec.stored_total(i) >= stored_before[i] + expected, 5.0):
@@ -210,6 +222,9 @@ def summarize(rows: list[Row], info: dict[str, Any]) -> dict[str, Any]:
         "prompt_tokens_vllm": sum(r.vllm_prompt_tokens for r in rows),
         "served_by": {a: sum(r.served == a for r in rows) for a in sorted({r.served for r in rows})},
         "served_elsewhere_than_picked": sum(r.served != r.picked for r in rows),
+        # of those: the pick a few ms earlier had no cache advantage there (load broke the tie)
+        "served_elsewhere_on_a_cache_tie": sum(r.served != r.picked and len(set(r.candidates.values())) == 1
+                                               for r in rows),
         "misses": [asdict(r) for r in rows if not (r.prompt_ok and r.cached_ok)],
         **info,
     }
@@ -243,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=96, help="per replica: small, so the trace evicts")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--base-port", type=int, default=8300)
+    p.add_argument("--restart-router-at", type=int, default=None, metavar="N",
+                   help="restart the router before request N (its view then comes from vLLM's replay buffers)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
@@ -256,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                             "command": "python -m routerlab.realvllm.precise_e2e " + " ".join(argv or sys.argv[1:])}
     with fleet:
         print(HEADER, flush=True)
-        rows, info = run(fleet, trace, str(Path(a.model).resolve()), a.block_size)
+        rows, info = run(fleet, trace, str(Path(a.model).resolve()), a.block_size, a.restart_router_at)
     summary = summarize(rows, info)
     meta["removed_blocks"] = info.get("removed_blocks", "?")
     n = summary["requests"]
