@@ -79,3 +79,19 @@ def test_the_chat_trace_is_seeded_and_mixes_shared_systems_turns_salts_and_compl
     assert 1 < len(systems) <= 4  # shared across conversations
     assert any("cache_salt" in r.body for r in chats)
     assert any(isinstance(r.body.get("prompt"), list) for r in trace)
+
+
+def test_the_e2e_summary_counts_exact_requests_and_lists_each_miss() -> None:
+    from routerlab.realvllm.precise_e2e import Row, format_row, markdown, summarize
+
+    def row(i: int, router_cached: int, vllm_cached: int) -> Row:
+        return Row(i, CHAT, f"c{i}", "127.0.0.1:1", 300, 300, router_cached, vllm_cached, vllm_cached, True,
+                   "events", "127.0.0.1:1", 2, 10.0, {"127.0.0.1:1": router_cached, "127.0.0.1:2": 0})
+
+    rows = [row(0, 0, 0), row(1, 256, 256), row(2, 224, 256)]
+    s = summarize(rows, {"removed_blocks": 5})
+    assert (s["requests"], s["prompt_tokens_equal"], s["cached_tokens_equal"], s["requests_with_hits"]) == (3, 3, 2, 2)
+    assert [m["index"] for m in s["misses"]] == [2]
+    assert "NO" in format_row(rows[2]) and "yes" in format_row(rows[1])
+    table = markdown(s, rows, {"removed_blocks": 5})
+    assert "**2 / 3**" in table and "| 2 | c2 |" in table

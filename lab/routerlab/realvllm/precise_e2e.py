@@ -195,6 +195,9 @@ def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int,
         info["stored_blocks"] = sum(rec.stored_total(i) for i in range(len(addresses)))
         info["router_batches_total"] = router_metric(mport, "prefix_router_kv_batches_total")
         info["envoy"] = arm.envoy_stats()
+        # the router's own run-time check of its token ids against a replica's POST /tokenize
+        info["tokenizer_checks"] = {s.labels.get("result", ""): s.value for s in promtext.fetch_metrics(
+            f"http://127.0.0.1:{mport}") if s.name == "prefix_router_tokenizer_checks_total"}
     return rows, info
 
 
