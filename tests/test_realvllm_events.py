@@ -95,3 +95,15 @@ def test_the_e2e_summary_counts_exact_requests_and_lists_each_miss() -> None:
     assert "NO" in format_row(rows[2]) and "yes" in format_row(rows[1])
     table = markdown(s, rows, {"removed_blocks": 5})
     assert "**2 / 3**" in table and "| 2 | c2 |" in table
+
+
+def test_variants_change_only_the_form_of_some_requests() -> None:
+    plain, varied = build_chat_trace(200, seed=2), build_chat_trace(200, seed=2, variants=0.4)
+    changed = [(p, v) for p, v in zip(plain, varied) if p.body != v.body]
+    assert 40 < len(changed) < 120
+    assert all(p.label in v.label and p.path == v.path for p, v in zip(plain, varied))
+    kinds = {v.label.rsplit("[", 1)[1].rstrip("]") for _, v in changed}
+    assert {"parts", "unicode", "continue", "no-generation-prompt"} <= kinds
+    for p, v in changed:
+        if "continue" in v.label:
+            assert v.body["messages"][:-1] == p.body["messages"] and v.body["continue_final_message"]

@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default="tiny-llama")
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", type=float, default=0.0, metavar="SHARE",
+                   help="send this share of requests in a less common form (content parts, non-ASCII text, "
+                        "continue_final_message, no generation prompt, prompt lists, add_special_tokens false)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--num-gpu-blocks", type=int, default=96, help="per replica: small, so the trace evicts")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -267,12 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
     ensure_tiny_model(Path(a.model), a.vllm_python)
-    trace = build_chat_trace(a.requests, a.seed)
+    trace = build_chat_trace(a.requests, a.seed, variants=a.variants)
     fleet = VllmFleet(a.model, 2, a.base_port, a.vllm_python, block_size=a.block_size,
                       num_gpu_blocks=a.num_gpu_blocks, max_model_len=a.max_model_len, cores=[0, 1],
                       served_model_name=a.served_model_name, prompt_tokens_details=True,
                       kv_events_offset=EVENTS_OFFSET, kv_replay_offset=REPLAY_OFFSET)
     meta: dict[str, Any] = {"block_size": a.block_size, "num_gpu_blocks": a.num_gpu_blocks, "seed": a.seed,
+                            "variants": a.variants,
                             "command": "python -m routerlab.realvllm.precise_e2e " + " ".join(argv or sys.argv[1:])}
     with fleet:
         print(HEADER, flush=True)
