@@ -10,6 +10,7 @@ token ids for each recorded body. No vLLM runs here.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -26,7 +27,7 @@ ADDRESS = "127.0.0.1:8641"
 
 
 def load(hashes: str) -> dict:
-    return json.loads((FIXTURES / f"vllm-0.32-{hashes}.json").read_text())
+    return json.loads(gzip.decompress((FIXTURES / f"vllm-0.32-{hashes}.json.gz").read_bytes()))
 
 
 @pytest.fixture(params=["int", "bytes"])

