@@ -1,5 +1,6 @@
-"""Real vLLM (CPU build) beside the simulator: a tiny offline model, a fleet launcher and a
-fidelity check that replays one token-id trace against both and compares prefix-cache counters.
+"""Real vLLM (CPU build) beside the simulator: a tiny offline model, a fleet launcher, a
+fidelity check that replays one token-id trace against both and compares prefix-cache counters,
+and the KV-cache event tooling that checks the simulator's events and precise mode against vLLM's.
 
 Nothing here imports vLLM, torch or transformers at import time: vLLM runs in its own venv
 (see docs/fidelity.md) and is only ever started as a subprocess.
@@ -13,4 +14,11 @@ Nothing here imports vLLM, torch or transformers at import time: vLLM runs in it
   vLLM's prefix cache (pure Python, tested in CI).
 - :mod:`routerlab.realvllm.fidelity` -- real vLLM vs simulator, request by request.
 - :mod:`routerlab.realvllm.promtext` -- small HTTP/Prometheus helpers (stdlib only).
+- :mod:`routerlab.realvllm.event_recorder` -- record every raw KV-cache event frame N publishers send.
+- :mod:`routerlab.realvllm.event_capture` -- real vLLM event streams as CI fixtures
+  (tests/fixtures/vllm_kv_events, replayed by tests/test_vllm_captures.py).
+- :mod:`routerlab.realvllm.event_fidelity` -- the simulator's events vs real vLLM's, by block content.
+- :mod:`routerlab.realvllm.chat_trace` -- the seeded multi-turn chat trace of the end-to-end check.
+- :mod:`routerlab.realvllm.precise_e2e` -- precise mode behind Envoy in front of real vLLM: the
+  router's view against vLLM's usage, request by request.
 """
