@@ -125,79 +125,105 @@ class OwnView:
         return self.index.match(own).get(address, 0) * size
 
 
+class Stack:
+    """The running router (behind Envoy), this module's own event recorder and view, and one request's check."""
+
+    def __init__(self, fleet: VllmFleet, arm: RunningArm, rec: EventRecorder, model_dir: str, block: int) -> None:
+        self.fleet, self.arm, self.rec, self.block = fleet, arm, rec, block
+        self.addresses = [u.split("://", 1)[1] for u in fleet.urls]
+        self.port, self.mport = int(arm.url.rsplit(":", 1)[1]), arm.metrics_ports[0]
+        self.own = OwnView(rec, self.addresses)
+        self.tokenizer = ModelTokenizer(model_dir)
+        self.late = 0  # waits for the router to catch up that timed out
+
+    def metric(self, name: str, **labels: str) -> float:
+        return router_metric(self.mport, name, **labels)
+
+    def hears_every_replica(self, timeout: float = 30) -> None:
+        if not wait(lambda: self.metric("prefix_router_kv_view_origin", origin="none") == 0
+                    and self.metric("prefix_router_kv_view_origin") == len(self.addresses), timeout):
+            raise RuntimeError(f"the router did not hear from every replica's events within {timeout:.0f} s")
+
+    def caught_up(self, index: int) -> None:
+        """Until the router has applied every batch this module's SUB socket has seen (10 s at most)."""
+        published = self.rec.batches()
+        if not wait(lambda: self.metric("prefix_router_kv_batches_total") >= published, 10):
+            self.late += 1
+            log(f"[e2e] #{index}: the router applied fewer than {published} batches after 10 s")
+
+    def check(self, req: TraceRequest) -> Row:
+        """The router's view of ``req`` (``/debug/pick``), then ``req`` through Envoy, compared."""
+        body = json.dumps({"model": self.fleet.model_name, "temperature": 0, "return_token_ids": True,
+                           **req.body}).encode()
+        status, _, raw = post(self.mport, "/debug/pick", body)
+        if status != 200:
+            raise RuntimeError(f"/debug/pick -> {status}: {raw[:300]!r}")
+        seen = json.loads(raw)
+        local_ids = list(self.tokenizer.token_array(json.loads(body), "chat" if req.path == CHAT else "completions"))
+        stored_before = [self.rec.stored_total(i) for i in range(len(self.addresses))]
+        frames_before = self.rec.count()
+        t0 = time.perf_counter()
+        status, headers, raw = post(self.port, req.path, body)
+        ms = (time.perf_counter() - t0) * 1000
+        if status != 200:
+            raise RuntimeError(f"#{req.index} {req.path} -> {status}: {raw[:300]!r}")
+        reply = json.loads(raw)
+        usage = reply["usage"]
+        served = headers[UPSTREAM_HEADER]
+        p, m = usage["prompt_tokens"], usage["completion_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        vllm_ids = reply.get("prompt_token_ids") or reply["choices"][0].get("prompt_token_ids") or []
+        view = self.own.cached(served, vllm_ids, self.block, req.body.get("cache_salt"), frames_before)
+        candidate = {c["address"]: c for c in seen["candidates"]}.get(served, {})
+        row = Row(req.index, req.path, req.label, served, seen["prompt_tokens"], p,
+                  int(candidate.get("cached_tokens", -1)), cached, view, local_ids == list(vllm_ids),
+                  str(candidate.get("events_origin")), str(seen.get("address")), m, round(ms, 1),
+                  {c["address"]: int(c["cached_tokens"]) for c in seen["candidates"]})
+        # the blocks vLLM newly caches for it, so the next request's wait counts them
+        i = self.addresses.index(served)
+        expected = (p + m - 1) // self.block - cached // self.block
+        if not self.rec.wait(lambda: self.rec.stored_total(i) >= stored_before[i] + expected, 5.0):
+            log(f"[e2e] #{req.index}: saw {self.rec.stored_total(i) - stored_before[i]} of {expected} stored blocks")
+        return row
+
+    def info(self) -> dict[str, Any]:
+        rec = self.rec
+        return {
+            "router_waits_timed_out": self.late, "batches_seen": rec.batches(),
+            "removed_blocks": sum(removed_blocks(f) for f in rec.since(0)),
+            "stored_blocks": sum(rec.stored_total(i) for i in range(len(self.addresses))),
+            "router_batches_total": self.metric("prefix_router_kv_batches_total"),
+            "envoy": self.arm.envoy_stats(),
+            # the router's own run-time check of its token ids against a replica's POST /tokenize
+            "tokenizer_checks": {s.labels.get("result", ""): s.value for s in promtext.fetch_metrics(
+                f"http://127.0.0.1:{self.mport}") if s.name == "prefix_router_tokenizer_checks_total"},
+        }
+
+
 def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int,
         restart_at: int | None = None) -> tuple[list[Row], dict[str, Any]]:
     """The trace through the stack; with ``restart_at``, the router is restarted before that request and
     must rebuild its view from vLLM's replay buffers (its counters start again at 0)."""
-    name = fleet.model_name
-    addresses = [u.split("://", 1)[1] for u in fleet.urls]
-    flags = ["--kv-events", "on", "--tokenizer", f"{name}={model_dir}", "--kv-ports-relative", "on",
+    flags = ["--kv-events", "on", "--tokenizer", f"{fleet.model_name}={model_dir}", "--kv-ports-relative", "on",
              "--kv-events-port", str(EVENTS_OFFSET), "--kv-replay-port", str(REPLAY_OFFSET)]
-    tokenizer = ModelTokenizer(model_dir)
     rows: list[Row] = []
     info: dict[str, Any] = {}
     with EventRecorder(fleet.kv_event_urls) as rec, \
             RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True, event_flags=flags) as arm:
-        port, mport = int(arm.url.rsplit(":", 1)[1]), arm.metrics_ports[0]
-        if not wait(lambda: router_metric(mport, "prefix_router_kv_view_origin", origin="none") == 0
-                    and router_metric(mport, "prefix_router_kv_view_origin") == len(addresses), 30):
-            raise RuntimeError("the router did not hear from every replica's events within 30 s")
-        own = OwnView(rec, addresses)
-        late = 0
+        stack = Stack(fleet, arm, rec, model_dir, block)
+        stack.hears_every_replica()
         t_start = time.monotonic()
         for req in trace:
             if req.index == restart_at:
                 arm.restart_router(0)
                 log(f"[e2e] router restarted before #{req.index}: its view comes from vLLM's replay buffers")
-                if not wait(lambda: router_metric(mport, "prefix_router_kv_view_origin", origin="none") == 0, 30):
-                    raise RuntimeError("the restarted router did not hear from every replica within 30 s")
-                info["replayed_batches_after_restart"] = router_metric(mport, "prefix_router_kv_replayed_batches_total")
-            published = rec.batches()
-            if not wait(lambda: router_metric(mport, "prefix_router_kv_batches_total") >= published, 10):
-                late += 1
-                log(f"[e2e] #{req.index}: the router applied fewer than {published} batches after 10 s")
-            body = json.dumps({"model": name, "temperature": 0, "return_token_ids": True, **req.body}).encode()
-            status, _, raw = post(mport, "/debug/pick", body)
-            if status != 200:
-                raise RuntimeError(f"/debug/pick -> {status}: {raw[:300]!r}")
-            seen = json.loads(raw)
-            kind = "chat" if req.path == CHAT else "completions"
-            local_ids = list(tokenizer.token_array(json.loads(body), kind))
-            stored_before = [rec.stored_total(i) for i in range(len(addresses))]
-            frames_before = rec.count()
-            t0 = time.perf_counter()
-            status, headers, raw = post(port, req.path, body)
-            ms = (time.perf_counter() - t0) * 1000
-            if status != 200:
-                raise RuntimeError(f"#{req.index} {req.path} -> {status}: {raw[:300]!r}")
-            reply = json.loads(raw)
-            usage = reply["usage"]
-            served = headers[UPSTREAM_HEADER]
-            i = addresses.index(served)
-            p, m = usage["prompt_tokens"], usage["completion_tokens"]
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            vllm_ids = reply.get("prompt_token_ids") or reply["choices"][0].get("prompt_token_ids") or []
-            view = own.cached(served, vllm_ids, block, req.body.get("cache_salt"), frames_before)
-            candidate = {c["address"]: c for c in seen["candidates"]}.get(served, {})
-            row = Row(req.index, req.path, req.label, served, seen["prompt_tokens"], p,
-                      int(candidate.get("cached_tokens", -1)), cached, view, local_ids == list(vllm_ids),
-                      str(candidate.get("events_origin")), str(seen.get("address")), m, round(ms, 1),
-                      {c["address"]: int(c["cached_tokens"]) for c in seen["candidates"]})
-            rows.append(row)
-            expected = (p + m - 1) // block - cached // block
-            if not rec.wait(lambda: rec.stored_total(i) >= stored_before[i] + expected, 5.0):
-                log(f"[e2e] #{req.index}: saw {rec.stored_total(i) - stored_before[i]} of {expected} stored blocks")
-            print(format_row(row), flush=True)
+                stack.hears_every_replica()
+                info["replayed_batches_after_restart"] = stack.metric("prefix_router_kv_replayed_batches_total")
+            stack.caught_up(req.index)
+            rows.append(stack.check(req))
+            print(format_row(rows[-1]), flush=True)
         info["trace_seconds"] = round(time.monotonic() - t_start, 1)
-        info["router_waits_timed_out"] = late
-        info["batches_seen"] = rec.batches()
-        info["removed_blocks"] = sum(removed_blocks(f) for f in rec.since(0))
-        info["stored_blocks"] = sum(rec.stored_total(i) for i in range(len(addresses)))
-        info["router_batches_total"] = router_metric(mport, "prefix_router_kv_batches_total")
-        info["envoy"] = arm.envoy_stats()
-        # the router's own run-time check of its token ids against a replica's POST /tokenize
-        info["tokenizer_checks"] = {s.labels.get("result", ""): s.value for s in promtext.fetch_metrics(
-            f"http://127.0.0.1:{mport}") if s.name == "prefix_router_tokenizer_checks_total"}
+        info.update(stack.info())
     return rows, info
 
 
