@@ -107,3 +107,16 @@ def test_variants_change_only_the_form_of_some_requests() -> None:
     for p, v in changed:
         if "continue" in v.label:
             assert v.body["messages"][:-1] == p.body["messages"] and v.body["continue_final_message"]
+
+
+def test_under_concurrency_a_conversations_turns_wait_for_each_other() -> None:
+    from routerlab.realvllm.precise_e2e import previous_turns
+
+    trace = build_chat_trace(60, seed=1, variants=0.3)
+    previous = previous_turns(trace)
+    by_index = {r.index: r for r in trace}
+    assert previous and all(by_index[p].conversation == by_index[i].conversation and p < i
+                            for i, p in previous.items())
+    assert all(by_index[i].path == CHAT for i in previous)
+    firsts = {r.conversation for r in trace if r.conversation}
+    assert len(firsts) == len([r for r in trace if r.conversation and r.index not in previous])

@@ -30,6 +30,7 @@ class TraceRequest:
     path: str
     body: dict[str, Any]  # without "model"
     label: str
+    conversation: str | None = None  # the turns of one conversation are sent in order, one after another
 
 
 @dataclass
@@ -87,7 +88,7 @@ def build_chat_trace(requests: int, seed: int = 0, completions_share: float = 0.
         if conv.salt:
             body["cache_salt"] = conv.salt
         out.append(TraceRequest(i, CHAT, body, f"{conv.tag} turn {conv.done + 1}/{conv.turns}"
-                                + (f" salt {conv.salt}" if conv.salt else "")))
+                                + (f" salt {conv.salt}" if conv.salt else ""), conv.tag))
         if variants and vrng.random() < variants:
             out[-1] = _variant(vrng, out[-1])
         conv.messages.append({"role": "assistant", "content": " ".join(
@@ -142,4 +143,4 @@ def _variant(rng: random.Random, req: TraceRequest) -> TraceRequest:
         else:
             kind = "prompt-list"
             body["prompt"] = [body["prompt"]]
-    return TraceRequest(req.index, req.path, body, f"{req.label} [{kind}]")
+    return TraceRequest(req.index, req.path, body, f"{req.label} [{kind}]", req.conversation)
