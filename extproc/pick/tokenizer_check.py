@@ -117,10 +117,7 @@ class TokenizerCheck:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._session is not None:
             await self._session.close()
