@@ -136,8 +136,8 @@ def run_capture(fleet: VllmFleet, hashes: str, seed: int) -> dict[str, Any]:
     url = fleet.urls[0]
     requests = []
     with EventRecorder(fleet.kv_event_urls) as rec:
-        first = post(url, "/v1/completions", {"model": MODEL_NAME, "prompt": [7, 8, 9], "max_tokens": 1})
-        del first  # a 3-token prompt stores nothing: it only proves the server answers before we count
+        # a 3-token prompt stores nothing: it only proves the server answers before anything is counted
+        post(url, "/v1/completions", {"model": MODEL_NAME, "prompt": [7, 8, 9], "max_tokens": 1})
         for i, (label, path, body) in enumerate(capture_trace(seed)):
             payload = {"model": MODEL_NAME, "max_tokens": 1, "temperature": 0, "return_token_ids": True, **body}
             sent = time.time()
