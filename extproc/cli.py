@@ -1,7 +1,7 @@
 """`prefix-router` command line: one subcommand per module, imported only when used.
 
 The router's own commands (serve, health, explain) live here. The lab's commands (sim,
-bench, microbench, demo, fuzz) live in the lab distribution, which registers them under the
+bench, microbench, demo, fuzz, ab) live in the lab distribution, which registers them under the
 ``prefix_router.commands`` entry-point group: the router finds them without importing the
 lab, and a production install without the lab says in one line what to install.
 
@@ -24,7 +24,7 @@ DIST: Final = "envoy-prefix-router"
 LAB_DIST: Final = "envoy-prefix-router-lab"
 LAB_GROUP: Final = "prefix_router.commands"
 # Named only so that a router-only install can say where they are.
-LAB_NAMES: Final = ("sim", "bench", "microbench", "demo", "fuzz")
+LAB_NAMES: Final = ("sim", "bench", "microbench", "demo", "fuzz", "ab")
 
 
 @dataclass(frozen=True, slots=True)

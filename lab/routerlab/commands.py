@@ -18,3 +18,5 @@ MICROBENCH: Final = Command("routerlab.bench.microbench", "the router's own work
 DEMO: Final = Command("routerlab.bench.demo", "short sagemaker-8k comparison (round robin vs pick mode)", "bench", LAB)
 FUZZ: Final = Command("routerlab.fuzz", "hostile-input run over normalise, key and pick: exceptions, time and memory "
                       "per body", dist=LAB)
+AB: Final = Command("routerlab.ab.cli", "A/B on a live fleet: switchback driver and analysis with a verdict",
+                    dist=LAB)

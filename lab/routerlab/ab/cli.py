@@ -1,0 +1,167 @@
+"""``prefix-router ab``: analyse an A/B run (``analyze``), or drive a switchback and analyse it
+(``switchback``).
+
+Exit codes: 0 a verdict (a significant change, or "no significant difference yet"); 2 bad
+arguments or unreadable input; 3 no verdict possible (no traffic in an arm, too few windows or
+sessions, Envoy's admin or the replicas' metrics unreachable at the start); 4 a TTFT verdict
+but no hit-rate comparison although counters were asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from routerlab.ab import accesslog, analysis, driver, report
+from routerlab.ab import windows as windows_file
+from routerlab.ab.counters import Delta, prometheus_increase
+from routerlab.ab.stats import DRAWS
+
+EXIT_BAD_INPUT = 2
+
+
+def _metrics_urls(values: list[str]) -> list[str]:
+    """``--metrics-url`` values: URL or ARM=URL, comma-separated, repeatable (in a switchback
+    every replica serves the running arm, so the arm labels only say which pool a URL is in)."""
+    urls = []
+    for value in values:
+        for item in value.split(","):
+            item = item.strip()
+            if item:
+                urls.append(item.partition("=")[2] if "=" in item.split("://")[0] else item)
+    return list(dict.fromkeys(urls))
+
+
+def _selectors(values: list[str]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        arm, sep, selector = value.partition("=")
+        if not sep:
+            raise SystemExit(f"--selector needs ARM=LABELS (e.g. prefix='pool=\"prefix\"'), got {value!r}")
+        out[arm.strip()] = selector.strip().strip("{}")
+    return out
+
+
+def _add_analysis_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON (to compare runs)")
+    p.add_argument("--plots", metavar="DIR", help="write ttft_cdf.png and over_time.png (needs the [bench] extra)")
+    p.add_argument("--draws", type=int, default=DRAWS, help=f"bootstrap draws (default {DRAWS})")
+    p.add_argument("--prometheus", metavar="URL", help="read the counters' increases from this Prometheus server "
+                   "instead of (or besides) the windows file's edges")
+    p.add_argument("--selector", action="append", default=[], metavar="ARM=LABELS",
+                   help="with --prometheus: the label matcher of an arm's pool (pools, shared), or fleet=LABELS "
+                        "for the whole fleet (switchback); default: every series")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="ab_command", required=True)
+    a = sub.add_parser("analyze", help="per-arm TTFT, errors, hit rate and the difference with a 95 %% CI",
+                       description="Analyse an A/B run from Envoy's JSON access log (and the windows file).")
+    a.add_argument("--access-log", required=True, metavar="FILE", help="Envoy's JSON access log")
+    a.add_argument("--design", required=True, choices=analysis.DESIGNS,
+                   help="switchback (interval over windows), pools or shared (interval over sessions)")
+    a.add_argument("--windows", metavar="FILE", help="the windows file (switchback: required, written by `ab switchback`; pools and shared: "
+                        "optional, windows whose counters are keyed by arm give each pool's hit rate)")
+    a.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    _add_analysis_arguments(a)
+    s = sub.add_parser("switchback", help="flip the whole fleet between the arms in randomised windows, then analyse",
+                       description="Drive Envoy's ab.prefix_share between 100 and 0 in randomised windows "
+                                   "(balanced pairs), record the windows, restore the share, analyse.")
+    s.add_argument("--admin", required=True, metavar="URL", help="Envoy's admin, e.g. http://127.0.0.1:9901")
+    s.add_argument("--duration", type=float, required=True, metavar="S", help="bound on the whole run (seconds)")
+    s.add_argument("--window-min", type=float, default=60.0, metavar="S", help="shortest window (default 60)")
+    s.add_argument("--window-max", type=float, default=120.0, metavar="S", help="longest window (default 120)")
+    s.add_argument("--burn-in", type=float, default=20.0, metavar="S",
+                   help="seconds discarded after each switch (default 20; longer than your cache turnover)")
+    s.add_argument("--access-log", required=True, metavar="FILE", help="the access log Envoy writes")
+    s.add_argument("--windows", metavar="FILE", help="where to write the windows (default: ab-windows.jsonl)",
+                   default="ab-windows.jsonl")
+    s.add_argument("--metrics-url", action="append", default=[], metavar="[ARM=]URL,...",
+                   help="the replicas' base URLs (their /metrics are read at each window's edges); repeatable")
+    s.add_argument("--seed", type=int, default=0, help="seed of the plan and the bootstrap (default 0)")
+    _add_analysis_arguments(s)
+
+
+def _prometheus(args: argparse.Namespace):
+    if not args.prometheus:
+        return None
+    selectors = _selectors(args.selector)
+
+    def read(arm: str, start: float, end: float) -> Delta:
+        return prometheus_increase(args.prometheus, selectors.get(arm, ""), start, end)
+
+    return read
+
+
+def _analyse(args: argparse.Namespace, design: str, windows_path: str | None) -> int:
+    try:
+        log = accesslog.read(args.access_log)
+    except (OSError, ValueError) as e:
+        print(f"prefix-router ab: cannot read the access log: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    wf = None
+    if windows_path:
+        try:
+            wf = windows_file.read(windows_path)
+        except OSError as e:
+            print(f"prefix-router ab: cannot read the windows file: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    if log.lines and log.garbage == log.lines:
+        print(f"prefix-router ab: {args.access_log}: all {log.lines} lines are garbage (not Envoy's JSON access "
+              f"log?); first: {log.garbage_examples[0]}", file=sys.stderr)
+        return analysis.EXIT_NO_VERDICT
+    result = analysis.analyze(log, design, wf, _prometheus(args), seed=args.seed, draws=args.draws)
+    print(report.text(result, args.access_log), end="")
+    if args.json:
+        report.write_json(result, args.json, {"access_log": str(args.access_log), "windows_file": windows_path})
+    if args.plots and result.ttft and any(result.ttft.values()):
+        try:
+            from routerlab.ab import plots
+        except ImportError as e:
+            print(f"prefix-router ab: no plots ({e}): pip install './lab[bench]'", file=sys.stderr)
+        else:
+            for path in plots.write_all(result, args.plots).values():
+                print(f"plot: {path}")
+    if result.fatal:
+        for f in result.fatal:
+            print(f"prefix-router ab: no verdict: {f}", file=sys.stderr)
+    return result.exit_code
+
+
+def _switchback(args: argparse.Namespace) -> int:
+    try:
+        planned = driver.plan(args.duration, args.window_min, args.window_max, args.seed)
+        if args.burn_in >= args.window_min:
+            raise driver.DriverError(f"--burn-in {args.burn_in:g} s must be shorter than --window-min "
+                                     f"{args.window_min:g} s, or a window measures nothing")
+    except driver.DriverError as e:
+        print(f"prefix-router ab switchback: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    t0 = time.monotonic()
+
+    def progress(text: str) -> None:
+        print(f"[ab] {time.monotonic() - t0:6.1f}s {text}", file=sys.stderr, flush=True)
+
+    try:
+        header = driver.run(driver.Admin(args.admin), args.windows, planned, args.burn_in,
+                            _metrics_urls(args.metrics_url), progress, seed=args.seed)
+    except driver.DriverError as e:
+        print(f"prefix-router ab switchback: {e}", file=sys.stderr)
+        return analysis.EXIT_NO_VERDICT
+    progress(f"done: {header['windows_done']} windows, share restored to "
+             f"{header['restored'] if header['restored'] is not None else 'the config default'}")
+    if "interrupted" in header:
+        progress(f"interrupted ({header['interrupted']}): analysing the windows that ended")
+    windows_file.append(args.windows, {"kind": "run", **header})
+    last_end = max((w.end for w in windows_file.read(args.windows).windows), default=time.time())
+    if not driver.wait_for_log(args.access_log, last_end):
+        progress("the access log was not written after the last window (is Envoy logging to it?)")
+    return _analyse(args, "switchback", args.windows)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ab_command == "switchback":
+        return _switchback(args)
+    return _analyse(args, args.design, args.windows)

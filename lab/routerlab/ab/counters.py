@@ -1,0 +1,113 @@
+"""vLLM's counters at window edges, and what they say between two edges.
+
+A snapshot is each replica's counters (``vllm:prefix_cache_queries_total`` and ``_hits_total``,
+``vllm:request_success_total``) and the ``vllm:num_requests_running`` gauge, read from its
+/metrics. The delta between two snapshots is summed over replicas; a counter that went
+down restarted with its replica, so its delta is its new value (what it counted since the
+restart: the part before the restart is lost, and the delta says so in ``resets``). A replica
+that did not answer at either edge is named in ``missing`` and left out, never filled in.
+
+A Prometheus server can stand in for the replicas: ``prometheus_increase`` asks it for
+``sum(increase(counter{selector}[w]))`` at the window's end, which handles resets the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any
+
+from routerlab.realvllm.promtext import HITS, QUERIES, fetch_metrics, http_get, metric_sum
+
+SUCCESS = "vllm:request_success_total"
+RUNNING = "vllm:num_requests_running"
+COUNTERS = {"queries": QUERIES, "hits": HITS, "success": SUCCESS}
+Snapshot = dict[str, dict[str, float] | str]  # url -> {name: value}, or url -> the error text
+
+
+def scrape(urls: list[str], timeout: float = 2.0) -> Snapshot:
+    """Each replica's counters now; an unreachable one maps to its error message."""
+    out: Snapshot = {}
+    for url in urls:
+        try:
+            samples = fetch_metrics(url, timeout=timeout)
+        except (OSError, ValueError) as e:
+            out[url] = f"{type(e).__name__}: {e}"
+            continue
+        values = {key: metric_sum(samples, name) for key, name in COUNTERS.items()}
+        values["running"] = metric_sum(samples, RUNNING)
+        out[url] = values
+    return out
+
+
+@dataclass
+class Delta:
+    queries: float = 0.0
+    hits: float = 0.0
+    success: float = 0.0
+    replicas: int = 0  # replicas counted (answered at both edges)
+    resets: list[str] = field(default_factory=list)  # replicas whose counters went down (restarted)
+    missing: list[str] = field(default_factory=list)  # replicas unreadable at an edge
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.queries if self.queries > 0 else None
+
+    def add(self, other: "Delta") -> "Delta":
+        return Delta(self.queries + other.queries, self.hits + other.hits, self.success + other.success,
+                     max(self.replicas, other.replicas), self.resets + other.resets, self.missing + other.missing)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"queries": self.queries, "hits": self.hits, "success": self.success, "hit_rate": self.hit_rate,
+                "replicas": self.replicas, "resets": self.resets, "missing": self.missing}
+
+
+def delta(before: Snapshot, after: Snapshot) -> Delta:
+    """Counter increases from ``before`` to ``after``, summed over the replicas read at both."""
+    d = Delta()
+    for url in sorted(set(before) | set(after)):
+        a, b = before.get(url), after.get(url)
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            d.missing.append(url)
+            continue
+        d.replicas += 1
+        reset = any(b.get(k, 0.0) < a.get(k, 0.0) for k in COUNTERS)
+        if reset:  # restarted inside the window: all its counters started again from zero
+            d.resets.append(url)
+        for key in COUNTERS:
+            inc = b.get(key, 0.0) if reset else b.get(key, 0.0) - a.get(key, 0.0)
+            setattr(d, key, getattr(d, key) + inc)
+    return d
+
+
+def prometheus_increase(base_url: str, selector: str, start: float, end: float, timeout: float = 5.0) -> Delta:
+    """The counters' increase over [start, end] from a Prometheus server's HTTP API.
+
+    ``selector`` is a label matcher without braces (``pool="prefix"``), or "" for all series.
+    Raises OSError when the server cannot be asked, ValueError when it answers an error.
+    """
+    window = max(1, round(end - start))
+    d = Delta()
+    for key, name in COUNTERS.items():
+        query = f"sum(increase({name}{{{selector}}}[{window}s]))"
+        url = base_url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query, "time": f"{end:.3f}"})
+        status, body = http_get(url, timeout=timeout)
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            raise ValueError(f"{base_url}: HTTP {status}, not JSON") from None
+        if status != 200 or doc.get("status") != "success":
+            raise ValueError(f"{base_url}: {query}: {doc.get('error', f'HTTP {status}')}")
+        result = doc["data"]["result"]
+        if result:
+            setattr(d, key, float(result[0]["value"][1]))
+    count_query = f"count(count by (instance) ({QUERIES}{{{selector}}}))"
+    status, body = http_get(base_url.rstrip("/") + "/api/v1/query?"
+                            + urllib.parse.urlencode({"query": count_query, "time": f"{end:.3f}"}), timeout=timeout)
+    try:
+        result = json.loads(body)["data"]["result"]
+        d.replicas = int(float(result[0]["value"][1])) if result else 0
+    except (ValueError, KeyError, IndexError, TypeError):
+        d.replicas = 0
+    return d

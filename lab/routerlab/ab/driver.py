@@ -1,0 +1,178 @@
+"""The switchback: the whole fleet alternates between the arms in randomised windows.
+
+Envoy's runtime key ``ab.prefix_share`` (envoy/ab.yaml, the A/B configs) is set to 100 (prefix
+arm) or 0 (stock arm) through the admin API's ``/runtime_modify``. The plan is drawn up front
+from a seed: balanced pairs (each pair has one window of each arm, in random order), each
+window's length uniform in [window_min, window_max], as many pairs as fit the duration. At
+each window's start, at the end of its burn-in and at its end the replicas' counters are
+read; each window is appended to the windows file as it ends. Whatever happens (the end, an
+error, Ctrl-C, SIGTERM), the share found at the start is put back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from routerlab.ab import counters, windows
+
+KEY = "ab.prefix_share"
+SHARE = {"prefix": 100, "stock": 0}
+
+
+class DriverError(RuntimeError):
+    """The switchback cannot start or go on (Envoy's admin unreachable, a plan that does not fit)."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    arm: str
+    seconds: float
+
+
+def plan(duration: float, window_min: float, window_max: float, seed: int) -> list[Planned]:
+    """Balanced pairs of windows that fit in ``duration``; at least two pairs or DriverError."""
+    if not 0 < window_min <= window_max:
+        raise DriverError(f"window bounds must satisfy 0 < min <= max, got {window_min} and {window_max}")
+    rng = random.Random(seed)
+    out: list[Planned] = []
+    used = 0.0
+    for _ in range(10_000):
+        lengths = [rng.uniform(window_min, window_max) for _ in range(2)]
+        if used + sum(lengths) > duration + 1e-9:
+            break
+        arms = ["prefix", "stock"]
+        rng.shuffle(arms)
+        out += [Planned(arm, round(s, 3)) for arm, s in zip(arms, lengths)]
+        used += sum(lengths)
+    if len(out) < 4:
+        raise DriverError(f"--duration {duration:g} s holds {len(out) // 2} pair(s) of windows of "
+                          f"{window_min:g}-{window_max:g} s; the interval needs at least 2 pairs: "
+                          "run longer or use shorter windows")
+    return out
+
+
+class Admin:
+    """Envoy's admin API: read and set one runtime key."""
+
+    def __init__(self, base_url: str, timeout: float = 3.0) -> None:
+        self.base = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def _call(self, path: str, method: str = "GET") -> str:
+        req = urllib.request.Request(self.base + path, method=method, data=b"" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.read().decode()
+        except urllib.error.HTTPError as e:
+            raise DriverError(f"Envoy admin {self.base}{path}: HTTP {e.code}: {e.read().decode()[:200]}") from None
+        except OSError as e:
+            raise DriverError(f"Envoy admin {self.base} unreachable: {e}") from None
+
+    def share(self) -> str | None:
+        """The admin layer's value of the key ("" or None when it is not set there)."""
+        doc = json.loads(self._call("/runtime?format=json"))
+        entry = doc.get("entries", {}).get(KEY)
+        if not entry:
+            return None
+        layers = [layer for layer in doc.get("layers", [])]
+        values = entry.get("layer_values", [])
+        admin = [v for name, v in zip(layers, values) if name == "admin"]
+        return (admin[0] if admin else entry.get("final_value")) or None
+
+    def set_share(self, value: int | str) -> None:
+        """Set the key in the admin layer; "" removes it (the config's default applies again)."""
+        self._call("/runtime_modify?" + urllib.parse.urlencode({KEY: str(value)}), method="POST")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in: float, urls: list[str],
+        progress: Callable[[str], None] = lambda _: None, seed: int = 0,
+        clock: Callable[[], float] = time.time) -> dict[str, Any]:
+    """Drive the plan; returns the header written (with ``interrupted`` when stopped early)."""
+    if any(p.seconds <= burn_in for p in planned):
+        raise DriverError(f"burn-in {burn_in:g} s is not shorter than every window "
+                          f"(shortest {min(p.seconds for p in planned):g} s): nothing would be measured")
+    found = admin.share()  # fails early, before anything is changed, when the admin is unreachable
+    first = counters.scrape(urls)
+    dead = {u: e for u, e in first.items() if isinstance(e, str)}
+    if dead:
+        raise DriverError("replica metrics unreachable: " + "; ".join(f"{u}: {e}" for u, e in dead.items()))
+    path = Path(windows_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    header: dict[str, Any] = {"kind": "run", "design": "switchback", "burn_in": burn_in, "seed": seed,
+                              "share_found": found, "metrics_urls": urls, "planned": [p.__dict__ for p in planned]}
+    windows.append(path, header)
+    old_term = signal.signal(signal.SIGTERM, _raise_stop) if _main_thread() else None
+    done = 0
+    total = sum(p.seconds for p in planned)
+    try:
+        edge = first
+        for i, p in enumerate(planned):
+            admin.set_share(SHARE[p.arm])
+            start = clock()
+            start_edge = edge if i else counters.scrape(urls)
+            progress(f"window {i + 1}/{len(planned)}: {p.arm} for {p.seconds:.1f} s "
+                     f"(burn-in {burn_in:g} s), {total - done:.0f} s left")
+            _sleep_until(start + burn_in, clock)
+            measure = counters.scrape(urls)
+            _sleep_until(start + p.seconds, clock)
+            end = clock()
+            edge = counters.scrape(urls)
+            w = windows.Window(i, p.arm, start, end, burn_in,
+                               {"fleet": {"start": start_edge, "measure": measure, "end": edge}})
+            windows.append(path, w.to_json())
+            done += p.seconds
+    except (KeyboardInterrupt, _Stop) as e:
+        header["interrupted"] = f"{type(e).__name__} {e}".strip()
+        progress(f"interrupted after {done:.0f} s: restoring the share")
+    finally:
+        try:
+            admin.set_share("" if found is None else found)
+        finally:
+            if old_term is not None:
+                signal.signal(signal.SIGTERM, old_term)
+    header["restored"] = found
+    header["windows_done"] = sum(1 for line in path.read_text().splitlines() if '"index"' in line)
+    return header
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _sleep_until(t: float, clock: Callable[[], float]) -> None:
+    """Sleep in short steps (a signal is handled within 0.2 s), bounded by ``t``."""
+    while (left := t - clock()) > 0:
+        time.sleep(min(left, 0.2))
+
+
+def wait_for_log(path: str | Path, after: float, quiet_s: float = 1.2, timeout: float = 6.0) -> bool:
+    """Until Envoy has flushed the access log past ``after`` (it flushes about every second): the
+    file was written after ``after`` and then stayed unchanged ``quiet_s``. False at the deadline."""
+    deadline = time.monotonic() + timeout
+    p = Path(path)
+    while time.monotonic() < deadline:
+        if p.exists() and after < (mtime := p.stat().st_mtime) < time.time() - quiet_s:
+            return True
+        time.sleep(0.1)
+    return False
