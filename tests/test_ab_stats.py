@@ -76,7 +76,7 @@ def test_switchback_analysis_finds_the_effect_and_the_hit_rate(tmp_path) -> None
 
 
 def test_null_effect_says_no_significant_difference_and_how_long_to_run(tmp_path) -> None:
-    log, wins = ab_synth.switchback(tmp_path, windows=8, effect=1.0, seed=2, window_sd=0.4, hit=(0.7, 0.7))
+    log, wins = ab_synth.switchback(tmp_path, windows=12, effect=1.0, seed=2, window_sd=0.4, hit=(0.7, 0.7))
     a = analysis.analyze(accesslog.read(log), "switchback", windows_file.read(wins), draws=800)
     assert a.exit_code == 0
     p50 = a.verdicts[0]
@@ -109,6 +109,10 @@ def test_switchback_with_a_restarted_replica_notes_it(tmp_path) -> None:
     a = analysis.analyze(accesslog.read(log), "switchback", windows_file.read(wins), draws=300)
     assert any("window 3: counters reset (replica restarted) on http://r2" in n for n in a.notes), a.notes
     assert a.arms["stock"]["kv_hit_rate"] > 0.5 and a.arms["prefix"]["kv_hit_rate"] > 0.8  # no negative deltas
+    assert a.fatal == ["too few windows for a verdict: 4 prefix + 4 stock; a verdict needs at least 5 per arm (a "
+                       "bootstrap over fewer makes the interval far too narrow): run about 2.0 more minutes"]
+    assert a.exit_code == 3 and not a.verdicts and a.changes  # the changes are shown, labelled, not a verdict
+    # one more pair of 60 s windows: 2 minutes
 
 
 def test_garbage_lines_are_counted_and_never_guessed(tmp_path) -> None:

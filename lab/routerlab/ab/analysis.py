@@ -30,7 +30,8 @@ from routerlab.ab.windows import Window, WindowsFile, assign
 DESIGNS = ("switchback", "pools", "shared")
 CONTROL, TREATMENT = "stock", "prefix"
 MIN_CLUSTERS = 2  # per arm, for any interval at all
-FEW_CLUSTERS = 6  # per arm, below which the interval is rough
+VERDICT_CLUSTERS = 5  # per arm, for a verdict: a percentile bootstrap over fewer is far too narrow
+FEW_CLUSTERS = 8  # per arm, below which the interval is still rough
 SHARED_WARNING = ("shared split: both arms ran on the same replicas, so they shared KV caches and queues; the "
                   "difference between them is biased (either way) and is a quick look, not a verdict on the fleet")
 POOLS_NOTE = ("pool split: the effect measured is at the pool's size; prefix routing gains more the more replicas "
@@ -269,7 +270,8 @@ def analyze(log: Log, design: str, windows: WindowsFile | None = None,
                            + (": run longer or with shorter windows" if unit == "windows" else ""))
     if a.fatal:
         return a
-    if min(len(clusters[arm]) for arm in ARMS) < FEW_CLUSTERS:
+    fewest = min(len(clusters[arm]) for arm in ARMS)
+    if VERDICT_CLUSTERS <= fewest < FEW_CLUSTERS:
         a.warnings.append(f"only {len(clusters[CONTROL])} + {len(clusters[TREATMENT])} {unit}: the interval is rough "
                           f"(a bootstrap over fewer than {FEW_CLUSTERS} {unit} per arm understates its width)")
     a.changes = quantile_changes(clusters[CONTROL], clusters[TREATMENT], unit=unit, seed=seed, draws=draws)
@@ -280,6 +282,13 @@ def analyze(log: Log, design: str, windows: WindowsFile | None = None,
         a.hit_rate_missing = True
         a.notes.append("KV hit rate: no counter deltas for "
                        + " and ".join(arm for arm in ARMS if not pairs[arm]) + ": no hit-rate comparison")
+    if fewest < VERDICT_CLUSTERS:
+        per_more = elapsed / fewest if fewest else 0.0
+        a.fatal.append(f"too few {unit} for a verdict: {len(clusters[TREATMENT])} prefix + {len(clusters[CONTROL])} "
+                       f"stock; a verdict needs at least {VERDICT_CLUSTERS} per arm (a bootstrap over fewer makes "
+                       "the interval far too narrow)" + (f": run about {(VERDICT_CLUSTERS - fewest) * per_more / 60:.1f}"
+                                                         " more minutes" if per_more else ""))
+        return a
     by_metric = {c.metric: c for c in a.changes}
     for metric in ("TTFT p50", "TTFT p90", "KV hit rate"):
         if metric in by_metric:

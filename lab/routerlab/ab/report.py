@@ -40,7 +40,8 @@ def text(a: Analysis, source: str = "") -> str:
                          f"{_ms(t['p90']):>6} {_ms(t['p99']):>6}    {_rate(s.get('kv_hit_rate')):>8} {rps:>14}")
     if a.changes:
         lines.append("")
-        lines.append("prefix vs stock (relative change, 95 % CI):")
+        lines.append("prefix vs stock (relative change, 95 % CI)" + (" (too few clusters: not a verdict):" if a.fatal
+                                                                     else ":"))
         for c in a.changes:
             lines.append(f"  {c.metric:<12} {interval_text(c):<26} over {c.clusters[1]} + {c.clusters[0]} {c.unit}")
     for title, items in (("warning", a.warnings), ("note", a.notes)):
