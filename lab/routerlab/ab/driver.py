@@ -168,11 +168,13 @@ def _sleep_until(t: float, clock: Callable[[], float]) -> None:
 
 def wait_for_log(path: str | Path, after: float, quiet_s: float = 1.2, timeout: float = 6.0) -> bool:
     """Until Envoy has flushed the access log past ``after`` (it flushes about every second): the
-    file was written after ``after`` and then stayed unchanged ``quiet_s``. False at the deadline."""
+    file was written more than a second after ``after`` (traffic goes on), or after ``after`` and
+    then stayed unchanged ``quiet_s`` (traffic stopped). False at the deadline."""
     deadline = time.monotonic() + timeout
     p = Path(path)
     while time.monotonic() < deadline:
-        if p.exists() and after < (mtime := p.stat().st_mtime) < time.time() - quiet_s:
+        mtime = p.stat().st_mtime if p.exists() else 0.0
+        if mtime > after + 1.0 or after < mtime < time.time() - quiet_s:
             return True
         time.sleep(0.1)
     return False
