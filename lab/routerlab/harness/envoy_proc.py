@@ -65,10 +65,13 @@ def healthy_hosts(clusters_json: str, cluster: str) -> dict[str, bool]:
 
 
 class Envoy:
-    """An Envoy process on a config; ``concurrency`` 1 fits this 2-core machine best."""
+    """An Envoy process on a config; ``concurrency`` 1 fits this 2-core machine best.
+
+    ``extra_args`` go on Envoy's command line (e.g. ``--file-flush-interval-msec 100``: file
+    access logs are written out every 10 s by default)."""
 
     def __init__(self, cfg: envoy_config.Config, concurrency: int = 1, log_level: str = "warning",
-                 workdir: str | Path | None = None) -> None:
+                 workdir: str | Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
         self.admin_port = cfg["admin"]["address"]["socket_address"]["port_value"]
         self._tmp = tempfile.TemporaryDirectory(prefix="envoy-") if workdir is None else None
@@ -76,7 +79,7 @@ class Envoy:
         self.config_path = envoy_config.dump(cfg, workdir / "envoy.yaml")
         self.process = Process(
             [envoy_binary(), "-c", str(self.config_path), "--concurrency", str(concurrency),
-             "--disable-hot-restart", "-l", log_level],
+             "--disable-hot-restart", "-l", log_level, *extra_args],
             name="envoy",
         )
 
