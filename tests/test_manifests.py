@@ -263,7 +263,8 @@ BREAKAGES: dict[str, tuple[str, Breakage, str]] = {
                                                                 "for: 2 minutes"), "must match pattern"),
     "prometheus-operator: unknown field": ("observability", _edit("observability/prometheus-rule.yaml",
                                                                   "labels:\n        severity: warning",
-                                                                  "severity: warning\n      labels:\n        severity: warning"),
+                                                                  "severity: warning\n      labels:\n"
+                                                                  "        severity: warning"),
                                            "'\"severity\"' does not exist"),
     "envoy gateway: wrong type": ("envoy-gateway", _edit("envoy-gateway/envoy-gateway.yaml", "numRetries: 2",
                                                          'numRetries: "2"'), "must be integer"),

@@ -375,7 +375,8 @@ def test_every_dashboard_query_returns_data(live: Live) -> None:
 
     eventually(empty, "dashboard queries without data")
     # the per-arm panels show both arms, and the router's panels what precise pick mode did
-    arms = live.query('sum by (envoy_cluster_name) (rate(envoy_cluster_upstream_rq_total{envoy_cluster_name=~"vllm|vllm_stock"}[1m]))')
+    arms = live.query('sum by (envoy_cluster_name) '
+                      '(rate(envoy_cluster_upstream_rq_total{envoy_cluster_name=~"vllm|vllm_stock"}[1m]))')
     assert {r["metric"]["envoy_cluster_name"] for r in arms} == {"vllm", "vllm_stock"}
     views = live.query("sum by (view, reason) (prefix_router_cache_view_total)")
     assert any(r["metric"]["view"] == "events" and float(r["value"][1]) > 0 for r in views), views
