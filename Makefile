@@ -41,7 +41,7 @@ ENVOY_VENVS ?= .venv-envoy
 ENVOY_TESTS ?= tests/test_envoy_integration.py tests/test_pick_envoy.py tests/test_security.py \
 	tests/test_isolation.py tests/test_server.py::test_every_envoy_file_validates \
 	tests/test_bench_units.py::test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs \
-	tests/test_bench.py tests/test_drills.py
+	tests/test_bench.py tests/test_drills.py tests/test_ab_configs.py
 
 .PHONY: test-envoy-versions
 test-envoy-versions: $(STAMP)
