@@ -42,7 +42,8 @@ ACCESS_LOG_FORMAT = {
 }
 ARM_CLUSTER = {"prefix": "vllm", "stock": "vllm_stock"}
 MODEL = "sim-tiny"
-SYSTEM = "You are the support assistant of the ACME platform; answer with the runbook step. " * 60  # 5 KB > the 4096-byte prefix
+# 5 KB: longer than the 4096 bytes the router keys, so one system prompt is one prefix key
+SYSTEM = "You are the support assistant of the ACME platform; answer with the runbook step. " * 60
 REPLICAS = 4
 PREFIX_POOL, STOCK_POOL = (0, 1), (2, 3)  # pool split: replicas 0-1 prefix arm, 2-3 stock arm
 
@@ -179,8 +180,8 @@ def router_port(name: str, fleet: SimFleet, hash_router: tuple[Process, int, int
 
 
 def chat(question: str, system: str = SYSTEM, **extra: Any) -> bytes:
-    return json.dumps({"model": MODEL, "max_tokens": 2, **extra,
-                       "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}).encode()
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return json.dumps({"model": MODEL, "max_tokens": 2, **extra, "messages": messages}).encode()
 
 
 def arm_of(port: int, body: bytes, headers: dict[str, str] | None = None) -> str:
