@@ -46,6 +46,7 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replica: str = ""
+    arm: str = ""  # the response's x-ab-arm (A/B configs), "" elsewhere
 
     @property
     def tpot(self) -> float | None:
@@ -111,6 +112,7 @@ async def _send(http: aiohttp.ClientSession, base_url: str, req: Request, t0: fl
                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             res.status = resp.status
             res.replica = resp.headers.get("x-upstream-host") or resp.headers.get("x-sim-replica", "")
+            res.arm = resp.headers.get("x-ab-arm", "")
             if resp.status != 200:
                 res.error = f"http {resp.status}"
                 await resp.read()
