@@ -459,7 +459,7 @@ def markdown(doc: dict[str, Any]) -> str:
                   "|---|---:|---:|---:|"]
         for arm in ("stock", "prefix"):
             a = truth["arms"][arm]
-            lines.append(f"| {arm} ({a['bench_arm']}) | {a['ttft_ms']['p50']} ms | {a['ttft_ms']['p90']} ms | "
+            lines.append(f"| {arm} ({a['bench_arm']}) | {a['ttft_ms']['p50']:.0f} ms | {a['ttft_ms']['p90']:.0f} ms | "
                          f"{_pct(a['kv_hit_rate'], False)} |")
         lines.append("")
     lines += ["| design | metric | estimate [95 % CI] | truth | error (pp) | truth in CI | over |",
