@@ -65,6 +65,16 @@ def removed_blocks(frame: RawFrame) -> int:
     return sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockRemoved))
 
 
+def poll_until(ready: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``ready`` every 5 ms until true or ``timeout`` seconds passed; whether it became true."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 class EventRecorder:
     """SUB sockets on every endpoint (one per replica); a thread appends each message to ``frames``."""
 
@@ -152,13 +162,8 @@ class EventRecorder:
             return self.frames[start:]
 
     def wait(self, ready: Callable[[], bool], timeout: float) -> bool:
-        """Poll ``ready`` every 5 ms until true or ``timeout`` seconds passed; whether it became true."""
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        """``poll_until`` (the recorder's thread fills the frames meanwhile)."""
+        return poll_until(ready, timeout)
 
 
 def replay(url: str, start: int = 0, timeout: float = 5.0) -> list[list[bytes]]:

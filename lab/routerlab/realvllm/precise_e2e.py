@@ -51,7 +51,7 @@ from extproc.pick.prompt_tokens import ModelTokenizer
 from routerlab.bench.arms import ARMS, UPSTREAM_HEADER, RunningArm
 from routerlab.realvllm import promtext
 from routerlab.realvllm.chat_trace import CHAT, TraceRequest, build_chat_trace
-from routerlab.realvllm.event_recorder import EventRecorder, removed_blocks
+from routerlab.realvllm.event_recorder import EventRecorder, poll_until, removed_blocks
 from routerlab.realvllm.fleet import DEFAULT_VLLM_PYTHON, VllmFleet
 from routerlab.realvllm.tiny_model import ensure_tiny_model
 
@@ -105,13 +105,6 @@ def post(port: int, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]
         conn.close()
 
 
-def wait(ready: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def previous_turns(trace: list[TraceRequest]) -> dict[int, int]:
@@ -162,14 +155,14 @@ class Stack:
         return router_metric(self.mport, name, **labels)
 
     def hears_every_replica(self, timeout: float = 30) -> None:
-        if not wait(lambda: self.metric("prefix_router_kv_view_origin", origin="none") == 0
+        if not poll_until(lambda: self.metric("prefix_router_kv_view_origin", origin="none") == 0
                     and self.metric("prefix_router_kv_view_origin") == len(self.addresses), timeout):
             raise RuntimeError(f"the router did not hear from every replica's events within {timeout:.0f} s")
 
     def caught_up(self, index: int) -> None:
         """Until the router has applied every batch this module's SUB socket has seen (10 s at most)."""
         published = self.rec.batches()
-        if not wait(lambda: self.metric("prefix_router_kv_batches_total") >= published, 10):
+        if not poll_until(lambda: self.metric("prefix_router_kv_batches_total") >= published, 10):
             self.late += 1
             log(f"[e2e] #{index}: the router applied fewer than {published} batches after 10 s")
 
