@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +20,33 @@ def _delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str,
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
+def settled(read: Callable[[], dict[str, float]], timeout: float = 10.0, interval: float = 0.1) -> dict[str, float]:
+    """``read()`` once two readings ``interval`` apart agree (or at ``timeout``).
+
+    When wrk stops, requests it already sent are still inside Envoy, and their calls to the
+    floor or the router land a moment later: read too soon, they count in the next phase (a
+    router phase once showed the floor's last 3 Checks)."""
+    deadline = time.monotonic() + timeout
+    last = read()
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def measure(rig: Rig, stack: Stack, argv: list[str], seconds: int) -> dict[str, Any]:
-    """One phase: counters and CPU before, wrk, CPU and counters after."""
-    before = rig.counts(stack)
+    """One phase: counters (once settled) and CPU before, wrk, CPU and counters (settled) after."""
+    before = settled(lambda: rig.counts(stack))
     backends = rig.backend_pids()
     meter = CpuMeter({**stack.pids(), **backends})
     t0 = time.monotonic()
     wrk = run_wrk(argv, seconds)
     cpu_raw = meter.stop()
     wall = time.monotonic() - t0
-    counts = _delta(rig.counts(stack), before)
+    counts = _delta(settled(lambda: rig.counts(stack)), before)
     busy = cpu_raw.pop("machine_busy_fraction", None)
     backend_cpu = [cpu_raw.get(name, 0.0) for name in backends]
     ext_proc = sum(v for k, v in cpu_raw.items() if k.startswith("ext_proc-"))
