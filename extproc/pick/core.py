@@ -49,7 +49,7 @@ class PickCore:
         # precise mode: told of every request it routed (the run-time tokenizer check samples them)
         self.on_precise_pick: Callable[[str, Decision], None] | None = None
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
-        self._pended: dict[int, tuple[str, list[int]]] = {}  # id(choice) -> its blocks pending on a replica
+        self._pended: dict[int, tuple[str, Sequence[int]]] = {}  # id(choice) -> its blocks pending on a replica
 
     def chunks_for(self, tokens: int) -> int:
         return int(tokens // self.chunk_tokens) if tokens else 0

@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Final, NamedTuple
 
+from extproc.pick.precise import EVENTS
+
 PARTIAL: Final = "partial"  # a replica origin (extproc.pick.kv_subscriber.ReplicaView)
-EVENTS: Final = "events"
 LEARNED: Final = "learned"
 
 

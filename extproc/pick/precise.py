@@ -30,7 +30,7 @@ class Origin(Protocol):
 class Exact(NamedTuple):
     prompt_tokens: int
     cached: dict[str, int]  # every covered replica -> prompt tokens it holds (0 included)
-    hashes: dict[int, list[int]]  # block size -> the request's own block hashes (for ``pend``)
+    hashes: dict[int, Sequence[int]]  # block size -> the request's own block hashes (for ``pend``)
     sizes: dict[str, int]  # covered replica -> its block size (absent while unknown)
 
 
@@ -50,7 +50,7 @@ class PreciseView:
         # once stored. Runs, not a count per hash: adding and dropping one costs nothing, and a
         # chain hash equal at block i is equal at every block before it, so the shared length
         # with a request is a binary search.
-        self.pending: dict[str, list[list[int]]] = {}
+        self.pending: dict[str, list[Sequence[int]]] = {}
 
     def origin(self, address: str) -> str:
         view = self.origins.get(address)
@@ -87,7 +87,7 @@ class PreciseView:
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
         covered = self.covered()
         sizes = {a: s for a in covered if (s := self.index.block_size(a) or self.block_size_hint)}
-        hashes: dict[int, list[int]] = {}
+        hashes: dict[int, Sequence[int]] = {}
         held: dict[int, dict[str, int]] = {}
         for size in set(sizes.values()):
             blocks = max(len(ids) - 1, 0) // size
@@ -104,7 +104,7 @@ class PreciseView:
             cached[address] = n * size
         return Exact(len(ids), cached, hashes, sizes)
 
-    def pend(self, address: str, exact: Exact) -> list[int]:
+    def pend(self, address: str, exact: Exact) -> Sequence[int]:
         """The request goes to ``address``: its blocks count as there until ``unpend``."""
         size = exact.sizes.get(address)
         run = exact.hashes.get(size, []) if size else []
@@ -112,7 +112,7 @@ class PreciseView:
             self.pending.setdefault(address, []).append(run)
         return run
 
-    def unpend(self, address: str, run: list[int]) -> None:
+    def unpend(self, address: str, run: Sequence[int]) -> None:
         """The request ended: its blocks are in the events by now, or were never stored."""
         runs = self.pending.get(address)
         if runs is not None and run:
