@@ -145,19 +145,25 @@ def _switchback(a: Analysis, log: Log, wf: WindowsFile) -> tuple[dict[str, list[
         seconds[w.arm] += w.measured_s
         clusters[w.arm].append(ttft)
         per_arm[w.arm] += reqs
-        if d is not None:
-            if d.missing:
-                a.notes.append(f"window {w.index}: replicas unreadable at an edge ({', '.join(d.missing)}): "
-                               "left out of the hit rate")
-            elif d.queries > 0:
-                if d.resets:
-                    a.notes.append(f"window {w.index}: counters reset (replica restarted) on {', '.join(d.resets)}: "
-                                   "its counts before the restart are lost, the window's hit rate counts only after")
-                pairs[w.arm].append((d.hits, d.queries))
+        _hit_pair(a, d, f"window {w.index}:", pairs[w.arm])
     for arm in ARMS:
         a.arms[arm] = _arm_summary(per_arm[arm], seconds[arm])
         a.arms[arm]["windows"] = len(clusters[arm])
     return clusters, pairs, elapsed
+
+
+def _hit_pair(a: Analysis, d: Any, where: str, pairs: list[tuple[float, float]]) -> None:
+    """A window's counter delta into ``pairs`` (hits, queries), with a note where replicas could not
+    be read (left out) or restarted (counted only after the restart); None: no counters."""
+    if d is None:
+        return
+    if d.missing:
+        a.notes.append(f"{where} replicas unreadable ({', '.join(d.missing)}): left out of the hit rate")
+    elif d.queries > 0:
+        if d.resets:
+            a.notes.append(f"{where} counters reset (replica restarted) on {', '.join(d.resets)}: "
+                           "its counts before the restart are lost, counted only after it")
+        pairs.append((d.hits, d.queries))
 
 
 def _split(a: Analysis, log: Log, wf: WindowsFile | None) -> tuple[dict[str, list[list[float]]],
@@ -177,16 +183,7 @@ def _split(a: Analysis, log: Log, wf: WindowsFile | None) -> tuple[dict[str, lis
                 row[f"{arm}_requests"] = len(reqs)
                 row[f"{arm}_ttft_p50_ms"] = quantile(_ttfts(reqs), 0.5)
                 row[f"{arm}_hit_rate"] = d.hit_rate if d and not d.missing else None
-                if d is None:
-                    continue
-                if d.missing:
-                    a.notes.append(f"window {w.index}: {arm} pool replicas unreadable ({', '.join(d.missing)}): "
-                                   "left out of the hit rate")
-                elif d.queries > 0:
-                    if d.resets:
-                        a.notes.append(f"window {w.index}: {arm} pool counters reset on {', '.join(d.resets)}: "
-                                       "counted only after the restart")
-                    pairs[arm].append((d.hits, d.queries))
+                _hit_pair(a, d, f"window {w.index}: {arm} pool", pairs[arm])
             a.windows.append(row)
     clusters: dict[str, list[list[float]]] = {}
     span = 0.0
