@@ -10,7 +10,7 @@ cached tokens the replica then reports. Every wait polls a condition with a dead
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,24 @@ class Rig:
         self.mt = ModelTokenizer(BYTELEVEL)
         self.bs = self.config.resolved_profile().block_size
 
+    def run(self, scenario: Callable[[aiohttp.ClientSession], Awaitable[None]], timeout: float = 60) -> None:
+        """The fleet started, the subscriber started and subscribed, ``scenario(http)`` run, then
+        everything stopped again (bounded by ``timeout``)."""
+        async def body() -> None:
+            await self.sub.start()
+            try:
+                await self.subscribe()
+                async with aiohttp.ClientSession() as http:
+                    await scenario(http)
+            finally:
+                await self.sub.stop()
+
+        self.ft.start()
+        try:
+            asyncio.run(asyncio.wait_for(body(), timeout))
+        finally:
+            self.ft.stop()
+
     async def on_fleet(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the fleet's loop (the publisher's sockets belong to that thread)."""
         async def call() -> Any:
@@ -246,99 +264,79 @@ class Rig:
 @pytest.mark.parametrize("encoding,hashes,salt", [("array", "int", None), ("map", "bytes", "tenant-a")])
 def test_router_view_equals_the_replicas_cached_tokens(encoding: str, hashes: str, salt: str | None) -> None:
     rig = Rig(encoding, hashes)
-    rig.ft.start()
 
-    async def body() -> None:
-        await rig.sub.start()
-        try:
-            await rig.subscribe()
-            async with aiohttp.ClientSession() as http:
-                doc1 = chat("What does the router do with a cold replica?", salt=salt)
-                n1, predicted1 = rig.view(doc1)
-                assert predicted1 == 0
-                status, r1 = await rig.post(http, "/v1/chat/completions", doc1)
-                assert status == 200, r1
-                assert r1["usage"]["prompt_tokens"] == n1
-                assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-                await rig.caught_up(http)
+    async def scenario(http: aiohttp.ClientSession) -> None:
+        doc1 = chat("What does the router do with a cold replica?", salt=salt)
+        n1, predicted1 = rig.view(doc1)
+        assert predicted1 == 0
+        status, r1 = await rig.post(http, "/v1/chat/completions", doc1)
+        assert status == 200, r1
+        assert r1["usage"]["prompt_tokens"] == n1
+        assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await rig.caught_up(http)
 
-                doc2 = chat("And with a warm one, which blocks does it reuse?", salt=salt)
-                n2, predicted2 = rig.view(doc2)
-                assert 0 < predicted2 < n2 - rig.bs  # the shared system prompt, not the question
-                status, r2 = await rig.post(http, "/v1/chat/completions", doc2)
-                assert status == 200, r2
-                assert r2["usage"]["prompt_tokens"] == n2
-                assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted2
-                await rig.caught_up(http)
+        doc2 = chat("And with a warm one, which blocks does it reuse?", salt=salt)
+        n2, predicted2 = rig.view(doc2)
+        assert 0 < predicted2 < n2 - rig.bs  # the shared system prompt, not the question
+        status, r2 = await rig.post(http, "/v1/chat/completions", doc2)
+        assert status == 200, r2
+        assert r2["usage"]["prompt_tokens"] == n2
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted2
+        await rig.caught_up(http)
 
-                # another salt (or a salt vs none) shares nothing, on both sides
-                other = chat("And with a warm one, which blocks does it reuse?", salt="other" if salt else "x")
-                assert rig.view(other)[1] == 0
-                # the second request's own blocks are now held too: a repeat matches all but its last block
-                n2b, again = rig.view(doc2)
-                assert again == (n2b - 1) // rig.bs * rig.bs
+        # another salt (or a salt vs none) shares nothing, on both sides
+        other = chat("And with a warm one, which blocks does it reuse?", salt="other" if salt else "x")
+        assert rig.view(other)[1] == 0
+        # the second request's own blocks are now held too: a repeat matches all but its last block
+        n2b, again = rig.view(doc2)
+        assert again == (n2b - 1) // rig.bs * rig.bs
 
-                # a restart: the publisher comes back with seq 0 on a new connection, and the
-                # subscriber rebuilds the view from the new process's buffer (cause reconnect)
-                status, state = await rig.post(http, "/sim/control", {"restart": True})
-                assert status == 200 and state["restarts"] == 1 and state["blocks_cached"] == 0
-                assert state["kv_events"]["next_seq"] == 0
-                await rig.wait_subscribed()  # the SUB socket reconnected to the new publisher
-                doc3 = chat("Unrelated.", system="A different system prompt, nothing shared with the first.")
-                status, r3 = await rig.post(http, "/v1/chat/completions", doc3)
-                assert status == 200, r3
-                await until(lambda: rig.sub.stats.resets["reconnect"] == 1, "a reset with cause reconnect")
-                await rig.caught_up(http)
-                assert (rig.address, "reconnect") in rig.resets
-                assert rig.view(doc2)[1] == 0  # the view emptied of everything before the restart
-                status, r4 = await rig.post(http, "/v1/chat/completions", doc2)
-                assert r4["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # and the replica agrees
-                assert rig.sub.stats.bad_frames == 0 and rig.sub.stats.events_skipped == 0
-                assert rig.sub.stats.resets["gap"] == 0
-        finally:
-            await rig.sub.stop()
+        # a restart: the publisher comes back with seq 0 on a new connection, and the
+        # subscriber rebuilds the view from the new process's buffer (cause reconnect)
+        status, state = await rig.post(http, "/sim/control", {"restart": True})
+        assert status == 200 and state["restarts"] == 1 and state["blocks_cached"] == 0
+        assert state["kv_events"]["next_seq"] == 0
+        await rig.wait_subscribed()  # the SUB socket reconnected to the new publisher
+        doc3 = chat("Unrelated.", system="A different system prompt, nothing shared with the first.")
+        status, r3 = await rig.post(http, "/v1/chat/completions", doc3)
+        assert status == 200, r3
+        await until(lambda: rig.sub.stats.resets["reconnect"] == 1, "a reset with cause reconnect")
+        await rig.caught_up(http)
+        assert (rig.address, "reconnect") in rig.resets
+        assert rig.view(doc2)[1] == 0  # the view emptied of everything before the restart
+        status, r4 = await rig.post(http, "/v1/chat/completions", doc2)
+        assert r4["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # and the replica agrees
+        assert rig.sub.stats.bad_frames == 0 and rig.sub.stats.events_skipped == 0
+        assert rig.sub.stats.resets["gap"] == 0
 
-    try:
-        asyncio.run(asyncio.wait_for(body(), 60))
-    finally:
-        rig.ft.stop()
+    rig.run(scenario)
 
 
 def test_reset_cache_publishes_all_blocks_cleared_and_bad_requests_are_400() -> None:
     rig = Rig("array", "int")
-    rig.ft.start()
 
-    async def body() -> None:
-        await rig.sub.start()
-        try:
-            await rig.subscribe()
-            async with aiohttp.ClientSession() as http:
-                doc = chat("Hello?")
-                status, _ = await rig.post(http, "/v1/chat/completions", doc)
-                assert status == 200
-                await rig.caught_up(http)
-                assert rig.view(doc)[1] > 0
-                status, _ = await rig.post(http, "/sim/control", {"reset_cache": True})
-                assert status == 200
-                await until(lambda: rig.sub.stats.resets["cleared"] == 1, "AllBlocksCleared applied")
-                assert rig.view(doc)[1] == 0
-                # what the real tokenizer cannot render is a 400, as vLLM answers
-                bad = {"model": "sim-tiny", "messages": [
-                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}
-                status, err = await rig.post(http, "/v1/chat/completions", bad)
-                assert status == 400 and err["error"]["type"] == "BadRequestError"
-                status, err = await rig.post(http, "/v1/completions", {"model": "sim-tiny", "prompt": [5, 99999]})
-                assert status == 400 and "vocabulary" in err["error"]["message"]
-                # completions: a string prompt gets the tokenizer's special tokens, as vLLM's default
-                status, r = await rig.post(http, "/v1/completions", {"model": "sim-tiny", "prompt": "hi there",
-                                                                     "max_tokens": 3})
-                assert status == 200
-                want = rig.mt.tokens_for({"prompt": "hi there"}, "completions")
-                assert r["usage"]["prompt_tokens"] == len(want)
-        finally:
-            await rig.sub.stop()
+    async def scenario(http: aiohttp.ClientSession) -> None:
+        doc = chat("Hello?")
+        status, _ = await rig.post(http, "/v1/chat/completions", doc)
+        assert status == 200
+        await rig.caught_up(http)
+        assert rig.view(doc)[1] > 0
+        status, _ = await rig.post(http, "/sim/control", {"reset_cache": True})
+        assert status == 200
+        await until(lambda: rig.sub.stats.resets["cleared"] == 1, "AllBlocksCleared applied")
+        assert rig.view(doc)[1] == 0
+        # what the real tokenizer cannot render is a 400, as vLLM answers
+        bad = {"model": "sim-tiny", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}
+        status, err = await rig.post(http, "/v1/chat/completions", bad)
+        assert status == 400 and err["error"]["type"] == "BadRequestError"
+        status, err = await rig.post(http, "/v1/completions", {"model": "sim-tiny", "prompt": [5, 99999]})
+        assert status == 400 and "vocabulary" in err["error"]["message"]
+        # completions: a string prompt gets the tokenizer's special tokens, as vLLM's default
+        status, r = await rig.post(http, "/v1/completions", {"model": "sim-tiny", "prompt": "hi there",
+                                                             "max_tokens": 3})
+        assert status == 200
+        want = rig.mt.tokens_for({"prompt": "hi there"}, "completions")
+        assert r["usage"]["prompt_tokens"] == len(want)
 
-    try:
-        asyncio.run(asyncio.wait_for(body(), 60))
-    finally:
-        rig.ft.stop()
+    rig.run(scenario)
