@@ -109,6 +109,23 @@ def test_uncovered_replicas_and_untokenisable_requests_keep_the_learned_view(tok
     assert {c.view for c in core.evaluate(d, learned_only)[0].candidates} == {"learned"}
 
 
+def test_the_learned_view_learns_only_what_the_events_do_not_cover(tokenizer: ModelTokenizer) -> None:
+    """Events covering every replica leave the learned index untouched (it would only cost time);
+    a replica they do not cover, or a request they cannot match, is recorded as pick mode does."""
+    core, _ = core_with(tokenizer)
+    core.release(core.pick(decide(body("covered"), {}, PICK), PICK))
+    assert core.index.stats().entries == 0
+    image = json.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode()
+    core.release(core.pick(decide(image, {}, PICK), PICK))
+    assert core.index.stats().entries == 1
+    core, _ = core_with(tokenizer, covered=(A,))
+    picks = [core.pick(decide(body(f"q{i}"), {}, PICK), PICK) for i in range(6)]
+    on_b = sum(c.address == B for c in picks)
+    assert 0 < on_b < len(picks)  # the load spreads them, so both kinds of replica were chosen
+    assert list(core.index.holds(A)) == [] and list(core.index.holds(B))  # learned only where placed on B
+
+
 def test_request_hashes_match_what_vllm_stores_for_completions_token_prompts(tokenizer: ModelTokenizer) -> None:
     core, index = core_with(tokenizer)
     ids = list(range(5, 5 + 10 * BS + 3))

@@ -89,40 +89,59 @@ class PickCore:
         return choice, chunks
 
     def _evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int], Exact | None]:
-        """The learned index always answers (and keeps learning, for replicas and requests the
-        events do not cover); with precise mode on the route, the events' exact figures
-        replace its estimates for every replica they cover, and the prompt length is exact.
-        A replica whose events miss part of its cache (origin ``partial``) gets the larger of the
-        two views' figures (``extproc.pick.partial_view``)."""
-        chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
+        """The choice, with the learned chunks to record (empty when the events cover every replica
+        it could go to) and the events' exact match (None without one).
+
+        With precise mode on the route, the events' exact figures replace the learned view's
+        estimates for every replica they cover, and the prompt length is exact. The learned view
+        answers only where the events do not: replicas not yet covered, a request that cannot be
+        tokenised, and a replica whose events miss part of its cache (origin ``partial``), which
+        gets the larger of the two views' figures (``extproc.pick.partial_view``). It is matched
+        and kept learning only for those, so a fleet fully covered by events pays nothing for it.
+        """
+        exact = self._exact(decision) if self.precise is not None and settings.cache_view != "learned" else None
+        snapshot = self.load.snapshot(self.clock())
+        partial: list[str] = []
+        if exact is None:
+            learning = True
+        else:
+            partial = [a for a in exact.cached if self.precise.origin(a) == PARTIAL]  # type: ignore[union-attr]
+            learning = bool(partial) or any(r.address not in exact.cached for r in snapshot.replicas)
+        chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS) if learning else []
         held = self.index.match(chunks) if chunks else {}
         cached = {a: int(n * self.chunk_tokens) for a, n in held.items()}
         prompt_tokens = self.tokens(len(decision.normalized))
         views: dict[str, str] = {}
-        exact = None
-        if self.precise is not None and settings.cache_view != "learned":
-            started = time.perf_counter()
-            try:
-                exact = self.precise.match(decision)
-            except NotTokenizable as exc:
-                metrics.cache_view_counter("learned", exc.reason).inc()
-            except Exception:  # a tokenizer bug must cost the request its exact view, never the request
-                metrics.ERRORS.labels("tokenize").inc()
-                metrics.cache_view_counter("learned", "error").inc()
-            else:
-                metrics.PRECISE_SECONDS.observe(time.perf_counter() - started)
-                prompt_tokens = exact.prompt_tokens
-                cached.update(exact.cached)
-                views = dict.fromkeys(exact.cached, EVENTS)
-                partial = [a for a in exact.cached if self.precise.origin(a) == PARTIAL]
-                if partial:  # events that miss what the replica held before them: the learned view fills in
-                    merged = merge(partial, exact.cached, held, exact.sizes, chunk_bytes=self.chunk_bytes,
-                                   prompt_bytes=len(decision.normalized), prompt_tokens=exact.prompt_tokens)
-                    cached.update(merged.cached)
-                    views.update(merged.views)
-                metrics.cache_view_counter(EVENTS, "covered" if exact.cached else "none_covered").inc()
-        choice = choose(decision.key, prompt_tokens, cached, self.load.snapshot(self.clock()), settings, views)
+        if exact is not None:
+            prompt_tokens = exact.prompt_tokens
+            cached.update(exact.cached)
+            views = dict.fromkeys(exact.cached, EVENTS)
+            if partial:  # events that miss what the replica held before them: the learned view fills in
+                merged = merge(partial, exact.cached, held, exact.sizes, chunk_bytes=self.chunk_bytes,
+                               prompt_bytes=len(decision.normalized), prompt_tokens=exact.prompt_tokens)
+                cached.update(merged.cached)
+                views.update(merged.views)
+        choice = choose(decision.key, prompt_tokens, cached, snapshot, settings, views)
+        if exact is not None and choice.address in views and choice.address not in partial:
+            chunks = []  # the events will tell where this request's blocks are; nothing to learn
         return choice, chunks, exact
+
+    def _exact(self, decision: Decision) -> Exact | None:
+        """The events' exact match, or None (counted by reason) when the request cannot have one."""
+        assert self.precise is not None
+        started = time.perf_counter()
+        try:
+            exact = self.precise.match(decision)
+        except NotTokenizable as exc:
+            metrics.cache_view_counter("learned", exc.reason).inc()
+            return None
+        except Exception:  # a tokenizer bug must cost the request its exact view, never the request
+            metrics.ERRORS.labels("tokenize").inc()
+            metrics.cache_view_counter("learned", "error").inc()
+            return None
+        metrics.PRECISE_SECONDS.observe(time.perf_counter() - started)
+        metrics.cache_view_counter(EVENTS, "covered" if exact.cached else "none_covered").inc()
+        return exact
 
     def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
         choice, chunks, exact = self._evaluate(decision, settings)
