@@ -44,6 +44,12 @@ ERRORS = Counter(
     ["stage"],
     registry=REGISTRY,
 )
+HTTP_MALFORMED = Counter(
+    "prefix_router_http_malformed_total",
+    "Requests on the ext_authz HTTP port that could not be parsed; answered 400 and their connection closed "
+    "(Envoy never sends one: something else is talking to the port)",
+    registry=REGISTRY,
+)
 TENANTS_REJECTED = Counter(
     "prefix_router_tenants_rejected_total",
     "Tenant ids refused (too_long: over 256 characters, bad_chars: not printable ASCII); "

@@ -33,6 +33,7 @@ class Backend:
     healthy: bool = True
     seen_keys: list[str | None] = field(default_factory=list)
     seen_bodies: list[tuple[bytes, str | None]] = field(default_factory=list)  # body, its content-length header
+    seen_headers: list[dict[str, str]] = field(default_factory=list)  # lower-case names
     reported_running: int = 0
     reported_waiting: int = 0
     gate: asyncio.Event | None = None
@@ -62,6 +63,7 @@ class Backend:
         key = request.headers.get("x-prefix-key")
         self.seen_keys.append(key)
         self.seen_bodies.append((body, request.headers.get("content-length")))
+        self.seen_headers.append({k.lower(): v for k, v in request.headers.items()})
         stream = hold = False
         try:
             doc = orjson.loads(body) if body else {}
@@ -133,6 +135,7 @@ class BackendFleet:
             b.healthy = True
             b.seen_keys.clear()
             b.seen_bodies.clear()
+            b.seen_headers.clear()
             b.reported_running = b.reported_waiting = 0
         self.open_gate()
 

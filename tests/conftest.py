@@ -12,7 +12,7 @@ from routerlab.harness.envoy_proc import Envoy, envoy_binary, envoy_version
 from routerlab.harness.procs import Process, free_ports
 
 from backends import BackendFleet
-from support import start_router
+from support import start_router_http
 
 
 def pytest_report_header() -> str:
@@ -39,27 +39,32 @@ def backends(fleet: BackendFleet) -> BackendFleet:
 
 
 @pytest.fixture(scope="session")
-def router() -> Iterator[tuple[Process, int, int]]:
-    proc, port, metrics_port = start_router()
-    yield proc, port, metrics_port
-    proc.stop()
+def router() -> Iterator[tuple[Process, int, int, int]]:
+    """One router for the session: (process, gRPC port, metrics port, ext_authz HTTP port)."""
+    started = start_router_http()
+    yield started
+    started[0].stop()
 
 
 EnvoyFactory = Callable[..., tuple[Envoy, int]]
 
 
 @pytest.fixture()
-def make_envoy(router: tuple[Process, int, int]) -> Iterator[EnvoyFactory]:
-    """Start Envoy on a config from envoy/ pointed at the backends; returns (envoy, port)."""
+def make_envoy(router: tuple[Process, int, int, int]) -> Iterator[EnvoyFactory]:
+    """Start Envoy on a config from envoy/ pointed at the backends; returns (envoy, port).
+
+    The router is the session's, or the one at ``extproc_port`` (gRPC) / ``http_port`` (its
+    ext_authz HTTP port): a config that calls it over HTTP (envoy-fast.yaml) gets the HTTP port."""
     started: list[Envoy] = []
 
     def make(backends: BackendFleet, name: str = "envoy.yaml", extproc_port: int | None = None,
-             edit: Callable[[envoy_config.Config], None] | None = None) -> tuple[Envoy, int]:
+             edit: Callable[[envoy_config.Config], None] | None = None,
+             http_port: int | None = None) -> tuple[Envoy, int]:
         listener, admin = free_ports(2)
-        cfg = envoy_config.localize(
-            envoy_config.load(name), listener_port=listener, admin_port=admin,
-            backends=backends.addresses, extproc_port=extproc_port or router[1], health_interval=0.2,
-        )
+        loaded = envoy_config.load(name)
+        port = (http_port or router[3]) if envoy_config.router_over_http(loaded) else (extproc_port or router[1])
+        cfg = envoy_config.localize(loaded, listener_port=listener, admin_port=admin,
+                                    backends=backends.addresses, extproc_port=port, health_interval=0.2)
         if edit:
             edit(cfg)
         envoy = Envoy(cfg).start()

@@ -42,6 +42,14 @@ def start_router(*flags: str, env: dict[str, str] | None = None) -> tuple[Proces
     return proc, port, metrics_port
 
 
+def start_router_http(*flags: str, env: dict[str, str] | None = None) -> tuple[Process, int, int, int]:
+    """A router that also answers ext_authz over HTTP (envoy-fast.yaml): (process, gRPC port,
+    metrics port, HTTP port)."""
+    (http_port,) = free_ports(1)
+    proc, port, metrics_port = start_router("--http-authz-port", str(http_port), *flags, env=env)
+    return proc, port, metrics_port, http_port
+
+
 async def until(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
     """In a running event loop: wait for ``check()`` with a deadline (never a fixed sleep)."""
     loop = asyncio.get_running_loop()

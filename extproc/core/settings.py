@@ -63,6 +63,9 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9464
+    # Envoy's ext_authz over plain HTTP/1.1 (envoy-fast.yaml); 0: off. Off by default so a
+    # router for envoy.yaml or pick.yaml opens no port it does not use (envoy-fast.yaml: 50052).
+    http_authz_port: int = 0
     drain_seconds: float = 10.0
     log_level: str = "INFO"
     metadata_namespace: str = "prefix_router"
@@ -210,6 +213,8 @@ SPECS: Final[dict[str, _Spec]] = {
     "host": _Spec(_non_empty, "an address to bind, e.g. 127.0.0.1"),
     "port": _Spec(_number_in(int, 0, 65535), "a TCP port in 0..65535"),
     "metrics_port": _Spec(_number_in(int, 0, 65535), "a TCP port in 0..65535 (0 disables metrics)"),
+    "http_authz_port": _Spec(_number_in(int, 0, 65535),
+                             "a TCP port in 1..65535 for ext_authz over HTTP (envoy-fast.yaml), or 0 for off"),
     "drain_seconds": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),
     "log_level": _Spec(_choice("debug", "info", "warning", "error"), "one of debug, info, warning, error"),
     "metadata_namespace": _Spec(_non_empty, "a non-empty dynamic metadata namespace"),

@@ -1,4 +1,5 @@
-"""`prefix-router serve`: run the ext_proc (and ext_authz) server, gRPC health, and Prometheus metrics."""
+"""`prefix-router serve`: run the ext_proc (and ext_authz) server, gRPC health, and Prometheus metrics;
+with ``--http-authz-port``, ext_authz over HTTP too (envoy-fast.yaml)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import metrics
 from extproc.adapters import ext_authz
+from extproc.adapters.ext_authz_http import HttpAuthz
 from extproc.adapters.ext_proc import PrefixRouter
 from extproc.core.decide import decide
 from extproc.core.settings import (
@@ -38,6 +40,7 @@ from extproc.pick.picker import Picker, PreciseCollector, load_tokenizers
 from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from extproc.process.health import SERVICE
+from extproc.process.http1 import Answer, Http1Server, Request
 from extproc.process.signals import stop_on_signals
 
 log = logging.getLogger("extproc.process.serve")
@@ -94,6 +97,24 @@ async def start_http(server_cfg: ServerSettings, picker: Picker | None,
     return runner
 
 
+HTTP_HEALTH_PATH = "/health"  # envoy-fast.yaml's checks come under path_prefix /check, never here
+
+
+async def start_http_authz(router: PrefixRouter, server_cfg: ServerSettings, serving: dict[str, bool]) -> Http1Server:
+    """ext_authz over HTTP (envoy-fast.yaml) on its own port, on this event loop; ``GET /health``
+    answers 200 while ``serving["ok"]``, 503 once draining (Envoy's health check on the port)."""
+    authz = HttpAuthz(router)
+
+    def handle(request: Request) -> Answer:
+        if request.path == HTTP_HEALTH_PATH:
+            return (200 if serving["ok"] else 503), b""
+        return 200, authz.answer(request.headers, request.body, request.cut)
+
+    server = Http1Server(handle)
+    await server.start(server_cfg.host, server_cfg.http_authz_port)
+    return server
+
+
 async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyncio.Event | None = None,
                 secret: bytes | None = None, tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop``), then drain open streams and return."""
@@ -115,13 +136,15 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     if port == 0:
         raise OSError(f"cannot bind the gRPC port {address}")
     http = await start_http(server_cfg, picker, route_cfg) if server_cfg.metrics_port else None
+    serving = {"ok": True}
+    http_authz = await start_http_authz(router, server_cfg, serving) if server_cfg.http_authz_port else None
     await server.start()
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "serving ext_proc and ext_authz on %s:%d (metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
+        "serving ext_proc and ext_authz on %s:%d (ext_authz over HTTP on %s, metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
         "tenant_isolation=%s%s",
-        server_cfg.host, port, server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
+        server_cfg.host, port, server_cfg.http_authz_port or "off", server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
         route_cfg.prefix_length, route_cfg.key_header,
         "on" if route_cfg.tenant_isolation else ("per route" if secret else "off"),
         (f" endpoints={len(picker.load.addresses())} cache_view="
@@ -132,7 +155,10 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     log.info("draining open streams for up to %.1f s", server_cfg.drain_seconds)
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    serving["ok"] = False
     await server.stop(grace=server_cfg.drain_seconds)
+    if http_authz is not None:
+        await http_authz.stop()
     if picker is not None:
         await picker.stop()
     if collector is not None:

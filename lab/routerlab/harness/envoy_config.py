@@ -19,6 +19,7 @@ ENVOY_DIR = REPO_DIR / "envoy"
 EXT_PROC = "envoy.filters.http.ext_proc"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"  # envoy-fast.yaml's shape (extproc.adapters.ext_authz)
 ROUTER_FILTERS = (EXT_PROC, EXT_AUTHZ)  # the filters that call the prefix router
+SETTINGS_FILTER = "prefix_router.settings"  # envoy-fast.yaml: the header_mutation that sets x-prefix-router-*
 Config = dict[str, Any]
 
 
@@ -94,26 +95,61 @@ def router_filter(cfg: Config) -> tuple[str, dict[str, Any]]:
     raise KeyError("no ext_proc or ext_authz http filter")
 
 
+def router_over_http(cfg: Config) -> bool:
+    """Does the config call the router over HTTP (ext_authz ``http_service``, envoy-fast.yaml)
+    rather than gRPC? Such a config's prefix_router cluster is the router's --http-authz-port."""
+    try:
+        name, filter_config = router_filter(cfg)
+    except KeyError:
+        return False
+    return name == EXT_AUTHZ and "http_service" in filter_config
+
+
 def drop_prefix_router(cfg: Config) -> Config:
-    """``cfg`` without the filter that calls the router and without its cluster."""
+    """``cfg`` without the filter that calls the router (and the one setting its headers) and its cluster."""
     manager = http_manager(cfg)
-    manager["http_filters"] = [f for f in manager["http_filters"] if f["name"] not in ROUTER_FILTERS]
+    manager["http_filters"] = [f for f in manager["http_filters"]
+                               if f["name"] not in (*ROUTER_FILTERS, SETTINGS_FILTER)]
     cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
                                            if c["name"] != "prefix_router"]
     return cfg
 
 
+def _header_mutations(metadata: Mapping[str, str], action: str) -> dict[str, Any]:
+    return {"request_mutations": [{"append": {"header": {"key": k, "value": str(v)}, "append_action": action}}
+                                  for k, v in metadata.items()]}
+
+
 def set_stream_metadata(cfg: Config, metadata: Mapping[str, str]) -> None:
-    """Replace the listener-wide x-prefix-router-* settings sent to the router."""
+    """Replace the listener-wide x-prefix-router-* settings sent to the router: gRPC initial
+    metadata, or over HTTP the request headers the settings filter adds (a route's win)."""
+    if router_over_http(cfg):
+        http_filter(cfg, SETTINGS_FILTER)["mutations"] = _header_mutations(metadata, "ADD_IF_ABSENT")
+        return
     service = router_filter(cfg)[1]["grpc_service"]
     service["initial_metadata"] = [{"key": k, "value": str(v)} for k, v in metadata.items()]
 
 
+def stream_metadata(cfg: Config) -> dict[str, str]:
+    """The listener-wide x-prefix-router-* settings the config sends the router (either shape)."""
+    if router_over_http(cfg):
+        mutations = http_filter(cfg, SETTINGS_FILTER).get("mutations", {}).get("request_mutations", [])
+        return {m["append"]["header"]["key"]: m["append"]["header"]["value"] for m in mutations if "append" in m}
+    return {m["key"]: m["value"] for m in router_filter(cfg)[1]["grpc_service"].get("initial_metadata", [])}
+
+
 def set_route_metadata(cfg: Config, route_index: int, metadata: Mapping[str, str]) -> None:
-    """Per-route override of the router's settings: ExtProcPerRoute grpc_initial_metadata, or
-    for ext_authz the same keys as ExtAuthzPerRoute context_extensions."""
+    """Per-route override of the router's settings: ExtProcPerRoute grpc_initial_metadata; for
+    gRPC ext_authz the same keys as ExtAuthzPerRoute context_extensions; over HTTP, the same keys
+    as request headers set by the settings filter's HeaderMutationPerRoute."""
     per_filter = routes(cfg)[route_index].setdefault("typed_per_filter_config", {})
     name = router_filter(cfg)[0]
+    if router_over_http(cfg):
+        per_filter[SETTINGS_FILTER] = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutationPerRoute",
+            "mutations": _header_mutations(metadata, "OVERWRITE_IF_EXISTS_OR_ADD"),
+        }
+        return
     if name == EXT_AUTHZ:
         per_filter[name] = {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
@@ -142,7 +178,7 @@ def localize(
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listener_port}
     for c in cfg["static_resources"]["clusters"]:
         if c["name"] == "prefix_router":
-            if extproc_port is not None:
+            if extproc_port is not None:  # the gRPC port, or the HTTP one for a config that calls it over HTTP
                 set_endpoints(cfg, "prefix_router", [("127.0.0.1", extproc_port)])
         else:
             set_endpoints(cfg, c["name"], backends, hash_key_prefix="vllm")

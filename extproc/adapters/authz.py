@@ -1,0 +1,55 @@
+"""What both ext_authz shapes (gRPC Check, HTTP) decide: one key from the sent headers and body.
+
+Envoy's ext_authz filter sends the same things either way (the allowed headers, the buffered
+body, a partial-body flag); only the envelope differs. So the choice of key lives here once, and
+``ext_authz`` (gRPC) and ``ext_authz_http`` (HTTP/1.1) only unpack and pack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from extproc import metrics
+from extproc.adapters.ext_proc import PrefixRouter
+from extproc.core.decide import CONTENT_ENCODING
+from extproc.core.settings import RouteSettings
+
+PARTIAL_BODY_HEADER: Final = "x-envoy-auth-partial-body"  # Envoy sets it to "true" on a cut body
+CONTENT_LENGTH: Final = "content-length"
+# Over HTTP the check request's own content-length is the length of the body sent, so the
+# client's declared length comes under this name (envoy-fast.yaml: authorization_request
+# headers_to_add, %REQ(content-length)%).
+DECLARED_LENGTH_HEADER: Final = "x-prefix-declared-length"
+
+
+def body_is_whole(body: bytes, sent: Mapping[str, str], length_header: str = CONTENT_LENGTH) -> bool:
+    """Whether ``body`` is the whole request body, not only the first ``max_request_bytes``.
+
+    Envoy's partial-body header alone is not enough: it says "false" whenever the buffer
+    holds exactly ``max_request_bytes`` when Envoy asks (it compares what it sends with what
+    it buffered), which happens whenever reads end on that boundary. A declared length
+    (``length_header``) longer than the body tells the truth in that case; a chunked body cut
+    on the boundary is still taken as whole and is keyed as raw bytes after a parse failure,
+    the same key.
+    """
+    if sent.get(PARTIAL_BODY_HEADER) == "true":
+        return False
+    declared = sent.get(length_header, "")
+    return not (declared.isdigit() and int(declared) > len(body))
+
+
+def authz_key(router: PrefixRouter, settings: RouteSettings, sent: Mapping[str, str], body: bytes,
+              length_header: str = CONTENT_LENGTH, cut: bool = False) -> str | None:
+    """The key for one ext_authz call, or None: the caller then removes any client-sent key.
+
+    ``sent``: the call's headers, lower-case names. ``cut``: the server itself kept only the
+    start of the body (its own size limit), so it is not whole whatever Envoy said.
+    """
+    if not body:
+        metrics.decision_counter(settings.normalize, "empty").inc()
+        return None
+    headers = {name: sent[name] for name in (*settings.tenant_headers, CONTENT_ENCODING) if name in sent}
+    complete = not cut and body_is_whole(body, sent, length_header)
+    decision = router.decide(body, headers, settings, complete=complete)
+    return None if decision is None else decision.key
