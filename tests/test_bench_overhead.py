@@ -8,6 +8,7 @@ wrk must be installed (Debian package ``wrk``): without it these tests fail, the
 from __future__ import annotations
 
 import asyncio
+import socket
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -207,7 +208,7 @@ def test_envoy_alone_is_the_shipped_config_without_the_router_filter() -> None:
         filters = [f["name"] for f in envoy_config.http_manager(alone)["http_filters"]]
         assert not set(envoy_config.ROUTER_FILTERS) & set(filters)
         assert filters == [f["name"] for f in envoy_config.http_manager(cfg)["http_filters"]
-                           if f["name"] != envoy_config.router_filter(cfg)[0]]
+                           if f["name"] not in (envoy_config.router_filter(cfg)[0], envoy_config.SETTINGS_FILTER)]
         assert [c["name"] for c in alone["static_resources"]["clusters"]] == ["vllm"]
     assert [overhead.is_pick(envoy_config.load(n)) for n in overhead.CONFIGS] == [False, False, True]
 
@@ -315,6 +316,25 @@ def test_every_server_shape_of_the_noop_speaks_ext_proc_and_ext_authz_over_real_
         ok = CheckResponse.FromString(check)
         assert ok.status.code == 0 and not ok.HasField("denied_response")
         assert metric_sum(fetch_metrics(f"http://127.0.0.1:{metrics_port}"), noop_extproc.STREAMS_METRIC) == 2
+    finally:
+        proc.stop()
+
+
+def test_the_noop_answers_ext_authz_over_http_with_an_empty_200_and_counts_checks_not_health() -> None:
+    port, metrics_port, http_port = free_ports(3)
+    proc = Process(python_module("routerlab.bench.noop_extproc", "--port", str(port), "--metrics-port",
+                                 str(metrics_port), "--http-port", str(http_port)), name="noop http")
+    try:
+        proc.wait_for_line("ready on", timeout=30)
+        with socket.create_connection(("127.0.0.1", http_port), timeout=10) as sock:
+            sock.sendall(b"POST /check/v1/chat HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
+                         b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            sock.settimeout(10)
+            answers = b""
+            while chunk := sock.recv(4096):
+                answers += chunk
+        assert answers.count(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n") == 2 and b"x-prefix-key" not in answers
+        assert metric_sum(fetch_metrics(f"http://127.0.0.1:{metrics_port}"), noop_extproc.STREAMS_METRIC) == 1
     finally:
         proc.stop()
 

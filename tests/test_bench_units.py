@@ -125,8 +125,7 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
             assert shape in names and not (set(envoy_config.ROUTER_FILTERS) - {shape}) & set(names)
             assert "prefix_router" in clusters
             assert all(r["hash_policy"] == [{"header": {"header_name": "x-prefix-key"}}] for r in routes)
-            meta = {m["key"]: m["value"] for m in envoy_config.router_filter(cfg)[1]
-                    ["grpc_service"]["initial_metadata"]}
+            meta = envoy_config.stream_metadata(cfg)
             assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize,
                             **({"x-prefix-router-mode": "pick"} if spec.pick else {}),
                             **{metadata_key(k): v for k, v in spec.settings}}

@@ -12,9 +12,10 @@ from routerlab.harness import envoy_config
 from routerlab.harness.procs import wait_until
 
 from backends import SSE_CHUNKS, BackendFleet
-from support import send, start_router
+from support import send, start_router, start_router_http
 
-# The two hash-mode shapes: ext_proc's two-message stream, and ext_authz's one Check (extproc.adapters.ext_authz).
+# The two hash-mode shapes: ext_proc's two-message stream, and ext_authz's one HTTP check
+# (extproc.adapters.ext_authz_http; the gRPC Check's adapter is tested in tests/test_authz.py).
 SHAPES = pytest.mark.parametrize("config", ["envoy.yaml", "envoy-fast.yaml"])
 FILTER_STATS = {"envoy.yaml": "ext_proc", "envoy-fast.yaml": "ext_authz"}
 SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~5.7 KB > 4096
@@ -105,13 +106,15 @@ def test_unhealthy_backend_loses_only_its_keys(backends: BackendFleet, make_envo
 @SHAPES
 def test_fail_open_and_client_key_ignored_when_router_is_down(backends: BackendFleet, make_envoy: EnvoyFactory,
                                                               config: str) -> None:
-    proc, grpc_port, _ = start_router()
+    proc, grpc_port, _, http_port = start_router_http()
     try:
-        envoy, port = make_envoy(backends, name=config, extproc_port=grpc_port)
+        envoy, port = make_envoy(backends, name=config, extproc_port=grpc_port, http_port=http_port)
         assert served_by(port, chat(SYSTEM, "warm-up")) in range(4)
+        assert any(k is not None for b in backends.backends for k in b.seen_keys)  # the router keyed it
     finally:
         proc.stop()
-    wait_until(lambda: not envoy.healthy_hosts("prefix_router").get(f"127.0.0.1:{grpc_port}", True), 10,
+    router_port = http_port if config == "envoy-fast.yaml" else grpc_port
+    wait_until(lambda: not envoy.healthy_hosts("prefix_router").get(f"127.0.0.1:{router_port}", True), 10,
                "Envoy to see the router down")
     backends.reset()
     spoof = {"x-prefix-key": "client-chosen"}
@@ -179,9 +182,9 @@ def test_body_over_the_buffer_limit_is_routed_not_refused(backends: BackendFleet
         if name == envoy_config.EXT_AUTHZ:  # as envoy-fast.yaml says: no more than the listener's limit
             filter_config["with_request_body"]["max_request_bytes"] = 1 << 20
 
-    proc, grpc_port, metrics_port = start_router()
+    proc, grpc_port, metrics_port, http_port = start_router_http()
     try:
-        _, port = make_envoy(backends, name=config, extproc_port=grpc_port, edit=small_buffer)
+        _, port = make_envoy(backends, name=config, extproc_port=grpc_port, http_port=http_port, edit=small_buffer)
         keys = []
         for tail in ("first", "second"):  # same first MiB, different ends
             big = chat(SYSTEM + "z" * 3_000_000 + tail, "q")
@@ -233,7 +236,7 @@ def test_ab_split_follows_runtime_share(backends: BackendFleet, make_envoy: Envo
 
 
 def test_fast_shape_keys_by_body_and_tenant_attribute(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
-    """envoy-fast.yaml: one ext_proc message per request, key via dynamic metadata."""
+    """envoy-fast.yaml: one HTTP check per request; the key and the tenant as the core decides them."""
     from extproc.core.decide import decide
     from extproc.core.settings import RouteSettings
 
@@ -266,3 +269,71 @@ def test_named_replicas_keep_their_keys_when_their_address_changes(backends: Bac
     rename = {1: 2, 2: 1}
     assert after == [rename.get(b, b) for b in before]
     assert {1, 2} <= set(before)
+
+
+def test_fast_shape_route_settings_reach_the_router_never_the_replicas(backends: BackendFleet,
+                                                                        make_envoy: EnvoyFactory) -> None:
+    """envoy-fast.yaml over HTTP: settings are x-prefix-router-* request headers, per route; Envoy drops
+    them before the request goes upstream, and a client's own are stripped before the router reads them."""
+    from extproc.core.decide import decide
+    from extproc.core.settings import RouteSettings
+
+    def routes(cfg: envoy_config.Config) -> None:
+        table = envoy_config.routes(cfg)
+        for i, prefix in enumerate(("/raw/", "/short/")):
+            extra = json.loads(json.dumps(table[-1]))
+            extra["match"] = {"prefix": prefix}
+            table.insert(i, extra)
+        envoy_config.set_route_metadata(cfg, 0, {"x-prefix-router-normalize": "raw"})
+        envoy_config.set_route_metadata(cfg, 1, {"x-prefix-router-prefix-length": "64"})
+
+    _, port = make_envoy(backends, name="envoy-fast.yaml", edit=routes)
+    body = chat("x" * 300, "q")
+    want = {"/raw/v1/chat/completions": decide(body, {}, RouteSettings(normalize="raw")).key,
+            "/short/v1/chat/completions": decide(body, {}, RouteSettings(prefix_length=64)).key,
+            "/v1/chat/completions": decide(body, {}, RouteSettings()).key}
+    assert len(set(want.values())) == 3
+    for path, key in want.items():
+        assert send(port, path, body).json()["prefix_key"] == key, path
+    client = {"x-prefix-router-normalize": "raw", "x-prefix-router-prefix-length": "64"}
+    assert send(port, body=body, headers=client).json()["prefix_key"] == want["/v1/chat/completions"]
+    seen = [h for b in backends.backends for h in b.seen_headers]
+    assert len(seen) == 4 and not [k for h in seen for k in h if k.startswith("x-prefix-router-")], seen
+    assert not [k for h in seen for k in h if k == "x-prefix-declared-length"]
+
+
+def test_fast_shape_bad_route_value_is_ignored_and_counted(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+    proc, grpc_port, metrics_port, http_port = start_router_http()
+    try:
+        _, port = make_envoy(backends, name="envoy-fast.yaml", extproc_port=grpc_port, http_port=http_port,
+                             edit=lambda c: envoy_config.set_route_metadata(
+                                 c, 0, {"x-prefix-router-prefix-length": "banana", "x-prefix-router-normalize": "raw"}))
+        for _ in range(3):
+            keyed = send(port, body=chat(SYSTEM, "q"))
+            assert keyed.status == 200 and keyed.json()["prefix_key"]
+        metrics = send(metrics_port, "/metrics").body.decode()
+        assert "prefix_router_metadata_errors_total 1.0" in metrics  # logged once, not per request
+        assert 'prefix_router_decisions_total{fallback="none",normalize="raw"} 3.0' in metrics
+    finally:
+        proc.stop()
+    assert "prefix-length" in proc.output() and "banana" in proc.output()
+
+
+def test_fast_shape_a_body_cut_exactly_on_the_limit_is_keyed_as_cut(backends: BackendFleet,
+                                                                     make_envoy: EnvoyFactory) -> None:
+    """With allow_partial_message Envoy may call a body cut on max_request_bytes whole (partial-body
+    "false"); the declared length envoy-fast.yaml adds tells the router it is only the start."""
+    limit = 1 << 20
+
+    def small_buffer(cfg: envoy_config.Config) -> None:
+        cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = limit
+        envoy_config.router_filter(cfg)[1]["with_request_body"]["max_request_bytes"] = limit
+
+    _, port = make_envoy(backends, name="envoy-fast.yaml", edit=small_buffer)
+    from extproc.core.decide import decide
+    from extproc.core.settings import RouteSettings
+    for size in (limit + 1, 2 * limit):
+        big = chat("w" * size, "q")
+        reply = send(port, body=big).json()
+        assert reply["body_bytes"] == len(big)
+        assert reply["prefix_key"] == decide(big[:limit], {}, RouteSettings(), complete=False).key, size

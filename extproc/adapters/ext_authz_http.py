@@ -53,7 +53,9 @@ class HttpAuthz:
             return f"{REMOVE_HEADER}: {self.router.settings.key_header}\r\n".encode()
 
     def _answer(self, headers: Mapping[str, str], body: bytes, cut: bool) -> bytes:
-        ours = [(name, value) for name, value in headers.items() if name.startswith(METADATA_PREFIX)]
+        # sorted: one set of settings is one cache entry in settings_for whatever order Envoy sends it in
+        # (Envoy 1.36 and 1.38 change the order between requests of one route)
+        ours = sorted((name, value) for name, value in headers.items() if name.startswith(METADATA_PREFIX))
         settings = self.router.settings_for(ours, authz=True)
         key = authz_key(self.router, settings, headers, body, DECLARED_LENGTH_HEADER, cut)
         remove = [name for name, _ in ours]

@@ -66,7 +66,7 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
     ArmSpec("prefix-ring", "prefix key + ring hash", "RING_HASH", prefix=True),
     ArmSpec("prefix-bounded", "prefix key + Maglev with bounded load (hash_balance_factor)",
             "MAGLEV", prefix=True, bounded=True),
-    ArmSpec("prefix-fast", "envoy-fast.yaml: one ext_authz Check per request, bounded Maglev",
+    ArmSpec("prefix-fast", "envoy-fast.yaml: one ext_authz HTTP check per request, bounded Maglev",
             "MAGLEV", prefix=True, bounded=True, base="envoy-fast.yaml"),
     ArmSpec("prefix-pick", "pick.yaml: the router picks by cached prefix and load, Envoy gates health",
             "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True),
@@ -205,17 +205,21 @@ class RunningArm:
 
     def _start_envoy(self) -> None:
         routers = self.arm.routers if self.arm.prefix else 0  # stock arms start no router
+        over_http = envoy_config.router_over_http(envoy_config.load(self.arm.base))  # envoy-fast.yaml
         # every port in one call, so none of them is handed out twice
-        listener, admin, *ports = free_ports(2 + routers * (2 if self.router_metrics else 1))
-        grpc_ports = ports[:routers]
-        self.metrics_ports = ports[routers:]
+        listener, admin, *ports = free_ports(2 + routers * (1 + bool(self.router_metrics) + over_http))
+        grpc_ports, ports = ports[:routers], ports[routers:]
+        http_ports, ports = (ports[:routers], ports[routers:]) if over_http else ([], ports)
+        self.metrics_ports = ports
         if self.arm.pick:
             self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
             self.endpoints_file = Path(self._tmp.name) / "endpoints"
             self.set_endpoints(self.endpoints)
-        for grpc_port, metrics_port in zip(grpc_ports, self.metrics_ports or itertools.repeat(0)):
+        for i, (grpc_port, metrics_port) in enumerate(zip(grpc_ports, self.metrics_ports or itertools.repeat(0))):
             argv = python_module("extproc", "serve", "--port", str(grpc_port), "--metrics-port", str(metrics_port),
                                  "--log-level", "warning", "--drain-seconds", "1")
+            if http_ports:
+                argv += ["--http-authz-port", str(http_ports[i])]
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
             if self.arm.precise and not self.event_flags:
@@ -224,12 +228,13 @@ class RunningArm:
             # appended before the wait, so stop() reaches it
             self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))
             self.routers[-1].wait_for_line("prefix-router ready", timeout=30)
+        router_ports = http_ports or grpc_ports  # what Envoy calls: the HTTP port over HTTP, else gRPC
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
-                               extproc_port=grpc_ports[0] if self.arm.prefix else None,
+                               extproc_port=router_ports[0] if self.arm.prefix else None,
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor,
                                router_settings=self.router_settings, health_interval=self.health_interval)
         if self.arm.prefix:
-            envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in grpc_ports])
+            envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in router_ports])
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
         self.envoy.start()
         self.envoy.wait_healthy("vllm", len(self.endpoints))

@@ -13,8 +13,12 @@ stream open until Envoy ends it with the HTTP response, as the router does in pi
 Same server shape as ``prefix-router serve``: grpc.aio on uvloop, gRPC health, the same
 message size limits.
 
-Run: ``python -m routerlab.bench.noop_extproc --port 50061 --metrics-port 9470 [--hold]``;
-``/metrics`` on the metrics port counts streams and messages.
+With ``--http-port`` it also answers ext_authz over HTTP (envoy-fast.yaml) there: an empty 200
+to every check, unparsed beyond what the router's own HTTP server parses (the same server,
+extproc.process.http1), so the floor of the HTTP shape is that server and the protocol.
+
+Run: ``python -m routerlab.bench.noop_extproc --port 50061 --metrics-port 9470 [--hold] [--http-port 50062]``;
+``/metrics`` on the metrics port counts streams and messages (an HTTP check is a stream of one).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from grpc_health.v1._async import HealthServicer
 from extproc.adapters.ext_authz import SERVICE as AUTHZ_SERVICE
 from extproc.process import event_loop
 from extproc.process.health import SERVICE
-from extproc.process.serve import SERVER_OPTIONS
+from extproc.process.http1 import Answer, Http1Server, Request
+from extproc.process.serve import HTTP_HEALTH_PATH, SERVER_OPTIONS
 from extproc.process.signals import stop_on_signals
 
 SHAPES = ("aio-uvloop", "aio-asyncio", "sync")
@@ -147,6 +152,13 @@ class Noop:
     async def check_async(self, raw: bytes, context: object) -> bytes:
         return self.check(raw, context)
 
+    def check_http(self, request: Request) -> Answer:
+        """ext_authz over HTTP: an empty 200 (Envoy's health checks answered, not counted)."""
+        if request.path != HTTP_HEALTH_PATH:
+            self.streams += 1
+            self.messages += 1
+        return 200, b""
+
     def handlers(self, sync: bool) -> tuple[grpc.GenericRpcHandler, ...]:
         """Raw-bytes handlers (no (de)serialisers) for ext_proc's Process and ext_authz's Check."""
         return (grpc.method_handlers_generic_handler(SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(
@@ -194,8 +206,11 @@ def serve_sync(port: int, metrics_port: int, hold: bool, workers: int = 128) -> 
     http.shutdown()
 
 
-async def serve(port: int, metrics_port: int, hold: bool) -> None:
+async def serve(port: int, metrics_port: int, hold: bool, http_port: int = 0) -> None:
     noop = Noop(hold)
+    http_authz = Http1Server(noop.check_http)
+    if http_port:
+        await http_authz.start("127.0.0.1", http_port)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers(noop.handlers(sync=False))
     health = HealthServicer()
@@ -218,6 +233,7 @@ async def serve(port: int, metrics_port: int, hold: bool) -> None:
     print(f"noop-extproc ready on 127.0.0.1:{bound} (hold={hold})", flush=True)
     await stop_on_signals().wait()
     await server.stop(grace=1)
+    await http_authz.stop()
     await runner.cleanup()
 
 
@@ -226,16 +242,20 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--metrics-port", type=int, required=True)
     parser.add_argument("--hold", action="store_true", help="keep each stream open until Envoy ends it")
+    parser.add_argument("--http-port", type=int, default=0,
+                        help="also answer ext_authz over HTTP on this port (envoy-fast.yaml); aio shapes only")
     parser.add_argument("--shape", choices=SHAPES, default="aio-uvloop",
                         help="server shape: grpc.aio on uvloop (as `serve`), on asyncio's loop, or grpc's thread-pool server")
     args = parser.parse_args()
     if args.shape == "sync":
+        if args.http_port:
+            parser.error("--http-port needs an aio shape")
         serve_sync(args.port, args.metrics_port, args.hold)
         return
     if args.shape == "aio-asyncio":
-        asyncio.run(serve(args.port, args.metrics_port, args.hold))
+        asyncio.run(serve(args.port, args.metrics_port, args.hold, args.http_port))
         return
-    event_loop.run(serve(args.port, args.metrics_port, args.hold))
+    event_loop.run(serve(args.port, args.metrics_port, args.hold, args.http_port))
 
 
 if __name__ == "__main__":

@@ -57,13 +57,16 @@ class Stack:
 
 
 def _server_argv(arm: str, port: int, metrics_port: int, pick: bool, endpoints: Sequence[str],
-                 floor_shape: str = "aio-uvloop", precise: Sequence[str] = ()) -> list[str]:
+                 floor_shape: str = "aio-uvloop", precise: Sequence[str] = (), http_port: int = 0) -> list[str]:
+    """The floor's or the router's command line; ``http_port``: also ext_authz over HTTP there."""
     if arm == "floor":
         return python_module("routerlab.bench.noop_extproc", "--port", str(port), "--metrics-port", str(metrics_port),
-                             "--shape", floor_shape, *(["--hold"] if pick else []))
+                             "--shape", floor_shape, *(["--hold"] if pick else []),
+                             *(["--http-port", str(http_port)] if http_port else []))
     return python_module("extproc", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
                          "--log-level", "warning", "--drain-seconds", "1",
-                         *(["--endpoints", ",".join(endpoints)] if pick else []), *precise)
+                         *(["--endpoints", ",".join(endpoints)] if pick else []), *precise,
+                         *(["--http-authz-port", str(http_port)] if http_port else []))
 
 
 def _parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> None:
@@ -107,17 +110,18 @@ class Rig:
         loaded = {c: envoy_config.load(events.envoy_file(c)) for c in cfg.configs}
         pairs = [(c, a) for c in cfg.configs for a in cfg.arms]
         with_server = [p for p in pairs if p[1] != "alone"]
-        ports = iter(free_ports(2 * len(pairs) + 2 * cfg.processes * len(with_server)))
+        ports = iter(free_ports(2 * len(pairs) + 3 * cfg.processes * len(with_server)))
         servers: dict[tuple[str, str], list[tuple[Process, int, int]]] = {}
         for config, arm in with_server:
+            over_http = envoy_config.router_over_http(loaded[config])  # envoy-fast.yaml: Envoy calls the HTTP port
             for i in range(cfg.processes):
-                port, metrics_port = next(ports), next(ports)
+                port, metrics_port, http_port = next(ports), next(ports), next(ports)
                 precise = self.backends[0].event_flags() if arm == "router" and events.has_events(config) else []
                 proc = Process(_server_argv(arm, port, metrics_port, is_pick(loaded[config]), addresses,
-                                            cfg.floor_shape, precise),
+                                            cfg.floor_shape, precise, http_port if over_http else 0),
                                name=f"{arm} ext_proc {i} for {config}", env=arms_mod.ROUTER_ENV)
                 self._stop.callback(proc.stop)
-                servers.setdefault((config, arm), []).append((proc, port, metrics_port))
+                servers.setdefault((config, arm), []).append((proc, http_port if over_http else port, metrics_port))
         _parallel(lambda s: s[0].wait_for_line("ready on", timeout=60), [s for group in servers.values() for s in group])
         for config, arm in pairs:
             listener, admin = next(ports), next(ports)
