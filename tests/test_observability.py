@@ -10,7 +10,8 @@ with its targets pointed at these processes, its intervals at 1 s and its TSDB i
 traffic flows through both Envoys for as long as the module runs (bounded).
 
 What is asserted:
-- promtool accepts the rules and the example config;
+- promtool accepts the rules and the example config (tests/test_alert_rules.py runs the rules'
+  unit tests: each alert fires where it should and only there);
 - every target is up; /api/v1/rules holds exactly the file's groups and rules, each healthy;
 - every dashboard query (its variables set to their defaults) returns data, both arms show in
   the per-arm panels, and every metric name any query or rule names is one Prometheus has
@@ -79,7 +80,7 @@ UNDERLYING: dict[str, list[str]] = {
     "VLLMPrefixCacheHitRateDropped": ["pool:vllm_prefix_cache_hit_ratio:rate5m > 0",
                                       "pool:vllm_prefix_cache_hit_ratio:rate1h > 0",
                                       "pool:vllm_prefix_cache_queries:rate5m > 0"],
-    "VLLMReplicaRunningHot": ["instance:vllm_num_requests:ratio_to_pool_avg5m", "pool:vllm_num_requests:avg5m > 0"],
+    "VLLMReplicaRunningHot": ["instance:vllm_num_requests:avg5m", "pool:vllm_num_requests:avg5m > 0"],
     "VLLMArmErrors": ['envoy_cluster_name:envoy_cluster_upstream_rq_5xx:ratio_rate5m{envoy_cluster_name="vllm"}',
                       'envoy_cluster_name:envoy_cluster_upstream_rq_5xx:ratio_rate5m{envoy_cluster_name="vllm_stock"}'],
     "PrefixRouterKVEventsStalled": ["sum by (job, instance) (rate(prefix_router_kv_batches_total[5m])) > 0"],
