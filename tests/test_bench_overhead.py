@@ -341,7 +341,8 @@ def test_the_noop_answers_ext_authz_over_http_with_an_empty_200_and_counts_check
 
 def test_microbench_reports_normalise_key_and_the_pick_choice_per_size() -> None:
     row = microbench.measure(2, replicas=2, warm_prompts=5, index_chunks=300)
-    for key in ("normalize_us", "key_us", "hash_decide_us", "adapter_us", "authz_adapter_us", "pick_unique_us",
+    for key in ("normalize_us", "key_us", "hash_decide_us", "adapter_us", "authz_adapter_us", "authz_http_us",
+                "pick_unique_us",
                 "pick_choice_us", "pick_total_us"):
         assert row[key] > 0, key
     assert row["body_bytes"] == pytest.approx(2048, abs=64)

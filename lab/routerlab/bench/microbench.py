@@ -24,6 +24,7 @@ from envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.ext_authz import PrefixAuthz
+from extproc.adapters.ext_authz_http import HttpAuthz
 from extproc.adapters.ext_proc import PrefixRouter
 from extproc.core.decide import decide, prefix_key
 from extproc.core.normalize import normalize
@@ -34,6 +35,7 @@ from extproc.pick.kv_events import BlockStored
 from extproc.pick.kv_index import EventIndex
 from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.process.http1 import Http1Protocol
 from routerlab.assets import TINY_BYTELEVEL
 
 SIZES_KB = (2, 4, 32)
@@ -108,6 +110,37 @@ def check_once(authz: PrefixAuthz, raw: bytes, context: _Context) -> int:
     return len(authz.check(authz_pb.CheckRequest.FromString(raw), context.invocation_metadata()).SerializeToString())
 
 
+def http_check(body: bytes) -> bytes:
+    """envoy-fast.yaml's HTTP check for the same request, as Envoy 1.40 sends it (its listener-wide settings
+    as headers, the partial-body flag, the declared length)."""
+    head = ("POST /check/v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:10000\r\n"
+            f"content-length: {len(body)}\r\nx-prefix-router-prefix-length: 4096\r\n"
+            "x-prefix-router-normalize: prompt\r\nx-envoy-auth-partial-body: false\r\n"
+            f"x-prefix-declared-length: {len(body)}\r\nx-envoy-internal: true\r\n"
+            "x-envoy-expected-rq-timeout-ms: 500\r\n\r\n")
+    return head.encode() + body
+
+
+class _Sink:
+    """A transport that keeps only the number of bytes written."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+
+
+def http_server(router: PrefixRouter) -> Http1Protocol:
+    """The HTTP port's connection code (extproc.process.http1) with the adapter, on a transport that writes nowhere."""
+    authz = HttpAuthz(router)
+    server = type("Server", (), {"connections": set(), "now": staticmethod(lambda: 0.0),
+                                 "handler": staticmethod(lambda r: (200, authz.answer(r.headers, r.body, r.cut)))})()
+    protocol = Http1Protocol(server)  # type: ignore[arg-type]
+    protocol.connection_made(_Sink())  # type: ignore[arg-type]
+    return protocol
+
+
 def adapter_once(router: PrefixRouter, wire: list[bytes], context: _Context) -> int:
     """One request through the adapter as grpc drives it (parse, Process, serialise), minus the I/O.
 
@@ -180,6 +213,7 @@ def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 
 
     router = PrefixRouter(hash_settings)
     authz, check = PrefixAuthz(router), check_message(body)
+    http, http_raw = http_server(router), http_check(body)
     wire, context = wire_messages(body), _Context((("x-prefix-router-prefix-length", "4096"),
                                                    ("x-prefix-router-normalize", "prompt")))
     number = 2000 if size_kb <= 4 else 500
@@ -190,6 +224,7 @@ def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 
         "hash_decide_us": round(_median_us(lambda: decide(body, {}, hash_settings), number), 1),
         "adapter_us": round(_median_us(lambda: adapter_once(router, wire, context), number), 1),
         "authz_adapter_us": round(_median_us(lambda: check_once(authz, check, context), number), 1),
+        "authz_http_us": round(_median_us(lambda: http.data_received(http_raw), number), 1),
         "isolated_decide_us": round(_median_us(lambda: decide(body, tenant, isolated, secret=secret), number), 1),
         "pick_choice_us": round(_median_us(choice_once, number), 1),
         "pick_total_us": round(_median_us(pick_once, number), 1),
@@ -258,18 +293,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
     print("| body | normalise | key | hash mode: decide() | adapter: ext_proc (envoy.yaml) | "
-          "adapter: ext_authz (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
+          "adapter: ext_authz gRPC Check | adapter: ext_authz over HTTP (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
           "pick mode: decide() + choice | of which chunk hashes | of which index match | "
           "pick mode: the choice for a new prompt on a full index | chunks |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | "
-              f"{r['adapter_us']} | {r['authz_adapter_us']} | {r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
+              f"{r['adapter_us']} | {r['authz_adapter_us']} | {r['authz_http_us']} | {r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
               f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['pick_unique_us']} | {r['chunks']} |")
     print("\nnormalise: parse + normal form (prompt mode); key: xxh3-64 of the first prefix_length (4096) bytes; "
           "decide(): both, plus the tenant; adapter: the request's messages parsed, the adapter run "
           "(decide() included, metrics too) and its replies serialised, as grpc does it but with no I/O "
           "(ext_proc: two messages in, two replies out; ext_authz: one Check in, one answer out); "
+          "over HTTP: the check request's bytes parsed (httptools), answered and the answer written, by the "
+          "HTTP port's own connection code; "
           "the choice: pick mode on an already decided body; "
           f"a new prompt on a full index: its chunks all recorded and as many evicted ({args.index_chunks} chunks held)")
     print("\nprecise mode (the tiny byte-level tokenizer, half the replicas holding the system prompt in the "
