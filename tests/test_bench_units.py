@@ -14,7 +14,7 @@ from routerlab.bench.loadgen import ClientStats, LoadResult, Result
 from routerlab.bench.oracle import oracle
 from routerlab.bench.oracle import parse as oracle_parse
 from routerlab.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
-from routerlab.bench.report import Report, markdown_table, summarize
+from routerlab.bench.report import Report, markdown_table, prediction, summarize
 from routerlab.bench.trace import Request, TextSource, chat_body, encode
 from routerlab.harness import envoy_config
 from routerlab.harness.envoy_proc import validate
@@ -223,3 +223,13 @@ def test_an_interrupted_start_still_stops_every_process(monkeypatch: pytest.Monk
     finally:
         for proc in started:  # should be a no-op: the arm stopped it
             proc.stop()
+
+
+def test_prediction_splits_the_view_s_error_from_what_the_cache_lost_while_requests_waited() -> None:
+    fleet = FleetDelta([ReplicaCounters(hits=600, hits_at_arrival=800), ReplicaCounters(hits=200, hits_at_arrival=200)])
+    p = prediction({"events": 1100.0, "requests_events": 9}, fleet)
+    assert p["accuracy"] == 1.375  # 1100 predicted, 800 served from cache
+    assert p["accuracy_at_arrival"] == 1.1 and p["kept_while_waiting"] == 0.8  # 1.1 x 1 / 0.8
+    assert p["choices_by_view"] == {"events": 9}
+    vllm = prediction({"events": 800.0}, FleetDelta([ReplicaCounters(hits=800)]))
+    assert "accuracy_at_arrival" not in vllm and vllm["accuracy"] == 1.0  # real vLLM has no such counter

@@ -234,6 +234,23 @@ def test_scheduler_waits_instead_of_failing_when_kv_full() -> None:
     assert s.counters.prefix_cache_queries == 130
 
 
+def test_what_the_cache_held_at_arrival_is_counted_beside_what_it_served_at_admission() -> None:
+    """A request that waits while another's decode evicts its prefix arrives with 3 cached blocks
+    and is admitted with none: sim:prefix_cache_hits_at_arrival says 48, the hits 0."""
+    s = make_sched(num_blocks=9, max_model_len=128, max_num_seqs=1)  # 8 usable blocks of 16
+    prompt = list(range(49))
+    serve_one(s, make_seq(prompt))  # 3 full blocks cached, then free
+    at_arrival, hits = s.counters.hits_at_arrival, s.counters.prefix_cache_hits
+    hog = make_seq(list(range(500, 564)), max_tokens=60)  # grows to 8 blocks: evicts every free one
+    s.add(hog)
+    late = make_seq(prompt + list(range(900, 910)))
+    s.add(late)  # waits: one sequence at a time
+    assert late.cached_at_arrival == 48
+    run_until_done(s)
+    assert late.finished and late.cached_tokens == 0
+    assert s.counters.hits_at_arrival - at_arrival == 48 and s.counters.prefix_cache_hits - hits == 0
+
+
 def test_preemption_recomputes_last_running() -> None:
     s = make_sched(num_blocks=6, max_model_len=80)  # 5 usable blocks of 16
     a = make_seq(list(range(31)), max_tokens=20)

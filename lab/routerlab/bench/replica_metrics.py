@@ -19,6 +19,7 @@ COUNTERS = {
     "prompt_tokens": "vllm:prompt_tokens_total",
     "generation_tokens": "vllm:generation_tokens_total",
     "cross_tenant_hits": "sim:cross_tenant_prefix_cache_hits_total",  # the simulator only (0 on vLLM)
+    "hits_at_arrival": "sim:prefix_cache_hits_at_arrival_total",  # the simulator only (0 on vLLM)
 }
 
 
@@ -30,13 +31,14 @@ class ReplicaCounters:
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     cross_tenant_hits: float = 0.0
+    hits_at_arrival: float = 0.0
 
     def __sub__(self, other: "ReplicaCounters") -> "ReplicaCounters":
         return ReplicaCounters(*(a - b for a, b in zip(self._values(), other._values())))
 
     def _values(self) -> tuple[float, ...]:
         return (self.queries, self.hits, self.requests, self.prompt_tokens, self.generation_tokens,
-                self.cross_tenant_hits)
+                self.cross_tenant_hits, self.hits_at_arrival)
 
 
 def parse(text: str) -> ReplicaCounters:

@@ -110,16 +110,28 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     tokens they expected at the replicas they chose, over the tokens the replicas report they hit
     (a ratio of sums over the arm: 1.0 is exact on the whole; over 1, the view credited blocks
     that were gone; under 1, the replicas reused more than the view knew). By view when the
-    choices used the events (precise mode) or the learned index."""
+    choices used the events (precise mode) or the learned index.
+
+    The simulator also counts what its cache held of each request's prompt when it arrived
+    (``sim:prefix_cache_hits_at_arrival_total``), which splits the ratio in two: the view against
+    the cache at the moment the router chose (``at_arrival``: the view's own error, its credit for
+    blocks in flight included) and what the cache kept of it until the request was admitted
+    (``kept_while_waiting``: evictions while requests queue, which no view of the present sees)."""
     actual = sum(r.hits for r in fleet.per_replica)
+    at_arrival = sum(r.hits_at_arrival for r in fleet.per_replica)
     views = {v: predicted[v] for v in ("events", "learned") if predicted.get(v)}
-    return {
+    out: dict[str, Any] = {
         "predicted_tokens": {v: int(t) for v, t in views.items()},
         "actual_hit_tokens": int(actual),
         "accuracy": round(sum(views.values()) / actual, 4) if actual else None,
         "choices_by_view": {v: int(predicted.get(f"requests_{v}", 0)) for v in ("events", "learned")
                             if predicted.get(f"requests_{v}")},
     }
+    if at_arrival:
+        out["held_at_arrival_tokens"] = int(at_arrival)
+        out["accuracy_at_arrival"] = round(sum(views.values()) / at_arrival, 4)
+        out["kept_while_waiting"] = round(actual / at_arrival, 4)
+    return out
 
 
 @dataclass
@@ -235,12 +247,14 @@ def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
         return ""
-    lines = ["| arm | predicted (events) | predicted (learned) | replicas' hits | accuracy | choices by view |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| arm | predicted (events) | predicted (learned) | replicas' hits | accuracy | held at arrival (sim) "
+             "| accuracy at arrival | kept while waiting | choices by view |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, p in rows:
         views = ", ".join(f"{v} {n}" for v, n in p["choices_by_view"].items()) or "learned (no events configured)"
         lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p['predicted_tokens'].get('learned', 0)} "
-                     f"| {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} | {views} |")
+                     f"| {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} | {p.get('held_at_arrival_tokens', '')} "
+                     f"| {_fmt(p.get('accuracy_at_arrival'), 3)} | {_fmt(p.get('kept_while_waiting'), 3)} | {views} |")
     return "\n".join(lines)
 
 
@@ -274,7 +288,10 @@ def to_markdown(report: Report) -> str:
     if predictions:
         parts += ["", "## How well the routers' cache view predicted the replicas' cache hits", "",
                   "Cached tokens the routers expected at the replicas they chose, by the view that said so, "
-                  "against the tokens the replicas report they served from cache (ratio of sums over the arm).",
+                  "against the tokens the replicas report they served from cache (ratio of sums over the arm). "
+                  "The simulator also counts what its cache held of each prompt when the request arrived: "
+                  "accuracy at arrival is the view against that (its own error), kept while waiting is what "
+                  "the cache still held when the request was admitted (evictions while it queued).",
                   "", predictions]
     cpu = ["", "## CPU seconds per process during the run", "",
            "| arm | client | " + " | ".join(_cpu_names(report)) + " | machine busy | client saturated |",

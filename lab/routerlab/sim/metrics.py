@@ -47,6 +47,11 @@ class ReplicaMetrics:
         self.cross_tenant_hits = counter(
             "sim:cross_tenant_prefix_cache_hits",
             "Prefix cache hit tokens on blocks computed for another tenant (x-prefix-aware-id header).")
+        # Not a vLLM metric: what the cache held of each admitted request's prompt when it arrived.
+        self.hits_at_arrival = counter(
+            "sim:prefix_cache_hits_at_arrival",
+            "Prompt tokens the prefix cache held when each admitted request arrived (against "
+            "vllm:prefix_cache_hits: what changed while requests waited for admission).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed.")

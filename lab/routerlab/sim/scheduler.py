@@ -37,6 +37,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_computed: int = 0
     cached_tokens: int = 0
+    cached_at_arrival: int = 0  # prompt tokens the cache held when the request arrived (a diagnostic)
     admitted: bool = False
     preemptions: int = 0
     first_token_time: float | None = None
@@ -83,6 +84,9 @@ class Counters:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     cross_tenant_hits: int = 0  # hit tokens on blocks another tenant's request computed
+    # prompt tokens the cache held when each admitted request arrived (not a vLLM counter): against
+    # prefix_cache_hits, what the cache lost or gained while the requests waited for admission
+    hits_at_arrival: int = 0
     prefix_cache_requests: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -109,6 +113,7 @@ class Scheduler:
     # ---- queue management --------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.update_hashes(self.kv.block_size)
+        seq.cached_at_arrival = len(self.kv.longest_hit(seq.block_hashes, len(seq.tokens))) * self.kv.block_size
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -182,6 +187,7 @@ class Scheduler:
                     c.prefix_cache_requests += 1
                     c.prefix_cache_queries += len(seq.tokens)
                     c.prefix_cache_hits += hit_tokens
+                    c.hits_at_arrival += seq.cached_at_arrival
                     c.cross_tenant_hits += kv.block_size * sum(b.owner != seq.tenant for b in hits)
                 seq.num_computed = hit_tokens
                 self.running.append(seq)
