@@ -18,8 +18,7 @@ replicas with the same view agree without talking to each other.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from operator import itemgetter
+from collections.abc import Mapping, Sequence
 from typing import Final, NamedTuple
 
 import xxhash
@@ -33,7 +32,7 @@ THRESHOLD_SPILL: Final = "threshold_spill"  # the cheapest was at the concurrenc
 ALL_BUSY: Final = "all_busy"  # every replica at the threshold: the cheapest anyway
 NO_REPLICA: Final = "no_replica"  # no healthy replica known: Envoy's own LB decides
 REASONS: Final = (CHEAPEST, COLD, THRESHOLD_SPILL, ALL_BUSY, NO_REPLICA)
-_RANK: Final = itemgetter(0, 1)  # cost, then the highest rendezvous score
+_new: Final = tuple.__new__  # builds a Candidate without NamedTuple's per-field argument handling
 
 
 class Candidate(NamedTuple):
@@ -75,11 +74,19 @@ def prefill_tokens(prompt_tokens: int, cached_tokens: int) -> int:
 
 
 def cost(prompt_tokens: int, cached_tokens: int, r: ReplicaState, settings: RouteSettings) -> int:
-    return (prefill_tokens(prompt_tokens, cached_tokens) + round(settings.backlog_weight * r.backlog_tokens)
-            + settings.load_tokens * r.in_flight)
+    return _costs(prompt_tokens, {r.address: cached_tokens}, (r,), settings)[0]
 
 
-def _ties_by_rendezvous(ranked: list[tuple[int, int, ReplicaState, int]], candidates: tuple[Candidate, ...],
+def _costs(prompt_tokens: int, cached: Mapping[str, int], replicas: Sequence[ReplicaState],
+           settings: RouteSettings) -> list[int]:
+    """Each replica's cost (the formula above), in one comprehension: the choice prices every
+    replica of the fleet per request, so a call per replica would cost more than the sums."""
+    get, weight, per_request = cached.get, settings.backlog_weight, settings.load_tokens
+    return [max(prompt_tokens - get(r.address, 0), 1) + round(weight * r.backlog_tokens) + per_request * r.in_flight
+            for r in replicas]
+
+
+def _ties_by_rendezvous(ranked: list[tuple[int, int, int, ReplicaState]], candidates: tuple[Candidate, ...],
                         tie_tokens: int) -> tuple[Candidate, ...]:
     """Candidates within ``tie_tokens`` of the cheapest, reordered by rendezvous score alone.
 
@@ -95,23 +102,23 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     """The replica with the lowest cost, honouring the concurrency threshold.
 
     ``views`` names, per replica, where its ``cached`` figure came from (default: learned)."""
+    healthy = [r for r in snapshot.replicas if r.healthy]
+    if not healthy:
+        return Choice(None, NO_REPLICA, prompt_tokens, ())
     cap = settings.concurrency_threshold
     seed = _seed(key)
-    ranked = []
-    for r in snapshot.replicas:
-        if r.healthy:
-            held = cached.get(r.address, 0)
-            ranked.append((cost(prompt_tokens, held, r, settings), -_score(seed, r.address), r, held))
-    if not ranked:
-        return Choice(None, NO_REPLICA, prompt_tokens, ())
-    ranked.sort(key=_RANK)
-    view = (views or {}).get
-    candidates = tuple(Candidate(r.address, held, r.in_flight, c, bool(cap) and r.in_flight >= cap,
-                                 r.backlog_tokens, view(r.address, "learned")) for c, _, r, held in ranked)
+    # (cost, minus the rendezvous score, position, replica): the distinct positions keep the
+    # comparison on ints, so the sort runs in C
+    ranked = sorted(zip(_costs(prompt_tokens, cached, healthy, settings),
+                        [-_score(seed, r.address) for r in healthy], range(len(healthy)), healthy))
+    get, view = cached.get, (views or {}).get
+    candidates = tuple(_new(Candidate, (r.address, get(r.address, 0), r.in_flight, c, bool(cap) and r.in_flight >= cap,
+                                        r.backlog_tokens, view(r.address, "learned")))
+                       for c, _, _, r in ranked)
     if settings.tie_tokens:
         candidates = _ties_by_rendezvous(ranked, candidates, settings.tie_tokens)
     best = candidates[0]
-    chosen = next((c for c in candidates if not c.capped), None)
+    chosen = best if not best.capped else next((c for c in candidates if not c.capped), None)
     if chosen is None:
         return Choice(best.address, ALL_BUSY, prompt_tokens, candidates)
     if chosen is not best:
