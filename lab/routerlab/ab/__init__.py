@@ -5,5 +5,6 @@ counters and their deltas (a replica's /metrics, or a Prometheus server), ``wind
 switchback windows file and which request belongs to which window, ``stats`` the cluster
 bootstrap, ``analysis`` puts them together per arm, ``verdict`` says it in one line,
 ``report`` writes the text and JSON, ``plots`` the figures, ``driver`` flips Envoy's runtime
-share in randomised windows, and ``cli`` is the command.
+share in randomised windows, ``record`` reads a split's pools at fixed window edges without
+flipping anything, and ``cli`` is the command.
 """

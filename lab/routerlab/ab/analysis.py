@@ -184,7 +184,13 @@ def _split(a: Analysis, log: Log, wf: WindowsFile | None) -> tuple[dict[str, lis
                 row[f"{arm}_ttft_p50_ms"] = quantile(_ttfts(reqs), 0.5)
                 row[f"{arm}_hit_rate"] = d.hit_rate if d and not d.missing else None
                 _hit_pair(a, d, f"window {w.index}: {arm} pool", pairs[arm])
+            fleet = w.counter_delta("fleet")
+            if fleet is not None:
+                row["fleet_hit_rate"] = fleet.hit_rate if not fleet.missing else None
             a.windows.append(row)
+        if any("fleet" in w.counters for w in wf.windows):
+            a.notes.append("the windows' counters are the whole fleet's (both arms on the same replicas): its hit "
+                           "rate per window is in the windows, but counters cannot split it by arm")
     clusters: dict[str, list[list[float]]] = {}
     span = 0.0
     for arm in ARMS:
@@ -222,7 +228,9 @@ def analyze(log: Log, design: str, windows: WindowsFile | None = None,
         clusters, pairs, elapsed = _split(a, log, windows)
         unit = "sessions"
         a.warnings.append(SHARED_WARNING if design == "shared" else POOLS_NOTE)
-    metrics_asked = bool(prometheus) or any(w.counters for w in (windows.windows if windows else []))
+    # counters that could give each arm's hit rate: the fleet's per window (switchback), each pool's (splits)
+    groups = {"fleet"} if design == "switchback" else set(ARMS)
+    metrics_asked = bool(prometheus) or any(groups & set(w.counters) for w in (windows.windows if windows else []))
     if prometheus and design != "switchback":
         for arm in ARMS:
             reqs = [r for r in log.requests if r.arm == arm]

@@ -1,5 +1,5 @@
-"""``prefix-router ab``: analyse an A/B run (``analyze``), or drive a switchback and analyse it
-(``switchback``).
+"""``prefix-router ab``: analyse an A/B run (``analyze``), drive a switchback and analyse it
+(``switchback``), or record a split's counters per window for ``analyze`` (``record``).
 
 Exit codes: 0 a verdict (a significant change, or "no significant difference yet"); 2 bad
 arguments or unreadable input; 3 no verdict possible (no traffic in an arm, too few windows or
@@ -13,8 +13,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from routerlab.ab import accesslog, analysis, driver, report
+from routerlab.ab import accesslog, analysis, driver, record, report
 from routerlab.ab import windows as windows_file
 from routerlab.ab.counters import Delta, prometheus_increase
 from routerlab.ab.stats import DRAWS
@@ -22,16 +23,29 @@ from routerlab.ab.stats import DRAWS
 EXIT_BAD_INPUT = 2
 
 
-def _metrics_urls(values: list[str]) -> list[str]:
-    """``--metrics-url`` values: URL or ARM=URL, comma-separated, repeatable (in a switchback
-    every replica serves the running arm, so the arm labels only say which pool a URL is in)."""
-    urls = []
+def _labelled_urls(values: list[str]) -> dict[str, list[str]]:
+    """``--metrics-url`` values: URL or ARM=URL, comma-separated, repeatable; a label holds for the
+    URLs after it in the same value (``prefix=URL,URL``); unlabelled URLs go under ""."""
+    out: dict[str, list[str]] = {}
     for value in values:
+        label = ""
         for item in value.split(","):
             item = item.strip()
-            if item:
-                urls.append(item.partition("=")[2] if "=" in item.split("://")[0] else item)
-    return list(dict.fromkeys(urls))
+            if not item:
+                continue
+            if "=" in item.split("://")[0]:
+                label, _, item = item.partition("=")
+                label = label.strip()
+            out.setdefault(label, [])
+            if item not in out[label]:
+                out[label].append(item)
+    return out
+
+
+def _metrics_urls(values: list[str]) -> list[str]:
+    """Every URL of ``--metrics-url`` (in a switchback every replica serves the running arm, so the
+    arm labels only say which pool a URL is in)."""
+    return list(dict.fromkeys(u for urls in _labelled_urls(values).values() for u in urls))
 
 
 def _selectors(values: list[str]) -> dict[str, str]:
@@ -82,6 +96,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the replicas' base URLs (their /metrics are read at each window's edges); repeatable")
     s.add_argument("--seed", type=int, default=0, help="seed of the plan and the bootstrap (default 0)")
     _add_analysis_arguments(s)
+    _add_record(sub)
+
+
+def _add_record(sub: Any) -> None:
+    r = sub.add_parser("record", help="pool or shared split: record each pool's counters per window (nothing is "
+                       "flipped), for analyze", description="Read each pool's vLLM counters at fixed window edges "
+                       "for a bounded time and write the windows file `ab analyze --windows` reads, so the splits "
+                       "get a KV hit rate per arm per window.")
+    r.add_argument("--design", choices=record.DESIGNS, default="pools",
+                   help="pools (each arm's replicas: prefix=URL,... stock=URL,...) or shared (every replica, "
+                        "unlabelled: the counters cannot split a shared fleet by arm); default pools")
+    r.add_argument("--metrics-url", action="append", default=[], required=True, metavar="[ARM=]URL,...",
+                   help="the replicas' base URLs (their /metrics), labelled by pool: prefix=URL,URL; repeatable")
+    r.add_argument("--duration", type=float, required=True, metavar="S", help="bound on the whole run (seconds)")
+    r.add_argument("--window", type=float, default=60.0, metavar="S",
+                   help="seconds between counter reads (default 60; at least 2 windows in --duration)")
+    r.add_argument("--windows", metavar="FILE", default="ab-windows.jsonl",
+                   help="where to write the windows (default: ab-windows.jsonl)")
+
+
+def _record(args: argparse.Namespace) -> int:
+    try:
+        pools = record.pools_for(args.design, _labelled_urls(args.metrics_url))
+        record.window_count(args.duration, args.window)
+    except driver.DriverError as e:
+        print(f"prefix-router ab record: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    t0 = time.monotonic()
+
+    def progress(text: str) -> None:
+        print(f"[ab] {time.monotonic() - t0:6.1f}s {text}", file=sys.stderr, flush=True)
+
+    recorder = record.Recorder(args.design, pools, args.windows)
+    try:
+        recorder.open()
+    except driver.DriverError as e:
+        print(f"prefix-router ab record: {e}", file=sys.stderr)
+        return analysis.EXIT_NO_VERDICT
+    progress(f"recording {', '.join(f'{g}: {len(u)} replicas' for g, u in pools.items())} every "
+             f"{args.window:g} s for {args.duration:g} s into {args.windows}")
+    header = recorder.record(args.duration, args.window, progress)
+    windows_file.append(args.windows, header)
+    progress(f"done: {header['windows_done']} windows"
+             + (f" (interrupted: {header['interrupted']})" if "interrupted" in header else "")
+             + f"; analyse with: prefix-router ab analyze --design {args.design} --windows {args.windows} "
+               "--access-log FILE")
+    return 0
 
 
 def _prometheus(args: argparse.Namespace):
@@ -164,4 +225,6 @@ def _switchback(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.ab_command == "switchback":
         return _switchback(args)
+    if args.ab_command == "record":
+        return _record(args)
     return _analyse(args, args.design, args.windows)

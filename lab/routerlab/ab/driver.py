@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -94,12 +95,12 @@ class Admin:
         self._call("/runtime_modify?" + urllib.parse.urlencode({KEY: str(value)}), method="POST")
 
 
-class _Stop(Exception):
-    pass
+class Stopped(Exception):
+    """SIGTERM, raised in the main thread so that a run ends the way Ctrl-C ends it."""
 
 
-def _raise_stop(signum: int, _frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
+def raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in: float, urls: list[str],
@@ -120,7 +121,7 @@ def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in:
     header: dict[str, Any] = {"kind": "run", "design": "switchback", "burn_in": burn_in, "seed": seed,
                               "share_found": found, "metrics_urls": urls, "planned": [p.__dict__ for p in planned]}
     windows.append(path, header)
-    old_term = signal.signal(signal.SIGTERM, _raise_stop) if _main_thread() else None
+    old_term = signal.signal(signal.SIGTERM, raise_stopped) if in_main_thread() else None
     done = 0
     total = sum(p.seconds for p in planned)
     try:
@@ -131,16 +132,16 @@ def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in:
             start_edge = edge if i else counters.scrape(urls)
             progress(f"window {i + 1}/{len(planned)}: {p.arm} for {p.seconds:.1f} s "
                      f"(burn-in {burn_in:g} s), {total - done:.0f} s left")
-            _sleep_until(start + burn_in, clock)
+            sleep_until(start + burn_in, clock)
             measure = counters.scrape(urls)
-            _sleep_until(start + p.seconds, clock)
+            sleep_until(start + p.seconds, clock)
             end = clock()
             edge = counters.scrape(urls)
             w = windows.Window(i, p.arm, start, end, burn_in,
                                {"fleet": {"start": start_edge, "measure": measure, "end": edge}})
             windows.append(path, w.to_json())
             done += p.seconds
-    except (KeyboardInterrupt, _Stop) as e:
+    except (KeyboardInterrupt, Stopped) as e:
         header["interrupted"] = f"{type(e).__name__} {e}".strip()
         progress(f"interrupted after {done:.0f} s: restoring the share")
     finally:
@@ -154,16 +155,19 @@ def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in:
     return header
 
 
-def _main_thread() -> bool:
-    import threading
-
+def in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _sleep_until(t: float, clock: Callable[[], float]) -> None:
-    """Sleep in short steps (a signal is handled within 0.2 s), bounded by ``t``."""
+def sleep_until(t: float, clock: Callable[[], float], stop: threading.Event | None = None) -> None:
+    """Sleep in short steps (a signal is handled within 0.2 s), bounded by ``t``; or until ``stop``
+    is set (a caller in another thread ends the run)."""
     while (left := t - clock()) > 0:
-        time.sleep(min(left, 0.2))
+        if stop is not None:
+            if stop.wait(min(left, 0.2)):
+                return
+        else:
+            time.sleep(min(left, 0.2))
 
 
 def wait_for_log(path: str | Path, after: float, quiet_s: float = 1.2, timeout: float = 6.0) -> bool:

@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.process import event_loop
-from routerlab.ab import accesslog, analysis, counters, driver, windows
+from routerlab.ab import accesslog, analysis, driver, record, windows
 from routerlab.ab.stats import Change, quantile, ratio_change
 from routerlab.bench import arms as arms_mod
 from routerlab.bench import loadgen, runner
@@ -189,31 +190,6 @@ def switchback_plan(cfg: ValidateConfig, duration: float) -> tuple[list[driver.P
     return driver.plan(duration, wmin, wmax, cfg.seed), burn_in
 
 
-async def _slices(urls_by_group: dict[str, list[str]], every: float, stop: asyncio.Event,
-                  edges: list[tuple[float, dict[str, counters.Snapshot]]]) -> None:
-    """Each group's counters now and every ``every`` seconds until ``stop`` (bounded by it)."""
-    async def edge() -> None:
-        t = time.time()
-        snap = await asyncio.to_thread(counters.scrape, sorted({u for us in urls_by_group.values() for u in us}))
-        edges.append((t, {g: {u: snap[u] for u in us} for g, us in urls_by_group.items()}))
-
-    await edge()
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=every)
-        except asyncio.TimeoutError:
-            await edge()
-    await edge()  # after the last response: every request started inside a slice
-
-
-def _slice_windows(edges: list[tuple[float, dict[str, counters.Snapshot]]], path: Path) -> None:
-    path.write_text("")
-    windows.append(path, {"kind": "run", "design": "pools", "burn_in": 0.0})
-    for i, ((t0, a), (t1, b)) in enumerate(zip(edges, edges[1:])):
-        w = windows.Window(i, "both", t0, t1, 0.0, {g: {"start": a[g], "measure": a[g], "end": b[g]} for g in a})
-        windows.append(path, w.to_json())
-
-
 def run_design(design: str, ctx: Context, cfg: ValidateConfig, duration: float | None) -> dict[str, Any]:
     out = Path(cfg.out) / design
     out.mkdir(parents=True, exist_ok=True)
@@ -257,14 +233,16 @@ def run_design(design: str, ctx: Context, cfg: ValidateConfig, duration: float |
         url = f"http://127.0.0.1:{listener}"
         load_s = duration if design == "switchback" else ctx.load.duration_s
         every = cfg.slice_s or max(0.5, (duration or 60.0) / 12)
+        recorder = None
+        if design == "pools":  # each pool's counters per slice, as `prefix-router ab record` reads them
+            recorder = record.Recorder("pools", {"prefix": pools["prefix"], "stock": pools["stock"]}, windows_path)
+            recorder.open()  # the first edge before the first request
+            info["windows_file"] = str(windows_path)
 
-        async def main() -> tuple[loadgen.LoadResult, Any, list[tuple[float, dict[str, counters.Snapshot]]]]:
-            stop = asyncio.Event()
-            edges: list[tuple[float, dict[str, counters.Snapshot]]] = []
-            slicer = asyncio.create_task(_slices({"prefix": pools["prefix"], "stock": pools["stock"]},
-                                                 every, stop, edges)) if design == "pools" else None
-            while slicer is not None and not edges:  # the first edge before the first request
-                await asyncio.sleep(0.01)
+        async def main() -> tuple[loadgen.LoadResult, Any]:
+            stop = threading.Event()
+            slicer = asyncio.create_task(asyncio.to_thread(
+                recorder.record, 2 * (load_s or 60.0) + 60, every, lambda _: None, stop)) if recorder else None
             load = asyncio.create_task(loadgen.run_load(
                 url, sessions, mode=ctx.load.mode, concurrency=ctx.load.concurrency, rate=ctx.load.rate,
                 duration_s=load_s, seed=cfg.seed))
@@ -273,22 +251,19 @@ def run_design(design: str, ctx: Context, cfg: ValidateConfig, duration: float |
                 header = await asyncio.to_thread(driver.run, admin, windows_path, planned, burn_in, urls,
                                                  lambda text: cfg.progress(f"switchback: {text}"), cfg.seed)
             result = await load
-            stop.set()
+            stop.set()  # a last edge after the last response: every request started inside a slice
             if slicer is not None:
                 await slicer
-            return result, header, edges
+            return result, header
 
         wall0 = time.time()
-        result, header, edges = event_loop.run(main())
+        result, header = event_loop.run(main())
         info["load"] = {"requests": len(result.results), "ok": sum(r.ok for r in result.results),
                         "unsent": result.unsent, "cancelled": result.cancelled,
                         "duration_s": round(result.duration_s, 3),
                         "client": result.client.to_json()}
         if header is not None:
             info["driver"] = {k: header.get(k) for k in ("windows_done", "interrupted")}
-        if design == "pools":
-            _slice_windows(edges, windows_path)
-            info["windows_file"] = str(windows_path)
         answered = sum(1 for r in result.results if r.status)
         wait_until(lambda: _lines(log_path) >= answered, 20, f"{answered} access-log lines from Envoy")
     finally:
