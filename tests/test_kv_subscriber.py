@@ -520,3 +520,36 @@ def test_without_a_replay_socket_a_late_subscriber_has_a_partial_view() -> None:
             await rig.close()
 
     run(body)
+
+
+def test_time_spent_applying_batches_is_counted_and_exported() -> None:
+    """``prefix_router_kv_apply_seconds_total``: the ingest path's own time, so a run can tell how
+    much of the router's core the events take beside the requests (routerlab.bench.ingest)."""
+    from types import SimpleNamespace
+
+    from prometheus_client.core import CollectorRegistry
+
+    from extproc.pick.picker import PreciseCollector
+
+    async def body() -> None:
+        index = EventIndex()
+        rig = Rig()
+        rig.sub.index = index
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            assert rig.sub.stats.apply_s == 0.0
+            for mark in range(20):
+                pub.publish([BlockStored([BIG + mark], None if mark == 0 else BIG + mark - 1, list(range(4)), 4)])
+            await until(lambda: rig.sub.stats.batches >= 20, "20 batches applied")
+            assert rig.sub.stats.apply_s > 0.0
+            picker = SimpleNamespace(subscriber=rig.sub, tokenizer_check=None,
+                                     precise=SimpleNamespace(index=index, tokenizers={}, distrusted=set()))
+            registry = CollectorRegistry()
+            registry.register(PreciseCollector(picker))  # type: ignore[arg-type]
+            exported = registry.get_sample_value("prefix_router_kv_apply_seconds_total")
+            assert exported == rig.sub.stats.apply_s
+        finally:
+            await rig.close()
+
+    run(body)

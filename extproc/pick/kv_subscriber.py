@@ -111,6 +111,7 @@ class KvSubscriberStats:
     replays_served: int = 0  # replay requests answered up to the end marker
     replayed_batches: int = 0  # batches applied from replay answers
     bad_frames: int = 0
+    apply_s: float = 0.0  # time spent decoding and applying batches: the ingest path's share of the core
     resets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     replicas: dict[str, ReplicaView] = field(default_factory=dict)
 
@@ -414,6 +415,7 @@ class KvEventSubscriber:
         if view is None:
             return  # the endpoint left while a replay was under way
         view.last_seq[st.rank] = frame.seq
+        started = time.perf_counter()
         try:
             decoded = decode_batch(frame.payload)
         except EventDecodeError:
@@ -438,6 +440,7 @@ class KvEventSubscriber:
             self._count_reset(st.address, "cleared")
         view.complete[st.rank] = st.complete
         view.origin = _origin(view, live)
+        stats.apply_s += time.perf_counter() - started
 
     def _reset(self, st: _Stream, cause: str) -> None:
         self.index.reset(st.address)

@@ -214,6 +214,11 @@ class KvEventPublisher:
         """One batch with the next seq; ``send=False`` keeps it in the replay buffer only (a lost message)."""
         payload = encode_batch(events, time.time() if ts is None else ts, self.rank, self.encoding,
                                self.batch_encoding, self.hash_type)
+        return self.publish_payload(payload, send=send)
+
+    def publish_payload(self, payload: bytes, *, send: bool = True) -> int:
+        """One batch already encoded (``encode_batch``) with the next seq: a load driver sends
+        precomputed payloads without paying the encoding per step."""
         seq = self.next_seq
         self.next_seq += 1
         if send:
