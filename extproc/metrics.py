@@ -104,6 +104,14 @@ PREDICTED_CACHED = Counter(
     ["replica", "view"],
     registry=REGISTRY,
 )
+PREDICTED_IN_FLIGHT = Counter(
+    "prefix_router_predicted_in_flight_tokens_total",
+    "Of prefix_router_predicted_cached_tokens_total{view=\"events\"}: the tokens credited because "
+    "this router's requests in flight on the replica are computing them, beyond what its events "
+    "said it held when the router chose (a forecast: vLLM announces blocks once stored)",
+    ["replica"],
+    registry=REGISTRY,
+)
 REPLICA_CACHE_HITS = Counter(
     "prefix_router_replica_cache_hit_tokens_total",
     "Prompt tokens each replica reports it served from its prefix cache (the increase of its "

@@ -227,9 +227,10 @@ def test_an_interrupted_start_still_stops_every_process(monkeypatch: pytest.Monk
 
 def test_prediction_splits_the_view_s_error_from_what_the_cache_lost_while_requests_waited() -> None:
     fleet = FleetDelta([ReplicaCounters(hits=600, hits_at_arrival=800), ReplicaCounters(hits=200, hits_at_arrival=200)])
-    p = prediction({"events": 1100.0, "requests_events": 9}, fleet)
+    p = prediction({"events": 1100.0, "in_flight": 100.0, "requests_events": 9}, fleet)
     assert p["accuracy"] == 1.375  # 1100 predicted, 800 served from cache
-    assert p["accuracy_at_arrival"] == 1.1 and p["kept_while_waiting"] == 0.8  # 1.1 x 1 / 0.8
+    assert p["in_flight_tokens"] == 100  # of the 1100, a forecast for blocks in flight
+    assert p["held_at_arrival_accuracy"] == 1.0 and p["kept_while_waiting"] == 0.8  # the view was exact
     assert p["choices_by_view"] == {"events": 9}
     vllm = prediction({"events": 800.0}, FleetDelta([ReplicaCounters(hits=800)]))
-    assert "accuracy_at_arrival" not in vllm and vllm["accuracy"] == 1.0  # real vLLM has no such counter
+    assert "held_at_arrival_accuracy" not in vllm and vllm["accuracy"] == 1.0  # real vLLM has no such counter

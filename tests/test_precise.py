@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from extproc import metrics
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
@@ -84,10 +85,15 @@ def test_a_request_in_flight_counts_its_blocks_on_its_replica_until_it_ends(toke
     long_system = SYSTEM * 8  # long enough that waiting behind the first beats computing it again
     first = core.pick(decide(body("first question", system=long_system), {}, PICK), PICK)
     second_decision = decide(body("second question", system=long_system), {}, PICK)
-    during = core.precise.match(second_decision).cached
+    exact = core.precise.match(second_decision)
+    during = exact.cached
     assert during[first.address] > 0 and sum(during.values()) == during[first.address]
+    assert exact.in_flight == {first.address: during[first.address]}  # all of it a forecast: no event yet
+    forecast = metrics.PREDICTED_IN_FLIGHT.labels(first.address)
+    before = forecast._value.get()
     second = core.pick(second_decision, PICK)
     assert second.address == first.address and second.reason == "cheapest"
+    assert forecast._value.get() - before == during[first.address]
     core.release(first)
     core.release(second)
     assert core.precise.pending == {} and core.precise.match(second_decision).cached == {A: 0, B: 0}

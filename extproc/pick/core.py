@@ -157,6 +157,9 @@ class PickCore:
             chosen = _chosen(choice)
             if chosen.cached_tokens:
                 metrics.PREDICTED_CACHED.labels(choice.address, chosen.view).inc(chosen.cached_tokens)
+                forecast = exact.in_flight.get(choice.address, 0) if exact is not None and chosen.view == EVENTS else 0
+                if forecast:
+                    metrics.PREDICTED_IN_FLIGHT.labels(choice.address).inc(forecast)
         return choice
 
     def release(self, choice: Choice) -> None:

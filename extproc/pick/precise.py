@@ -32,6 +32,9 @@ class Exact(NamedTuple):
     cached: dict[str, int]  # every covered replica -> prompt tokens it holds (0 included)
     hashes: dict[int, Sequence[int]]  # block size -> the request's own block hashes (for ``pend``)
     sizes: dict[str, int]  # covered replica -> its block size (absent while unknown)
+    # covered replica -> the part of ``cached`` that the blocks of this router's requests in flight
+    # there add to what its events say it holds (absent when none): a forecast, not yet in its cache
+    in_flight: dict[str, int] = {}
 
 
 class PreciseView:
@@ -94,15 +97,19 @@ class PreciseView:
             hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt) if blocks else []
             held[size] = self.index.match(hashes[size]) if blocks else {}
         cached = dict.fromkeys(covered, 0)
+        in_flight: dict[str, int] = {}
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             pending = self.pending.get(address)
             if pending:
+                held_blocks = n
                 n = max(n, *(_shared(run, other) for other in pending))
                 while n < len(run) and self.index.holds_block(address, run[n]):
                     n += 1
+                if n > held_blocks:
+                    in_flight[address] = (n - held_blocks) * size
             cached[address] = n * size
-        return Exact(len(ids), cached, hashes, sizes)
+        return Exact(len(ids), cached, hashes, sizes, in_flight)
 
     def pend(self, address: str, exact: Exact) -> Sequence[int]:
         """The request goes to ``address``: its blocks count as there until ``unpend``."""

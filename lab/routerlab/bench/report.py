@@ -112,14 +112,18 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     that were gone; under 1, the replicas reused more than the view knew). By view when the
     choices used the events (precise mode) or the learned index.
 
-    The simulator also counts what its cache held of each request's prompt when it arrived
-    (``sim:prefix_cache_hits_at_arrival_total``), which splits the ratio in two: the view against
-    the cache at the moment the router chose (``at_arrival``: the view's own error, its credit for
-    blocks in flight included) and what the cache kept of it until the request was admitted
-    (``kept_while_waiting``: evictions while requests queue, which no view of the present sees)."""
+    Precise mode's prediction has two parts: what the events said the replica held when the
+    router chose, and a forecast (``in_flight``): blocks this router's requests in flight there
+    are computing. The simulator also counts what its cache held of each request's prompt when it
+    arrived (``sim:prefix_cache_hits_at_arrival_total``), which splits the error: the held part
+    against the cache at arrival (``held_at_arrival_accuracy``: the view's own error, event lag
+    included), and what the cache still held when the request was admitted against what it held at
+    arrival (``kept_while_waiting``: evictions, and blocks in flight stored, while requests queue;
+    no view of the present sees them)."""
     actual = sum(r.hits for r in fleet.per_replica)
     at_arrival = sum(r.hits_at_arrival for r in fleet.per_replica)
     views = {v: predicted[v] for v in ("events", "learned") if predicted.get(v)}
+    in_flight = predicted.get("in_flight", 0.0)
     out: dict[str, Any] = {
         "predicted_tokens": {v: int(t) for v, t in views.items()},
         "actual_hit_tokens": int(actual),
@@ -127,9 +131,11 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
         "choices_by_view": {v: int(predicted.get(f"requests_{v}", 0)) for v in ("events", "learned")
                             if predicted.get(f"requests_{v}")},
     }
+    if in_flight:
+        out["in_flight_tokens"] = int(in_flight)
     if at_arrival:
         out["held_at_arrival_tokens"] = int(at_arrival)
-        out["accuracy_at_arrival"] = round(sum(views.values()) / at_arrival, 4)
+        out["held_at_arrival_accuracy"] = round((sum(views.values()) - in_flight) / at_arrival, 4)
         out["kept_while_waiting"] = round(actual / at_arrival, 4)
     return out
 
@@ -247,14 +253,15 @@ def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
         return ""
-    lines = ["| arm | predicted (events) | predicted (learned) | replicas' hits | accuracy | held at arrival (sim) "
-             "| accuracy at arrival | kept while waiting | choices by view |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| arm | predicted (events) | of which in flight | predicted (learned) | replicas' hits | accuracy "
+             "| held at arrival (sim) | held part / held at arrival | kept while waiting | choices by view |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, p in rows:
         views = ", ".join(f"{v} {n}" for v, n in p["choices_by_view"].items()) or "learned (no events configured)"
-        lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p['predicted_tokens'].get('learned', 0)} "
-                     f"| {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} | {p.get('held_at_arrival_tokens', '')} "
-                     f"| {_fmt(p.get('accuracy_at_arrival'), 3)} | {_fmt(p.get('kept_while_waiting'), 3)} | {views} |")
+        lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p.get('in_flight_tokens', 0)} "
+                     f"| {p['predicted_tokens'].get('learned', 0)} | {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} "
+                     f"| {p.get('held_at_arrival_tokens', '')} | {_fmt(p.get('held_at_arrival_accuracy'), 3)} "
+                     f"| {_fmt(p.get('kept_while_waiting'), 3)} | {views} |")
     return "\n".join(lines)
 
 
@@ -289,9 +296,11 @@ def to_markdown(report: Report) -> str:
         parts += ["", "## How well the routers' cache view predicted the replicas' cache hits", "",
                   "Cached tokens the routers expected at the replicas they chose, by the view that said so, "
                   "against the tokens the replicas report they served from cache (ratio of sums over the arm). "
-                  "The simulator also counts what its cache held of each prompt when the request arrived: "
-                  "accuracy at arrival is the view against that (its own error), kept while waiting is what "
-                  "the cache still held when the request was admitted (evictions while it queued).",
+                  "Of the events' prediction, 'in flight' is the forecast for blocks the router's own "
+                  "requests in flight were computing. The simulator also counts what its cache held of each "
+                  "prompt when the request arrived: the held part of the prediction against that is the "
+                  "view's own error; kept while waiting is what the cache still held when the request was "
+                  "admitted against what it held at arrival (evictions while it queued).",
                   "", predictions]
     cpu = ["", "## CPU seconds per process during the run", "",
            "| arm | client | " + " | ".join(_cpu_names(report)) + " | machine busy | client saturated |",

@@ -303,6 +303,8 @@ def _predictions(metrics_ports: Sequence[int]) -> dict[str, float]:
         for s in samples:
             if s.name == "prefix_router_predicted_cached_tokens_total":
                 out[s.labels["view"]] = out.get(s.labels["view"], 0.0) + s.value
+            elif s.name == "prefix_router_predicted_in_flight_tokens_total":
+                out["in_flight"] = out.get("in_flight", 0.0) + s.value
             elif s.name == "prefix_router_cache_view_total":
                 key = f"requests_{s.labels['view']}"
                 out[key] = out.get(key, 0.0) + s.value
