@@ -20,7 +20,7 @@ from extproc.pick.choose import REASONS, Candidate, Choice, choose, prefill_toke
 from extproc.pick.chunks import chunk_hashes
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
-from extproc.pick.partial_view import PARTIAL, merge
+from extproc.pick.partial_view import merge
 from extproc.pick.precise import EVENTS, Exact, PreciseView
 from extproc.pick.prompt_tokens import NotTokenizable
 from extproc.pick.state import ReplicaState
@@ -101,11 +101,11 @@ class PickCore:
         """
         exact = self._exact(decision) if self.precise is not None and settings.cache_view != "learned" else None
         snapshot = self.load.snapshot(self.clock())
-        partial: list[str] = []
+        partial: Sequence[str] = ()
         if exact is None:
             learning = True
         else:
-            partial = [a for a in exact.cached if self.precise.origin(a) == PARTIAL]  # type: ignore[union-attr]
+            partial = exact.partial
             learning = bool(partial) or any(r.address not in exact.cached for r in snapshot.replicas)
         chunks = chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS) if learning else []
         held = self.index.match(chunks) if chunks else {}

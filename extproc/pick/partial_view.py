@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Final, NamedTuple
 
-from extproc.pick.precise import EVENTS
+from extproc.pick.precise import EVENTS, PARTIAL
 
-PARTIAL: Final = "partial"  # a replica origin (extproc.pick.kv_subscriber.ReplicaView)
 LEARNED: Final = "learned"
 
 

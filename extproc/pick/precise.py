@@ -19,7 +19,8 @@ from extproc.pick.kv_index import EventIndex
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 
 EVENTS: Final = "events"
-COVERED: Final = frozenset({"events", "replayed", "partial"})  # origins whose view comes from events
+PARTIAL: Final = "partial"  # a replica origin: events that miss part of its cache (extproc.pick.partial_view)
+COVERED: Final = frozenset({"events", "replayed", PARTIAL})  # origins whose view comes from events
 ANY_MODEL: Final = "*"
 
 
@@ -35,6 +36,7 @@ class Exact(NamedTuple):
     # covered replica -> the part of ``cached`` that the blocks of this router's requests in flight
     # there add to what its events say it holds (absent when none): a forecast, not yet in its cache
     in_flight: dict[str, int] = {}
+    partial: tuple[str, ...] = ()  # covered replicas whose events miss part of their cache (origin partial)
 
 
 class PreciseView:
@@ -58,9 +60,6 @@ class PreciseView:
     def origin(self, address: str) -> str:
         view = self.origins.get(address)
         return view.origin if view is not None else "none"
-
-    def covered(self) -> list[str]:
-        return [a for a, view in self.origins.items() if view.origin in COVERED]
 
     def tokens(self, decision: Decision, *, checking: bool = False) -> Sequence[int]:
         """The prompt's token ids as the replica computes them; raises NotTokenizable (also for a
@@ -88,8 +87,7 @@ class PreciseView:
         ids = self.tokens(decision)
         doc = decision.document or {}
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
-        covered = self.covered()
-        sizes = {a: s for a in covered if (s := self.index.block_size(a) or self.block_size_hint)}
+        covered, partial, sizes = self._coverage()
         hashes: dict[int, Sequence[int]] = {}
         held: dict[int, dict[str, int]] = {}
         for size in set(sizes.values()):
@@ -109,7 +107,25 @@ class PreciseView:
                 if n > held_blocks:
                     in_flight[address] = (n - held_blocks) * size
             cached[address] = n * size
-        return Exact(len(ids), cached, hashes, sizes, in_flight)
+        return Exact(len(ids), cached, hashes, sizes, in_flight, partial)
+
+    def _coverage(self) -> tuple[list[str], tuple[str, ...], dict[str, int]]:
+        """The covered replicas, those of them whose view is partial, and their block sizes (the
+        scraped hint until a replica's events said it), in one pass: it runs per request over the
+        whole fleet."""
+        covered: list[str] = []
+        partial: list[str] = []
+        sizes: dict[str, int] = {}
+        block_size, hint = self.index.block_size, self.block_size_hint
+        for address, view in self.origins.items():
+            origin = view.origin
+            if origin in COVERED:
+                covered.append(address)
+                if origin == PARTIAL:
+                    partial.append(address)
+                if size := block_size(address) or hint:
+                    sizes[address] = size
+        return covered, tuple(partial), sizes
 
     def pend(self, address: str, exact: Exact) -> Sequence[int]:
         """The request goes to ``address``: its blocks count as there until ``unpend``."""
