@@ -105,6 +105,22 @@ class Rig:
             self.pub.close()
 
 
+def with_rig(body: Callable[[Rig, KvEventPublisher], Awaitable[None]], pub_kw: dict | None = None,
+             sub_kw: dict | None = None, *, replay: bool = True) -> None:
+    """Run ``body(rig, publisher)`` on a fresh rig whose publisher is up (without ``replay``,
+    neither side has a replay socket) and close both whatever happens."""
+    async def main() -> None:
+        rig = Rig(pub_kw, sub_kw)
+        if not replay:
+            rig.sub.replay_port = None  # before start: its streams get no replay socket
+        try:
+            await body(rig, rig.publisher(**({} if replay else {"replay_port": None})))
+        finally:
+            await rig.close()
+
+    run(main)
+
+
 ENCODINGS = [
     dict(encoding="array", batch_encoding="array", hash_type="int", replay_topic=True),
     dict(encoding="map", batch_encoding="array", hash_type="int", replay_topic=True),
@@ -115,160 +131,123 @@ ENCODINGS = [
 
 @pytest.mark.parametrize("enc", ENCODINGS, ids=lambda e: "-".join(str(v) for v in e.values()))
 def test_in_order_then_a_dropped_batch_is_replayed(enc) -> None:
-    async def body() -> None:
-        rig = Rig(enc)
-        pub = rig.publisher()
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            pub.publish([stored(1), BlockRemoved([BIG + 0])])
-            await until(lambda: rig.index.marks() == [0, 1], "two batches in order")
-            pub.publish([stored(2)], send=False)  # lost on the wire, kept in the replay buffer
-            pub.publish([stored(3)])
-            await until(lambda: rig.index.marks() == [0, 1, 2, 3], "the lost batch replayed, then the live one")
-            st = rig.sub.stats
-            assert st.gaps == 1 and st.replayed_batches == 1 and st.batches == 4
-            assert st.replays_served == 2  # the first (empty) replay and the gap's
-            assert sum(st.resets.values()) == 0 and "reset" not in rig.index.ops()
-            view = st.replicas[ADDRESS]
-            assert view.origin == "events" and view.last_seq == {0: 3} and view.lag >= 0
-            ev = rig.index.log[1][2]
-            first = ev[0].block_hashes[0]
-            if enc["hash_type"] == "bytes":
-                assert first == (BIG + 1).to_bytes(32, "big")
-            else:
-                assert first == BIG + 1 and first > 2**63
-            assert isinstance(ev[1], kv_events.BlockRemoved)
-            assert st.blocks == 2 + 3 + 2 + 2
-            assert st.bad_frames == 0 and st.events_skipped == 0
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        pub.publish([stored(1), BlockRemoved([BIG + 0])])
+        await until(lambda: rig.index.marks() == [0, 1], "two batches in order")
+        pub.publish([stored(2)], send=False)  # lost on the wire, kept in the replay buffer
+        pub.publish([stored(3)])
+        await until(lambda: rig.index.marks() == [0, 1, 2, 3], "the lost batch replayed, then the live one")
+        st = rig.sub.stats
+        assert st.gaps == 1 and st.replayed_batches == 1 and st.batches == 4
+        assert st.replays_served == 2  # the first (empty) replay and the gap's
+        assert sum(st.resets.values()) == 0 and "reset" not in rig.index.ops()
+        view = st.replicas[ADDRESS]
+        assert view.origin == "events" and view.last_seq == {0: 3} and view.lag >= 0
+        ev = rig.index.log[1][2]
+        first = ev[0].block_hashes[0]
+        if enc["hash_type"] == "bytes":
+            assert first == (BIG + 1).to_bytes(32, "big")
+        else:
+            assert first == BIG + 1 and first > 2**63
+        assert isinstance(ev[1], kv_events.BlockRemoved)
+        assert st.blocks == 2 + 3 + 2 + 2
+        assert st.bad_frames == 0 and st.events_skipped == 0
 
-    run(body)
+    with_rig(body, enc)
 
 
 def test_all_blocks_cleared_is_counted_as_a_reset() -> None:
-    async def body() -> None:
-        rig = Rig()
-        pub = rig.publisher()
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            pub.publish([AllBlocksCleared()])
-            await until(lambda: rig.sub.stats.batches == 2, "two batches")
-            assert rig.sub.stats.resets["cleared"] == 1 and rig.resets == [(ADDRESS, "cleared")]
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        pub.publish([AllBlocksCleared()])
+        await until(lambda: rig.sub.stats.batches == 2, "two batches")
+        assert rig.sub.stats.resets["cleared"] == 1 and rig.resets == [(ADDRESS, "cleared")]
 
-    run(body)
+    with_rig(body)
 
 
 def test_a_gap_the_buffer_no_longer_holds_resets_the_view() -> None:
-    async def body() -> None:
-        rig = Rig({"buffer_steps": 3})
-        pub = rig.publisher()
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            await until(lambda: rig.index.marks() == [0], "seq 0")
-            for mark in range(1, 5):
-                pub.publish([stored(mark)], send=False)  # 1..4 lost; the buffer keeps 3, 4 then 5
-            pub.publish([stored(5)])
-            await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
-            assert rig.index.ops() == ["apply", "reset", "apply", "apply", "apply"]
-            assert rig.sub.stats.resets == {"restart": 0, "reconnect": 0, "gap": 1, "cleared": 0, "left": 0}
-            assert rig.resets == [(ADDRESS, "gap")] and rig.sub.stats.gaps == 1
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        await until(lambda: rig.index.marks() == [0], "seq 0")
+        for mark in range(1, 5):
+            pub.publish([stored(mark)], send=False)  # 1..4 lost; the buffer keeps 3, 4 then 5
+        pub.publish([stored(5)])
+        await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
+        assert rig.index.ops() == ["apply", "reset", "apply", "apply", "apply"]
+        assert rig.sub.stats.resets == {"restart": 0, "reconnect": 0, "gap": 1, "cleared": 0, "left": 0}
+        assert rig.resets == [(ADDRESS, "gap")] and rig.sub.stats.gaps == 1
 
-    run(body)
+    with_rig(body, {"buffer_steps": 3})
 
 
 def test_a_gap_without_a_replay_socket_resets_the_view() -> None:
-    async def body() -> None:
-        rig = Rig(sub_kw={})
-        rig.sub.replay_port = None  # before start: its streams get no replay socket
-        pub = rig.publisher(replay_port=None)
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            await until(lambda: rig.index.marks() == [0], "seq 0")
-            pub.publish([stored(1)], send=False)
-            pub.publish([stored(2)])
-            await until(lambda: rig.index.marks() == [0, 2], "seq 2 after the reset")
-            assert rig.index.ops() == ["apply", "reset", "apply"] and rig.sub.stats.replays_asked == 0
-            assert rig.sub.stats.resets["gap"] == 1
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        await until(lambda: rig.index.marks() == [0], "seq 0")
+        pub.publish([stored(1)], send=False)
+        pub.publish([stored(2)])
+        await until(lambda: rig.index.marks() == [0, 2], "seq 2 after the reset")
+        assert rig.index.ops() == ["apply", "reset", "apply"] and rig.sub.stats.replays_asked == 0
+        assert rig.sub.stats.resets["gap"] == 1
 
-    run(body)
+    with_rig(body, sub_kw={}, replay=False)
 
 
 def test_a_restarted_publisher_resets_the_view() -> None:
     """A new process drops the connection: the view is rebuilt from its buffer (cause reconnect)."""
-    async def body() -> None:
-        rig = Rig()
-        pub = rig.publisher()
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            pub.publish([stored(1)])
-            await until(lambda: rig.index.marks() == [0, 1], "the first process's batches")
-            pub.close()
-            pub = rig.publisher()  # a new process on the same ports: seq from 0 again
-            await until(lambda: pub.subscriptions() >= 1, "the subscriber reconnected")
-            pub.publish([stored(7)])
-            await until(lambda: rig.index.marks() == [0, 1, 7], "the new process's first batch")
-            assert rig.index.ops() == ["apply", "apply", "reset", "apply"]
-            assert rig.sub.stats.resets["reconnect"] == 1 and rig.resets == [(ADDRESS, "reconnect")]
-            assert rig.sub.stats.replicas[ADDRESS].last_seq == {0: 0}
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        pub.publish([stored(1)])
+        await until(lambda: rig.index.marks() == [0, 1], "the first process's batches")
+        pub.close()
+        pub = rig.publisher()  # a new process on the same ports: seq from 0 again
+        await until(lambda: pub.subscriptions() >= 1, "the subscriber reconnected")
+        pub.publish([stored(7)])
+        await until(lambda: rig.index.marks() == [0, 1, 7], "the new process's first batch")
+        assert rig.index.ops() == ["apply", "apply", "reset", "apply"]
+        assert rig.sub.stats.resets["reconnect"] == 1 and rig.resets == [(ADDRESS, "reconnect")]
+        assert rig.sub.stats.replicas[ADDRESS].last_seq == {0: 0}
 
-    run(body)
+    with_rig(body)
 
 
 def test_a_sequence_that_goes_back_on_the_same_connection_is_a_restart() -> None:
     """Behind a proxy that keeps the connection, only the sequence tells: seq 0 again is a new process."""
-    async def body() -> None:
-        rig = Rig()
-        rig.sub.replay_port = None  # before start: its streams get no replay socket
-        pub = rig.publisher(replay_port=None)
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            pub.publish([stored(1)])
-            await until(lambda: rig.index.marks() == [0, 1], "the first process's batches")
-            pub.next_seq = 0  # what a new publisher process behind the same connection sends
-            pub.publish([stored(5)])
-            await until(lambda: rig.index.marks() == [0, 1, 5], "the new process's first batch")
-            assert rig.index.ops() == ["apply", "apply", "reset", "apply"]
-            assert rig.resets == [(ADDRESS, "restart")]
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        pub.publish([stored(1)])
+        await until(lambda: rig.index.marks() == [0, 1], "the first process's batches")
+        pub.next_seq = 0  # what a new publisher process behind the same connection sends
+        pub.publish([stored(5)])
+        await until(lambda: rig.index.marks() == [0, 1, 5], "the new process's first batch")
+        assert rig.index.ops() == ["apply", "apply", "reset", "apply"]
+        assert rig.resets == [(ADDRESS, "restart")]
 
-    run(body)
+    with_rig(body, replay=False)
 
 
 def test_a_subscriber_started_late_learns_the_buffer_by_replay() -> None:
-    async def body() -> None:
-        rig = Rig()
-        pub = rig.publisher()
-        try:
-            for mark in range(3):
-                pub.publish([stored(mark)])  # nobody listens yet
-            await rig.subscribe()
-            await until(lambda: rig.index.marks() == [0, 1, 2], "the replayed buffer")
-            view = rig.sub.stats.replicas[ADDRESS]
-            assert view.origin == "replayed" and view.last_seq == {0: 2}
-            assert rig.sub.stats.replayed_batches == 3 and rig.sub.stats.gaps == 0
-            pub.publish([stored(3)])
-            await until(lambda: rig.index.marks() == [0, 1, 2, 3], "the live batch")
-            assert view.origin == "events" and "reset" not in rig.index.ops()
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        for mark in range(3):
+            pub.publish([stored(mark)])  # nobody listens yet
+        await rig.subscribe()
+        await until(lambda: rig.index.marks() == [0, 1, 2], "the replayed buffer")
+        view = rig.sub.stats.replicas[ADDRESS]
+        assert view.origin == "replayed" and view.last_seq == {0: 2}
+        assert rig.sub.stats.replayed_batches == 3 and rig.sub.stats.gaps == 0
+        pub.publish([stored(3)])
+        await until(lambda: rig.index.marks() == [0, 1, 2, 3], "the live batch")
+        assert view.origin == "events" and "reset" not in rig.index.ops()
 
-    run(body)
+    with_rig(body)
 
 
 def test_a_publisher_that_appears_later_is_picked_up() -> None:
@@ -292,48 +271,38 @@ def test_a_publisher_that_appears_later_is_picked_up() -> None:
 
 
 def test_garbage_is_counted_and_skipped() -> None:
-    async def body() -> None:
-        rig = Rig()
-        pub = rig.publisher()
-        try:
-            await rig.subscribe()
-            pub.send_raw([b"kv"])  # one frame
-            pub.send_raw([b"kv", b"short", b"\x90"])  # a seq frame that is not 8 bytes
-            pub.send_raw([b"kv", pub.next_seq.to_bytes(8, "big"), b"\xc1\xc1 not msgpack"])
-            pub.next_seq += 1
-            pub.send_raw([b"kv", pub.next_seq.to_bytes(8, "big"), b"\x93\x01"])  # msgpack, not a batch
-            pub.next_seq += 1
-            pub.publish([stored(2)])
-            await until(lambda: rig.index.marks() == [2], "the good batch after the garbage")
-            st = rig.sub.stats
-            assert st.bad_frames == 4 and st.gaps == 0 and st.batches == 1
-            assert st.replicas[ADDRESS].last_seq == {0: 2}
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.send_raw([b"kv"])  # one frame
+        pub.send_raw([b"kv", b"short", b"\x90"])  # a seq frame that is not 8 bytes
+        pub.send_raw([b"kv", pub.next_seq.to_bytes(8, "big"), b"\xc1\xc1 not msgpack"])
+        pub.next_seq += 1
+        pub.send_raw([b"kv", pub.next_seq.to_bytes(8, "big"), b"\x93\x01"])  # msgpack, not a batch
+        pub.next_seq += 1
+        pub.publish([stored(2)])
+        await until(lambda: rig.index.marks() == [2], "the good batch after the garbage")
+        st = rig.sub.stats
+        assert st.bad_frames == 4 and st.gaps == 0 and st.batches == 1
+        assert st.replicas[ADDRESS].last_seq == {0: 2}
 
-    run(body)
+    with_rig(body)
 
 
 def test_an_endpoint_that_leaves_is_removed() -> None:
-    async def body() -> None:
-        rig = Rig()
-        pub = rig.publisher()
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            await until(lambda: rig.index.marks() == [0], "seq 0")
-            tasks = [s.task for s in rig.sub._streams[ADDRESS]]
-            rig.sub.set_endpoints([])
-            assert rig.index.log[-1] == ("remove", ADDRESS)
-            assert rig.sub.stats.resets["left"] == 1 and ADDRESS not in rig.sub.stats.replicas
-            await until(lambda: all(t.done() for t in tasks), "the stream task stopped")
-            pub.publish([stored(1)])  # nobody applies it any more
-            rig.sub.set_endpoints([ADDRESS])  # back: a fresh stream replays the buffer
-            await until(lambda: rig.index.marks() == [0, 0, 1], "the buffer replayed for the returning endpoint")
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        await until(lambda: rig.index.marks() == [0], "seq 0")
+        tasks = [s.task for s in rig.sub._streams[ADDRESS]]
+        rig.sub.set_endpoints([])
+        assert rig.index.log[-1] == ("remove", ADDRESS)
+        assert rig.sub.stats.resets["left"] == 1 and ADDRESS not in rig.sub.stats.replicas
+        await until(lambda: all(t.done() for t in tasks), "the stream task stopped")
+        pub.publish([stored(1)])  # nobody applies it any more
+        rig.sub.set_endpoints([ADDRESS])  # back: a fresh stream replays the buffer
+        await until(lambda: rig.index.marks() == [0, 0, 1], "the buffer replayed for the returning endpoint")
 
-    run(body)
+    with_rig(body)
 
 
 def test_data_parallel_ranks_feed_one_address() -> None:
@@ -423,103 +392,77 @@ def test_relative_ports_find_each_replica_s_publisher_beside_its_own_port() -> N
 def test_a_late_subscriber_on_a_truncated_buffer_has_a_partial_view_until_the_cache_is_cleared() -> None:
     """The buffer no longer starts at seq 0: what was stored before is unknown, live events do not
     change that (a hit announces nothing), an AllBlocksCleared does (the cache is empty after it)."""
-    async def body() -> None:
-        rig = Rig({"buffer_steps": 3})
-        pub = rig.publisher()
-        try:
-            for mark in range(6):
-                pub.publish([stored(mark)])  # nobody listens; the buffer keeps 3, 4, 5
-            await rig.subscribe()
-            await until(lambda: rig.index.marks() == [3, 4, 5], "what the buffer still held")
-            view = rig.sub.stats.replicas[ADDRESS]
-            assert view.origin == "partial" and view.complete == {0: False}
-            pub.publish([stored(6)])
-            await until(lambda: rig.index.marks() == [3, 4, 5, 6], "a live batch")
-            assert view.origin == "partial"
-            pub.publish([AllBlocksCleared()])
-            await until(lambda: view.last_seq == {0: 7}, "the cleared batch")
-            assert view.origin == "events" and view.complete == {0: True}
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        for mark in range(6):
+            pub.publish([stored(mark)])  # nobody listens; the buffer keeps 3, 4, 5
+        await rig.subscribe()
+        await until(lambda: rig.index.marks() == [3, 4, 5], "what the buffer still held")
+        view = rig.sub.stats.replicas[ADDRESS]
+        assert view.origin == "partial" and view.complete == {0: False}
+        pub.publish([stored(6)])
+        await until(lambda: rig.index.marks() == [3, 4, 5, 6], "a live batch")
+        assert view.origin == "partial"
+        pub.publish([AllBlocksCleared()])
+        await until(lambda: view.last_seq == {0: 7}, "the cleared batch")
+        assert view.origin == "events" and view.complete == {0: True}
 
-    run(body)
+    with_rig(body, {"buffer_steps": 3})
 
 
 def test_a_buffer_that_still_holds_seq_0_gives_a_complete_view() -> None:
-    async def body() -> None:
-        rig = Rig({"buffer_steps": 10})
-        pub = rig.publisher()
-        try:
-            for mark in range(6):
-                pub.publish([stored(mark)])
-            await rig.subscribe()
-            await until(lambda: rig.index.marks() == list(range(6)), "the whole buffer")
-            assert rig.sub.stats.replicas[ADDRESS].origin == "replayed"
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        for mark in range(6):
+            pub.publish([stored(mark)])
+        await rig.subscribe()
+        await until(lambda: rig.index.marks() == list(range(6)), "the whole buffer")
+        assert rig.sub.stats.replicas[ADDRESS].origin == "replayed"
 
-    run(body)
+    with_rig(body, {"buffer_steps": 10})
 
 
 def test_a_restarted_publisher_makes_a_partial_view_complete() -> None:
     """A new process starts with an empty cache and counts from 0: its events cover all of it."""
-    async def body() -> None:
-        rig = Rig({"buffer_steps": 2})
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        for mark in range(4):
+            pub.publish([stored(mark)])
+        await rig.subscribe()
+        view = rig.sub.stats.replicas[ADDRESS]
+        await until(lambda: rig.index.marks() == [2, 3], "the truncated buffer")
+        assert view.origin == "partial"
+        pub.close()
         pub = rig.publisher()
-        try:
-            for mark in range(4):
-                pub.publish([stored(mark)])
-            await rig.subscribe()
-            view = rig.sub.stats.replicas[ADDRESS]
-            await until(lambda: rig.index.marks() == [2, 3], "the truncated buffer")
-            assert view.origin == "partial"
-            pub.close()
-            pub = rig.publisher()
-            await until(lambda: pub.subscriptions() >= 1, "the subscriber reconnected")
-            pub.publish([stored(0)])
-            await until(lambda: rig.index.marks() == [2, 3, 0], "the new process's first batch")
-            assert view.origin == "events" and view.complete == {0: True}
-        finally:
-            await rig.close()
+        await until(lambda: pub.subscriptions() >= 1, "the subscriber reconnected")
+        pub.publish([stored(0)])
+        await until(lambda: rig.index.marks() == [2, 3, 0], "the new process's first batch")
+        assert view.origin == "events" and view.complete == {0: True}
 
-    run(body)
+    with_rig(body, {"buffer_steps": 2})
 
 
 def test_batches_lost_beyond_the_buffer_leave_a_partial_view() -> None:
-    async def body() -> None:
-        rig = Rig({"buffer_steps": 3})
-        pub = rig.publisher()
-        try:
-            await rig.subscribe()
-            pub.publish([stored(0)])
-            await until(lambda: rig.sub.stats.replicas[ADDRESS].origin == "events", "a complete live view")
-            for mark in range(1, 5):
-                pub.publish([stored(mark)], send=False)  # 1..4 lost; the buffer keeps 3, 4 then 5
-            pub.publish([stored(5)])
-            await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
-            assert rig.sub.stats.replicas[ADDRESS].origin == "partial"
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([stored(0)])
+        await until(lambda: rig.sub.stats.replicas[ADDRESS].origin == "events", "a complete live view")
+        for mark in range(1, 5):
+            pub.publish([stored(mark)], send=False)  # 1..4 lost; the buffer keeps 3, 4 then 5
+        pub.publish([stored(5)])
+        await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
+        assert rig.sub.stats.replicas[ADDRESS].origin == "partial"
 
-    run(body)
+    with_rig(body, {"buffer_steps": 3})
 
 
 def test_without_a_replay_socket_a_late_subscriber_has_a_partial_view() -> None:
-    async def body() -> None:
-        rig = Rig()
-        rig.sub.replay_port = None
-        pub = rig.publisher(replay_port=None)
-        try:
-            for mark in range(3):
-                pub.publish([stored(mark)])  # before the subscriber: never learned
-            await rig.subscribe()
-            pub.publish([stored(3)])
-            await until(lambda: rig.index.marks() == [3], "the first live batch")
-            assert rig.sub.stats.replicas[ADDRESS].origin == "partial"
-        finally:
-            await rig.close()
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        for mark in range(3):
+            pub.publish([stored(mark)])  # before the subscriber: never learned
+        await rig.subscribe()
+        pub.publish([stored(3)])
+        await until(lambda: rig.index.marks() == [3], "the first live batch")
+        assert rig.sub.stats.replicas[ADDRESS].origin == "partial"
 
-    run(body)
+    with_rig(body, replay=False)
 
 
 def test_time_spent_applying_batches_is_counted_and_exported() -> None:
