@@ -127,7 +127,9 @@ def test_switchback_drives_envoy_records_windows_and_reports_both_arms(stack, ca
     spans = [w for w in windows if "index" in w]
     assert len(spans) == 4 and sorted(w["arm"] for w in spans) == ["prefix", "prefix", "stock", "stock"]
     assert all(set(w["counters"]["fleet"]) == {"start", "measure", "end"} for w in spans)
-    assert all(1.9 <= w["end"] - w["start"] <= 3.0 for w in spans)
+    # windows end on the plan's edges: the run stays within --duration however long the reads take
+    assert all(1.5 <= w["end"] - w["start"] <= 2.3 for w in spans), spans
+    assert spans[-1]["end"] - spans[0]["start"] <= 8.5, spans
     report = json.loads((tmp / "report.json").read_text())
     for arm in ("prefix", "stock"):
         a = report["arms"][arm]

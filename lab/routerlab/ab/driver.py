@@ -126,6 +126,7 @@ def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in:
     total = sum(p.seconds for p in planned)
     try:
         edge = first
+        t0 = clock()
         for i, p in enumerate(planned):
             admin.set_share(SHARE[p.arm])
             start = clock()
@@ -134,7 +135,9 @@ def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in:
                      f"(burn-in {burn_in:g} s), {total - done:.0f} s left")
             sleep_until(start + burn_in, clock)
             measure = counters.scrape(urls)
-            sleep_until(start + p.seconds, clock)
+            # the plan's edge, not start + length: the reads and the switch between windows take
+            # time, which would otherwise stretch the run past --duration, more on a busy machine
+            sleep_until(max(t0 + done + p.seconds, start + burn_in), clock)
             end = clock()
             edge = counters.scrape(urls)
             w = windows.Window(i, p.arm, start, end, burn_in,

@@ -58,8 +58,12 @@ from routerlab.harness.procs import Process, free_ports, python_module, wait_unt
 
 DESIGNS = ("truth", "switchback", "pools", "shared")
 METRICS = ("TTFT p50", "TTFT p90", "KV hit rate")
-TRUTH_ARMS = {"stock": "round-robin", "prefix": "prefix-bounded"}
-CONFIGS = {"switchback": "ab.yaml", "pools": "ab-pools.yaml", "shared": "ab.yaml"}
+MODES = ("hash", "pick")
+# per mode: the truth's bench arms (each alone on the whole fleet) and each design's shipped config
+TRUTH = {"hash": {"stock": "round-robin", "prefix": "prefix-bounded"},
+         "pick": {"stock": "round-robin", "prefix": "prefix-pick"}}
+CONFIGS = {"hash": {"switchback": "ab.yaml", "pools": "ab-pools.yaml", "shared": "ab.yaml"},
+           "pick": {"switchback": "ab-pick.yaml", "pools": "ab-pools-pick.yaml", "shared": "ab-pick.yaml"}}
 SESSION_HEADER = "x-session-id"
 HIT_SOURCE = {
     "truth": "replicas' counters, each arm alone on a fresh fleet",
@@ -74,6 +78,7 @@ HIT_SOURCE = {
 class ValidateConfig:
     scenario: str = "zipf-chat"
     designs: Sequence[str] = DESIGNS
+    mode: str = "hash"  # the router's mode: hash (ab.yaml, ab-pools.yaml) or pick (ab-pick.yaml, ab-pools-pick.yaml)
     seed: int = 5
     out: Path = Path("ab-validate-out")
     replicas: int | None = None
@@ -102,7 +107,7 @@ class Context:
 
 def context(cfg: ValidateConfig) -> Context:
     scenario = get_scenario(cfg.scenario)
-    bench = runner.BenchConfig(scenario=cfg.scenario, arms=[TRUTH_ARMS["stock"], TRUTH_ARMS["prefix"]],
+    bench = runner.BenchConfig(scenario=cfg.scenario, arms=[TRUTH[cfg.mode]["stock"], TRUTH[cfg.mode]["prefix"]],
                                seed=cfg.seed, out=Path(cfg.out) / "truth", quick=cfg.quick, params=dict(cfg.params),
                                replicas=cfg.replicas, time_scale=cfg.time_scale, plots=False)
     params = runner._params(scenario, bench)
@@ -128,11 +133,11 @@ def with_sessions(trace: Trace) -> tuple[list[Session], dict[int, str]]:
 
 # ------------------------------------------------------------------------------ the truth
 def run_truth(ctx: Context, cfg: ValidateConfig) -> dict[str, Any]:
-    cfg.progress(f"truth: prefix-router bench --scenario {cfg.scenario} --arms round-robin,prefix-bounded "
+    cfg.progress(f"truth: prefix-router bench --scenario {cfg.scenario} --arms {','.join(TRUTH[cfg.mode].values())} "
                  f"(each arm alone on a fresh fleet of {ctx.spec.replicas})")
     report = runner.run_bench(ctx.bench)
     arms = {}
-    for arm, name in TRUTH_ARMS.items():
+    for arm, name in TRUTH[cfg.mode].items():
         a = report.arms[name]
         arms[arm] = {"bench_arm": name, "ttft_ms": {k: a["ttft_ms"][k] for k in ("p50", "p90", "p99")},
                      "kv_hit_rate": a["kv_hit_rate"], "client_cached_rate": a["client_cached_rate"],
@@ -158,21 +163,29 @@ def _rel(treatment: float | None, control: float | None) -> float | None:
 
 
 # ------------------------------------------------------------------------------ a design
-def _envoy_config(design: str, urls: list[str], listener: int, admin: int, grpc: int, log: Path,
-                  prefix_length: int) -> tuple[envoy_config.Config, dict[str, list[str]]]:
-    """The shipped config localised; for the pool split the first half of the replicas the prefix pool."""
+def design_pools(design: str, urls: list[str]) -> dict[str, list[str]]:
+    """Each arm's replicas: for the pool split the first half of the fleet the prefix pool, else all."""
+    if design != "pools":
+        return {"prefix": list(urls), "stock": list(urls)}
+    half = len(urls) // 2
+    if half < 1:
+        raise ValueError("the pool split needs at least 2 replicas")
+    return {"prefix": urls[:half], "stock": urls[half:]}
+
+
+def _envoy_config(design: str, mode: str, pools: dict[str, list[str]], listener: int, admin: int, grpc: int,
+                  log: Path, prefix_length: int) -> envoy_config.Config:
+    """The shipped config localised to the pools."""
+    urls = list(dict.fromkeys(pools["prefix"] + pools["stock"]))
     backends = arms_mod.host_ports(urls)
-    cfg = envoy_config.localize(envoy_config.load(CONFIGS[design]), listener_port=listener, admin_port=admin,
+    cfg = envoy_config.localize(envoy_config.load(CONFIGS[mode][design]), listener_port=listener, admin_port=admin,
                                 backends=backends, extproc_port=grpc, health_interval=0.5)
-    # the router's settings as the bench's prefix-bounded arm sends them
-    envoy_config.set_stream_metadata(cfg, {"x-prefix-router-prefix-length": str(prefix_length),
-                                           "x-prefix-router-normalize": arms_mod.get(TRUTH_ARMS["prefix"]).normalize})
-    pools = {"prefix": list(urls), "stock": list(urls)}
+    # the router's settings as the truth's prefix arm sends them (the config's others kept: pick mode's)
+    envoy_config.set_stream_metadata(cfg, {**envoy_config.stream_metadata(cfg),
+                                           "x-prefix-router-prefix-length": str(prefix_length),
+                                           "x-prefix-router-normalize": arms_mod.get(TRUTH[mode]["prefix"]).normalize})
     if design == "pools":
-        half = len(urls) // 2
-        if half < 1:
-            raise ValueError("the pool split needs at least 2 replicas")
-        pools = {"prefix": urls[:half], "stock": urls[half:]}
+        half = len(pools["prefix"])
         envoy_config.set_endpoints(cfg, "vllm", backends[:half], hash_key_prefix="vllm")
         envoy_config.set_endpoints(cfg, "vllm_stock", backends[half:], hash_key_prefix="vllm")
         for route in envoy_config.routes(cfg):
@@ -180,7 +193,7 @@ def _envoy_config(design: str, urls: list[str], listener: int, admin: int, grpc:
                 c["weight"] = len(pools["prefix" if c["name"] == "vllm" else "stock"])
     (logger,) = envoy_config.http_manager(cfg)["access_log"]
     logger["typed_config"]["path"] = str(log)
-    return cfg, pools
+    return cfg
 
 
 def switchback_plan(cfg: ValidateConfig, duration: float) -> tuple[list[driver.Planned], float]:
@@ -199,7 +212,7 @@ def run_design(design: str, ctx: Context, cfg: ValidateConfig, duration: float |
     backend = SimBackend(ctx.spec)
     router: Process | None = None
     envoy: Envoy | None = None
-    info: dict[str, Any] = {"config": f"envoy/{CONFIGS[design]}", "access_log": str(log_path)}
+    info: dict[str, Any] = {"config": f"envoy/{CONFIGS[cfg.mode][design]}", "access_log": str(log_path)}
     planned: list[driver.Planned] = []
     burn_in = 0.0
     if design == "switchback":
@@ -214,11 +227,15 @@ def run_design(design: str, ctx: Context, cfg: ValidateConfig, duration: float |
         backend.start()
         urls = list(backend.urls)
         listener, admin_port, grpc = free_ports(3)
+        pools = design_pools(design, urls)
+        # pick mode: the router chooses among the prefix arm's replicas (its pool, in a pool split)
+        endpoints = (["--endpoints", ",".join(f"{h}:{p}" for h, p in arms_mod.host_ports(pools["prefix"]))]
+                     if cfg.mode == "pick" else [])
         router = Process(python_module("extproc", "serve", "--port", str(grpc), "--metrics-port", "0",
-                                       "--log-level", "warning", "--drain-seconds", "1"),
+                                       "--log-level", "warning", "--drain-seconds", "1", *endpoints),
                          name="prefix-router", env=arms_mod.ROUTER_ENV)
         router.wait_for_line("prefix-router ready", timeout=30)
-        ecfg, pools = _envoy_config(design, urls, listener, admin_port, grpc, log_path, ctx.prefix_length)
+        ecfg = _envoy_config(design, cfg.mode, pools, listener, admin_port, grpc, log_path, ctx.prefix_length)
         envoy = Envoy(ecfg, concurrency=1, extra_args=("--file-flush-interval-msec", "100"))
         envoy.start()
         envoy.wait_healthy("vllm", len(pools["prefix"]))
@@ -404,7 +421,7 @@ def conditions(ctx: Context, cfg: ValidateConfig, started: float) -> dict[str, A
         load1 = os.getloadavg()
     except OSError:
         load1 = None
-    return {"scenario": cfg.scenario, "seed": cfg.seed, "quick": cfg.quick, "params": ctx.params,
+    return {"scenario": cfg.scenario, "mode": cfg.mode, "seed": cfg.seed, "quick": cfg.quick, "params": ctx.params,
             "fleet": {"replicas": ctx.spec.replicas, "profile": ctx.spec.profile, "time_scale": ctx.spec.time_scale,
                       "num_blocks": ctx.spec.num_blocks, "max_num_seqs": ctx.spec.max_num_seqs},
             "load": dataclasses.asdict(ctx.load),
@@ -417,7 +434,8 @@ def conditions(ctx: Context, cfg: ValidateConfig, started: float) -> dict[str, A
 def markdown(doc: dict[str, Any]) -> str:
     c = doc["conditions"]
     truth = doc.get("truth")
-    lines = [f"# A/B designs vs the truth: {c['scenario']}, {c['fleet']['replicas']} replicas, seed {c['seed']}", "",
+    lines = [f"# A/B designs vs the truth: {c['scenario']}, {c['fleet']['replicas']} replicas, "
+             f"{c.get('mode', 'hash')} mode, seed {c['seed']}", "",
              f"`{doc['command']}`", "",
              f"Conditions: {c['trace']['requests']} requests in {c['trace']['sessions']} sessions; fleet "
              f"{c['fleet']['replicas']} x {c['fleet']['profile']}, time scale {c['fleet']['time_scale']:g}, "
@@ -487,7 +505,7 @@ def validate(cfg: ValidateConfig, command: str = "") -> dict[str, Any]:
     duration = cfg.duration_s
     if duration is None and truth:
         # the switchback runs about as long as the trace lasts with each arm alone (the faster arm's time)
-        duration = 0.95 * min(truth["arms"][arm]["duration_s"] for arm in TRUTH_ARMS)
+        duration = 0.95 * min(truth["arms"][arm]["duration_s"] for arm in TRUTH[cfg.mode])
     designs = {d: run_design(d, ctx, cfg, duration) for d in cfg.designs if d != "truth"}
     rows = compare(truth, designs)
     doc = {"command": command, "conditions": conditions(ctx, cfg, started), "truth": truth, "designs": designs,
@@ -503,6 +521,8 @@ def validate(cfg: ValidateConfig, command: str = "") -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m routerlab.ab.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", default="zipf-chat")
+    p.add_argument("--mode", choices=MODES, default="hash", help="the router's mode: hash (envoy/ab.yaml, "
+                   "ab-pools.yaml; truth prefix-bounded) or pick (ab-pick.yaml, ab-pools-pick.yaml; truth prefix-pick)")
     p.add_argument("--design", default=",".join(DESIGNS), help=f"comma list of {', '.join(DESIGNS)}")
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--replicas", type=int)
@@ -524,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep:
             p.error(f"--param wants KEY=VALUE, not {kv!r}")
         params[key] = value
-    cfg = ValidateConfig(scenario=args.scenario, designs=[d.strip() for d in args.design.split(",") if d.strip()],
+    cfg = ValidateConfig(scenario=args.scenario, mode=args.mode, designs=[d.strip() for d in args.design.split(",") if d.strip()],
                          seed=args.seed, out=Path(args.out), replicas=args.replicas, quick=args.quick, params=params,
                          time_scale=args.time_scale, duration_s=args.duration, windows=args.windows,
                          burn_in=args.burn_in, slice_s=args.slice, draws=args.draws)
