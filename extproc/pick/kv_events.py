@@ -149,27 +149,31 @@ def decode_batch(payload: bytes) -> DecodedBatch:
 
 _STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                          "medium", "lora_name", "extra_keys", "group_idx")
-_REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx")
+_NONES: Final = [None] * len(_STORED_FIELDS)
 
 
 def _event(item: Any) -> Event | None:
-    """One inner event, or None when its tag is unknown or a field has the wrong type."""
-    if isinstance(item, list) and item and isinstance(item[0], str):
-        tag, values = item[0], item[1:]
-        get = (lambda i, name: values[i] if i < len(values) else None)
-    elif isinstance(item, dict) and isinstance(item.get("type"), str):
-        tag = item["type"]
-        get = (lambda i, name: item.get(name))
-    else:
+    """One inner event, or None when its tag is unknown or a field has the wrong type.
+
+    Called once per event on the ingest path, and vLLM sends one BlockRemoved per evicted block,
+    so each tag's fields are read directly (no per-field lookups through a shared accessor)."""
+    if isinstance(item, dict):
+        tag = item.get("type")
+        if tag == "BlockRemoved":
+            return _removed(item.get("block_hashes"), item.get("medium"), item.get("group_idx"))
+        if tag == "BlockStored":
+            return _stored(*[item.get(name) for name in _STORED_FIELDS])
+        if tag == "AllBlocksCleared":
+            return _CLEARED
         return None
-    if tag == "BlockStored":
-        f = [get(i, name) for i, name in enumerate(_STORED_FIELDS)]
-        return _stored(*f)
-    if tag == "BlockRemoved":
-        f = [get(i, name) for i, name in enumerate(_REMOVED_FIELDS)]
-        return _removed(*f)
-    if tag == "AllBlocksCleared":
-        return _CLEARED
+    if isinstance(item, list) and item:
+        tag = item[0]
+        if tag == "BlockRemoved":  # positional, trailing defaults omitted
+            return _removed(*(item[1:4] + _NONES)[:3])
+        if tag == "BlockStored":
+            return _stored(*(item[1:10] + _NONES)[:9])
+        if tag == "AllBlocksCleared":
+            return _CLEARED
     return None
 
 
@@ -179,7 +183,7 @@ _CLEARED: Final = AllBlocksCleared()
 def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
             lora_name: Any, extra: Any, group: Any) -> BlockStored | None:
     if (not _hash_list(hashes) or not (parent is None or _is_hash(parent))
-            or not isinstance(tokens, list) or not all(_is_int(t) for t in tokens)
+            or not isinstance(tokens, list) or not set(map(type, tokens)) <= _INT
             or not _is_int(block_size) or block_size <= 0
             or not _opt_int(lora_id) or not _opt_str(medium) or not _opt_str(lora_name)
             or not _opt_int(group)):
@@ -210,8 +214,12 @@ def _is_hash(x: Any) -> bool:
     return type(x) is int or type(x) is bytes
 
 
+_INT: Final = frozenset((int,))  # not bool: type() is exact
+_HASH: Final = frozenset((int, bytes))
+
+
 def _hash_list(x: Any) -> bool:
-    return isinstance(x, list) and all(type(h) is int or type(h) is bytes for h in x)
+    return isinstance(x, list) and set(map(type, x)) <= _HASH
 
 
 def _opt_int(x: Any) -> bool:

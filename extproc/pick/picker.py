@@ -105,7 +105,7 @@ class PreciseCollector(Collector):
         for cause, n in s.resets.items():
             resets.add_metric([cause], n)
         yield resets
-        yield CounterMetricFamily("prefix_router_kv_apply_seconds", "Time spent decoding and applying KV-cache "
+        yield CounterMetricFamily("prefix_router_kv_apply_seconds", "CPU time spent decoding and applying KV-cache "
                                   "event batches: the ingest path's share of the router's core", value=s.apply_s)
         lag = GaugeMetricFamily("prefix_router_kv_lag_seconds", "Per replica: from its last event batch's "
                                 "timestamp to its application", labels=["replica"])

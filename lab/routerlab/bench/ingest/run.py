@@ -210,8 +210,8 @@ class Harness:
         self._stack.close()
 
     def snapshot(self) -> Snapshot:
+        router = router_counters(fetch_metrics(self.metrics_url))  # first: the backlog read after it is an upper bound
         driver = self.driver.stats()
-        router = router_counters(fetch_metrics(self.metrics_url))
         return Snapshot(time.monotonic(), router, driver, process_cpu_s(self.router.pid) or 0.0, machine_busy_s())
 
     def drain(self, timeout: float) -> float | None:
