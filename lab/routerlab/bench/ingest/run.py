@@ -92,7 +92,8 @@ class Step:
     bad_frames: int = 0
     sent_blocks: int = 0  # over the step, drain included
     applied_blocks: int = 0
-    index_blocks: float = 0.0  # after the drain (constant in steady state)
+    index_blocks: float = 0.0  # after the drain: ``held`` when every batch was applied as sent
+    held: int = 0  # blocks the replicas hold after the warm-up and after every step of their cycles
     router_rss_mb: float = 0.0
     fixed: Phase = field(default_factory=Phase)
     closed: Phase = field(default_factory=Phase)
@@ -226,7 +227,7 @@ class Harness:
         return time.monotonic() - t0
 
     def step(self, rate: int) -> Step:
-        cfg, out = self.cfg, Step(self.n, rate)
+        cfg, out = self.cfg, Step(self.n, rate, held=self.held)
         label = f"{self.n} replicas, {rate:,} blocks/s"
         start = self.snapshot()
         self.driver.rate(rate)
