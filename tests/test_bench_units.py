@@ -234,3 +234,10 @@ def test_prediction_splits_the_view_s_error_from_what_the_cache_lost_while_reque
     assert p["choices_by_view"] == {"events": 9}
     vllm = prediction({"events": 800.0}, FleetDelta([ReplicaCounters(hits=800)]))
     assert "held_at_arrival_accuracy" not in vllm and vllm["accuracy"] == 1.0  # real vLLM has no such counter
+
+
+def test_the_restart_scenario_can_keep_the_replica_down_before_it_restarts() -> None:
+    sc = scenarios.get("restart")
+    assert [(e.at_s, e.action) for e in sc.events(sc.params)] == [(30.0, "restart")]
+    down = {**sc.params, "restart_down_s": 20.0}
+    assert [(e.at_s, e.action, e.replica) for e in sc.events(down)] == [(30.0, "down", 0), (50.0, "restart", 0)]

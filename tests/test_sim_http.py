@@ -151,6 +151,29 @@ def test_health_503_after_control(c: Client) -> None:
     assert c.request("GET", "/health")[0] == 200
 
 
+def test_a_replica_that_goes_down_crashes_and_stays_away_until_it_restarts(c: Client) -> None:
+    """The bench's ``down`` then ``restart`` events (the restart scenario's ``restart_down_s``)."""
+    from routerlab.bench.runner import apply_event
+    from routerlab.bench.scenarios import FleetEvent
+
+    prompt = unique_text("down", 800)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    assert c.post("/v1/completions", body)[0] == 200
+    assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    restarts = c.get_json("/sim/state")["restarts"]
+    apply_event(None, [c.url], FleetEvent(0.0, "down", 0))  # type: ignore[arg-type]
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        c.post("/v1/completions", body)  # dropped without an answer
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        c.request("GET", "/health")
+    assert c.get_json("/sim/state")["restarts"] == restarts + 1  # it crashed: its cache is gone
+    apply_event(None, [c.url], FleetEvent(5.0, "restart", 0))  # type: ignore[arg-type]
+    assert c.request("GET", "/health")[0] == 200
+    status, answer = c.post("/v1/completions", body)
+    assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert c.get_json("/sim/state")["restarts"] == restarts + 2
+
+
 # ---- completions -------------------------------------------------------------------------
 
 def test_completion_non_streaming_and_cached_tokens(c: Client) -> None:

@@ -189,8 +189,9 @@ def start_outside(urls: Sequence[str], members: Sequence[int]) -> None:
 
 
 def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetEvent) -> dict[str, Any] | None:
-    """A replica joins (passes health checks, enters pick mode's endpoints), leaves (the reverse) or
-    restarts (empty cache, same port); or a router restarts, and then what its metrics and the
+    """A replica joins (passes health checks, enters pick mode's endpoints), leaves (the reverse),
+    goes down (crashes: empty cache, fails health checks, drops connections, stays listed) or
+    restarts (empty cache, same port, up again); or a router restarts, and then what its metrics and the
     replicas' counters said just before is returned (its counters start again from 0)."""
     if event.action == "router-restart":
         snapshot = {"at_s": event.at_s, "predicted": _predictions(running.metrics_ports), "replicas": _scrape(urls)}
@@ -198,8 +199,11 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
         running.restart_router(event.replica)
         snapshot["restart_s"] = round(time.monotonic() - started, 3)
         return snapshot
-    if event.action == "restart":
-        sim_control(urls[event.replica], restart=True)
+    if event.action == "down":  # crashed: its requests fail, its cache and event sequence are gone
+        sim_control(urls[event.replica], restart=True, healthy=False, drop_connections=True)
+        return None
+    if event.action == "restart":  # and up again, if it was down
+        sim_control(urls[event.replica], restart=True, healthy=True, drop_connections=False)
         return None
     joins = event.action == "join"
     set_health(urls[event.replica], joins)

@@ -55,13 +55,16 @@ class FleetEvent:
     A joining replica is running but failing health checks (and absent from pick mode's
     endpoints) until then; a leaving one starts failing them (and leaves the endpoints). A
     restarting one loses its cache, its requests in flight and its event sequence, and comes
-    back at once on the same port (the simulator's ``restart`` control). A restarting router
+    back at once on the same port (the simulator's ``restart`` control). A replica that goes
+    ``down`` crashes (its requests, cache and event sequence are lost), then fails its health
+    checks and drops every connection, its address still listed (a process restarting in place:
+    static endpoints, a pod restarting its container), until it restarts. A restarting router
     (``router-restart``) is killed and started again on its ports while the replicas stay warm:
     it comes back with no learned view and, in precise mode, replays the replicas' buffers.
     """
 
     at_s: float
-    action: str  # "join", "leave", "restart" or "router-restart"
+    action: str  # "join", "leave", "down", "restart" or "router-restart"
     replica: int  # the replica's index; for router-restart, the router's
 
 
