@@ -112,6 +112,12 @@ PREDICTED_IN_FLIGHT = Counter(
     ["replica"],
     registry=REGISTRY,
 )
+LEARNED_CLEARED = Counter(
+    "prefix_router_learned_view_cleared_total",
+    "Replicas whose learned view was emptied because their vllm:prefix_cache_hits_total went back "
+    "between two scrapes (a restarted vLLM process: its cache started empty)",
+    registry=REGISTRY,
+)
 REPLICA_CACHE_HITS = Counter(
     "prefix_router_replica_cache_hit_tokens_total",
     "Prompt tokens each replica reports it served from its prefix cache (the increase of its "

@@ -295,3 +295,25 @@ def test_parse_metrics_reads_a_real_vllm_page() -> None:
     sample = parse_metrics(text)
     assert (sample.running, sample.waiting) == (1.0, 0.0)  # not vllm:num_requests_waiting_by_reason
     assert sample.capacity_tokens == 167 * 128 and 0 < sample.kv_usage < 1 and sample.seen
+
+
+def test_a_replica_whose_hit_counter_went_back_restarted_and_its_learned_view_is_emptied() -> None:
+    """vllm:prefix_cache_hits_total lower than at the last scrape: a new process with an empty
+    cache. The learned view forgets it, so the next request is not sent there for a cache it lost."""
+    core = PickCore()
+    core.set_endpoints([A, B])
+    pick = RouteSettings(mode="pick")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "long prompt " * 400}]}).encode()
+    first = core.pick(decide(body, {}, pick), pick)
+    core.release(first)
+    other = B if first.address == A else A
+    for address in (A, B):
+        core.on_sample(address, Sample(0, 0, 0.1, 0, prefix_cache_hits=5000.0))
+    core.on_sample(other, Sample(0, 0, 0.1, 0, prefix_cache_hits=4000.0))  # the other one restarted
+    assert list(core.index.holds(first.address))  # the learned view keeps what the first one holds
+    core.on_sample(first.address, Sample(0, 0, 0.1, 0, prefix_cache_hits=6000.0))
+    assert list(core.index.holds(first.address))  # a counter going up changes nothing
+    core.on_sample(first.address, Sample(0, 0, 0.1, 0, prefix_cache_hits=120.0))
+    assert list(core.index.holds(first.address)) == []
+    again = core.evaluate(decide(body, {}, pick), pick)[0]
+    assert all(c.cached_tokens == 0 for c in again.candidates)

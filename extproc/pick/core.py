@@ -77,8 +77,12 @@ class PickCore:
             self.precise.block_size_hint = sample.block_size
         before = self._hits.get(address)
         self._hits[address] = sample.prefix_cache_hits
-        if before is not None:  # a counter that went back is a restarted replica: all of it is new
-            gained = sample.prefix_cache_hits - before if sample.prefix_cache_hits >= before else sample.prefix_cache_hits
+        if before is not None:
+            restarted = sample.prefix_cache_hits < before
+            if restarted:  # a counter that went back is a new process: its cache started empty
+                self.index.clear(address)
+                metrics.LEARNED_CLEARED.inc()
+            gained = sample.prefix_cache_hits - (0 if restarted else before)
             if gained > 0:
                 metrics.REPLICA_CACHE_HITS.labels(address).inc(gained)
 
