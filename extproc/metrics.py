@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -21,13 +28,50 @@ def decision_counter(normalize: str, fallback: str) -> Counter:
     return DECISIONS.labels(normalize, fallback)
 
 
-DECISION_SECONDS = Histogram(
+
+
+class LoopHistogram(Collector):
+    """A histogram without labels observed from the event loop's thread only: plain counts, no lock.
+
+    prometheus_client's Histogram takes a lock twice per observation (~0.8 us here); every request
+    observes two, and the process observes them only on its event loop (the scrape runs there too).
+    Exposed exactly as a prometheus_client Histogram (buckets, count, sum, created).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket (not cumulative), the last one +Inf
+        self.sum = 0.0
+        self.created = time.time()
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1  # the first bound >= amount, as prometheus_client
+        self.sum += amount
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], list(self.counts)):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric([], buckets, self.sum)
+        family.samples.append(Sample(self.name + "_created", {}, self.created))
+        yield family
+
+
+DECISION_SECONDS = LoopHistogram(
     "prefix_router_decision_seconds",
     "Time to normalise a body and compute its key (the router's own work, not the gRPC hop)",
     buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1),
     registry=REGISTRY,
 )
-BODY_BYTES = Histogram(
+BODY_BYTES = LoopHistogram(
     "prefix_router_body_bytes",
     "Size of request bodies seen",
     buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304),

@@ -23,33 +23,47 @@ CONTENT_LENGTH: Final = "content-length"
 DECLARED_LENGTH_HEADER: Final = "x-prefix-declared-length"
 
 
-def body_is_whole(body: bytes, sent: Mapping[str, str], length_header: str = CONTENT_LENGTH) -> bool:
-    """Whether ``body`` is the whole request body, not only the first ``max_request_bytes``.
+def is_whole(body_bytes: int, partial: bool, declared: str | bytes | None) -> bool:
+    """Whether a body of ``body_bytes`` is the whole request body, from Envoy's partial-body flag
+    (``partial``) and the client's declared length (``declared``, as sent; None when absent).
 
     Envoy's partial-body header alone is not enough: it says "false" whenever the buffer
     holds exactly ``max_request_bytes`` when Envoy asks (it compares what it sends with what
-    it buffered), which happens whenever reads end on that boundary. A declared length
-    (``length_header``) longer than the body tells the truth in that case; a chunked body cut
-    on the boundary is still taken as whole and is keyed as raw bytes after a parse failure,
-    the same key.
+    it buffered), which happens whenever reads end on that boundary. A declared length longer
+    than the body tells the truth in that case; a chunked body cut on the boundary is still
+    taken as whole and is keyed as raw bytes after a parse failure, the same key.
     """
-    if sent.get(PARTIAL_BODY_HEADER) == "true":
+    if partial:
         return False
-    declared = sent.get(length_header, "")
-    return not (declared.isdigit() and int(declared) > len(body))
+    return not (declared is not None and declared.isdigit() and int(declared) > body_bytes)
 
 
-def authz_key(router: PrefixRouter, settings: RouteSettings, sent: Mapping[str, str], body: bytes,
-              length_header: str = CONTENT_LENGTH, cut: bool = False) -> str | None:
+def body_is_whole(body: bytes, sent: Mapping[str, str], length_header: str = CONTENT_LENGTH) -> bool:
+    """Whether ``body`` is the whole request body, not only the first ``max_request_bytes``
+    (``sent``: the call's headers, lower-case names; ``length_header``: where the declared length is)."""
+    return is_whole(len(body), sent.get(PARTIAL_BODY_HEADER) == "true", sent.get(length_header))
+
+
+def key_for(router: PrefixRouter, settings: RouteSettings, tenant_headers: Mapping[str, str], body: bytes,
+            complete: bool) -> str | None:
     """The key for one ext_authz call, or None: the caller then removes any client-sent key.
 
-    ``sent``: the call's headers, lower-case names. ``cut``: the server itself kept only the
-    start of the body (its own size limit), so it is not whole whatever Envoy said.
+    ``tenant_headers``: the sent headers ``decide()`` reads (the tenant headers, content-encoding),
+    lower-case names; ``complete``: the body is the whole request body (``is_whole``).
     """
     if not body:
         metrics.decision_counter(settings.normalize, "empty").inc()
         return None
-    headers = {name: sent[name] for name in (*settings.tenant_headers, CONTENT_ENCODING) if name in sent}
-    complete = not cut and body_is_whole(body, sent, length_header)
-    decision = router.decide(body, headers, settings, complete=complete)
+    decision = router.decide(body, tenant_headers, settings, complete=complete)
     return None if decision is None else decision.key
+
+
+def authz_key(router: PrefixRouter, settings: RouteSettings, sent: Mapping[str, str], body: bytes,
+              length_header: str = CONTENT_LENGTH, cut: bool = False) -> str | None:
+    """``key_for`` from the call's headers as a str mapping (the gRPC Check's).
+
+    ``sent``: the call's headers, lower-case names. ``cut``: the server itself kept only the
+    start of the body (its own size limit), so it is not whole whatever Envoy said.
+    """
+    headers = {name: sent[name] for name in (*settings.tenant_headers, CONTENT_ENCODING) if name in sent}
+    return key_for(router, settings, headers, body, not cut and body_is_whole(body, sent, length_header))

@@ -15,6 +15,11 @@ them, and the answer asks Envoy to drop them before the request goes upstream. A
 logged once per distinct set and ignored (``PrefixRouter.settings_for``). The answer is always
 200: a router that denied a request would fail the user; the server (extproc.process.http1)
 answers 400 only to a request it cannot parse, which Envoy never sends.
+
+Per request the adapter does only what differs between requests: every check of a route carries
+the same ``x-prefix-router-*`` headers, so what they resolve to (the settings, the headers
+``decide()`` reads, the answer's constant bytes) is kept per distinct set (``_Route``); headers
+stay the bytes the server parsed until one is read.
 """
 
 from __future__ import annotations
@@ -24,13 +29,37 @@ from collections.abc import Mapping
 from typing import Final
 
 from extproc import metrics
-from extproc.adapters.authz import DECLARED_LENGTH_HEADER, authz_key
+from extproc.adapters.authz import DECLARED_LENGTH_HEADER, PARTIAL_BODY_HEADER, is_whole, key_for
 from extproc.adapters.ext_proc import PrefixRouter
-from extproc.core.settings import METADATA_PREFIX
+from extproc.core.decide import CONTENT_ENCODING
+from extproc.core.settings import METADATA_PREFIX, RouteSettings
 
 log = logging.getLogger("extproc.adapters.ext_authz_http")
 
 REMOVE_HEADER: Final = "x-envoy-auth-headers-to-remove"
+_PREFIX: Final = METADATA_PREFIX.encode()
+_PARTIAL: Final = PARTIAL_BODY_HEADER.encode()
+_DECLARED: Final = DECLARED_LENGTH_HEADER.encode()
+_TRUE: Final = b"true"
+_MAX_ROUTES: Final = 1024  # distinct x-prefix-router-* sets (in the order sent) kept; then forgotten at once
+
+Headers = Mapping[bytes, bytes]  # lower-case names, as extproc.process.http1 parses them
+
+
+class _Route:
+    """What one set of x-prefix-router-* headers resolves to, built once per set."""
+
+    __slots__ = ("settings", "wanted", "keyed", "tail", "unkeyed")
+
+    def __init__(self, settings: RouteSettings, ours: list[str]) -> None:
+        self.settings = settings
+        # the sent headers decide() reads: (name as parsed, name as decide() asks for it)
+        self.wanted = tuple((name.encode("latin-1"), name) for name in (*settings.tenant_headers, CONTENT_ENCODING))
+        drop = ",".join(ours)
+        removal = f"{REMOVE_HEADER}: {drop}\r\n" if drop else ""
+        self.keyed = f"{settings.key_header}: ".encode("latin-1")  # the key follows,
+        self.tail = f"\r\n{removal}".encode("latin-1")  # then this
+        self.unkeyed = f"{REMOVE_HEADER}: {','.join((*ours, settings.key_header))}\r\n".encode("latin-1")
 
 
 class HttpAuthz:
@@ -38,12 +67,13 @@ class HttpAuthz:
 
     def __init__(self, router: PrefixRouter) -> None:
         self.router = router
+        self._routes: dict[tuple[tuple[bytes, bytes], ...], _Route] = {}
 
-    def answer(self, headers: Mapping[str, str], body: bytes, cut: bool = False) -> bytes:
+    def answer(self, headers: Headers, body: bytes, cut: bool = False) -> bytes:
         """The answer's header lines ("name: value\\r\\n" each) for one check request.
 
-        ``headers``: the check request's, lower-case names. ``cut``: the server kept only the
-        body's start. Never raises: on a bug the request goes on without a key.
+        ``headers``: the check request's, lower-case names, bytes as sent. ``cut``: the server
+        kept only the body's start. Never raises: on a bug the request goes on without a key.
         """
         try:
             return self._answer(headers, body, cut)
@@ -52,16 +82,22 @@ class HttpAuthz:
             metrics.ERRORS.labels("authz_http").inc()
             return f"{REMOVE_HEADER}: {self.router.settings.key_header}\r\n".encode()
 
-    def _answer(self, headers: Mapping[str, str], body: bytes, cut: bool) -> bytes:
-        # sorted: one set of settings is one cache entry in settings_for whatever order Envoy sends it in
-        # (Envoy 1.36 and 1.38 change the order between requests of one route)
-        ours = sorted((name, value) for name, value in headers.items() if name.startswith(METADATA_PREFIX))
-        settings = self.router.settings_for(ours, authz=True)
-        key = authz_key(self.router, settings, headers, body, DECLARED_LENGTH_HEADER, cut)
-        remove = [name for name, _ in ours]
+    def _answer(self, headers: Headers, body: bytes, cut: bool) -> bytes:
+        ours = tuple([item for item in headers.items() if item[0].startswith(_PREFIX)])
+        route = self._routes.get(ours) or self._route(ours)
+        sent = {name: value.decode("latin-1") for raw, name in route.wanted if (value := headers.get(raw)) is not None}
+        complete = not cut and is_whole(len(body), headers.get(_PARTIAL) == _TRUE, headers.get(_DECLARED))
+        key = key_for(self.router, route.settings, sent, body, complete)
         if key is None:
-            remove.append(settings.key_header)
-        lines = f"{settings.key_header}: {key}\r\n" if key is not None else ""
-        if remove:
-            lines += f"{REMOVE_HEADER}: {','.join(remove)}\r\n"
-        return lines.encode("latin-1")
+            return route.unkeyed
+        return b"".join((route.keyed, key.encode("latin-1"), route.tail))
+
+    def _route(self, ours: tuple[tuple[bytes, bytes], ...]) -> _Route:
+        # sorted: one set of settings is one entry (and one log line) in settings_for whatever order
+        # Envoy sends it in (Envoy 1.36 and 1.38 change the order between requests of one route)
+        pairs = sorted((name.decode("latin-1"), value.decode("latin-1")) for name, value in ours)
+        route = _Route(self.router.settings_for(pairs, authz=True), [name for name, _ in pairs])
+        if len(self._routes) >= _MAX_ROUTES:
+            self._routes.clear()
+        self._routes[ours] = route
+        return route

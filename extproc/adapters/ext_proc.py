@@ -208,13 +208,17 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
     def decide(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
                 complete: bool) -> Decision | None:
         started = time.perf_counter()
+        gc_was_on = gc.isenabled()  # without_gc(), inlined: its context manager cost ~1 us a request
+        gc.disable()
         try:
-            with without_gc():
-                decision = decide(body, headers, settings, complete=complete, secret=self.secret)
+            decision = decide(body, headers, settings, complete=complete, secret=self.secret)
         except Exception:
             log.exception("deciding a prefix key failed; passing the request on without one")
             metrics.ERRORS.labels("decide").inc()
             return None
+        finally:
+            if gc_was_on:
+                gc.enable()
         metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
         metrics.BODY_BYTES.observe(len(body))
         metrics.decision_counter(decision.normalize, decision.fallback or "none").inc()

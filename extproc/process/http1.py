@@ -34,17 +34,31 @@ SWEEP_S: Final = 5.0
 
 
 class Request:
-    """One parsed request: lower-case header names (repeats joined with ","), the body, and
-    whether the server kept only the body's start (``cut``)."""
+    """One parsed request. ``headers``: names lower-cased, names and values left as the bytes sent
+    (repeats joined with ","), so a handler decodes only the few it reads; ``body``: the body, of
+    which the server kept only the start when ``cut``."""
 
     __slots__ = ("method", "path", "headers", "body", "cut")
 
-    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, cut: bool) -> None:
+    def __init__(self, method: str, path: str, headers: dict[bytes, bytes], body: bytes, cut: bool) -> None:
         self.method = method
         self.path = path
         self.headers = headers
         self.body = body
         self.cut = cut
+
+
+def header_dict(pairs: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Header pairs as sent -> lower-case name: value, a repeated name's values joined with ","."""
+    headers = {name.lower(): value for name, value in pairs}
+    if len(headers) == len(pairs):  # no repeats: the one comprehension is all (every check from Envoy)
+        return headers
+    joined: dict[bytes, bytes] = {}
+    for name, value in pairs:
+        name = name.lower()
+        old = joined.get(name)
+        joined[name] = value if old is None else old + b"," + value
+    return joined
 
 
 # (status, extra header lines, each "name: value\r\n"); the server adds the status line,
@@ -78,6 +92,7 @@ class Http1Protocol(asyncio.Protocol):
     def __init__(self, server: "Http1Server") -> None:
         self.server = server
         self.handler = server.handler
+        self.now = server.now
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.started: float | None = None  # loop time the request being read began; None between requests
@@ -86,7 +101,7 @@ class Http1Protocol(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.url = b""
-        self.headers: dict[str, str] = {}
+        self.pairs: list[tuple[bytes, bytes]] = []  # as sent; made a dict once, when the request is complete
         self.header_bytes = 0
         self.chunks: list[bytes] = []
         self.body_bytes = 0
@@ -121,7 +136,7 @@ class Http1Protocol(asyncio.Protocol):
 
     # --- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self.started = self.server.now()
+        self.started = self.now()
 
     def on_url(self, url: bytes) -> None:
         if len(self.url) < MAX_HEADER_BYTES:
@@ -129,12 +144,8 @@ class Http1Protocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
-        if self.header_bytes > MAX_HEADER_BYTES:
-            return
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        old = self.headers.get(key)
-        self.headers[key] = text if old is None else f"{old},{text}"
+        if self.header_bytes <= MAX_HEADER_BYTES:
+            self.pairs.append((name, value))
 
     def on_body(self, body: bytes) -> None:
         room = MAX_BODY - self.body_bytes
@@ -148,12 +159,14 @@ class Http1Protocol(asyncio.Protocol):
         self.body_bytes += len(body)
 
     def on_message_complete(self) -> None:
-        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        request = Request(self.parser.get_method().decode("latin-1"), self.url.decode("latin-1"),
-                          self.headers, body, self.cut)
+        chunks = self.chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one chunk (the usual): no copy
+        parser = self.parser
+        request = Request(parser.get_method().decode("latin-1"), self.url.decode("latin-1"),
+                          header_dict(self.pairs), body, self.cut)
         self._reset()
         self.started = None
-        keep_alive = self.parser.should_keep_alive()
+        keep_alive = parser.should_keep_alive()
         try:
             status, extra = self.handler(request)
         except Exception:  # the handler promises not to raise; if it does, the request still goes on
