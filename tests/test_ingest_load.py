@@ -50,4 +50,4 @@ def test_requests_were_served_with_a_pick_while_the_events_flowed(report: dict) 
         assert fixed["requests"] == REQUEST_RATE * PHASE_S and fixed["errors"] == fixed["skipped"] == 0, fixed
         assert fixed["picked"] == fixed["requests"], fixed
         assert closed["requests"] > 0 and closed["errors"] == 0 and closed["picked"] == closed["requests"], closed
-    assert "routerlab.bench.ingest" in report["command"] and report["machine"]["uptime_before"]
+    assert report["complete"] and "routerlab.bench.ingest" in report["command"] and report["machine"]["uptime_after"]

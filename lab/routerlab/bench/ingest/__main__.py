@@ -59,15 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     before = uptime()
     note(f"machine before: {before}")
     started = time.time()
-    steps = run(cfg, out, note)
-    after = uptime()
-    note(f"machine after: {after}")
     doc = {"command": shlex.join([os.path.basename(sys.executable), "-m", "routerlab.bench.ingest",
                                   *(sys.argv[1:] if argv is None else argv)]),
            "config": asdict(cfg), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-           "seconds": round(time.time() - started, 1), "machine": {"cpus": os.cpu_count(), "uptime_before": before,
-                                                                    "uptime_after": after},
-           "steps": steps}
+           "seconds": 0.0, "complete": False, "machine": {"cpus": os.cpu_count(), "uptime_before": before},
+           "steps": []}
+
+    def partial(steps: list[dict]) -> None:
+        report.write_json(out / "ingest.json", {**doc, "steps": steps, "seconds": round(time.time() - started, 1)})
+
+    steps = run(cfg, out, note, partial)
+    after = uptime()
+    note(f"machine after: {after}")
+    doc.update(steps=steps, seconds=round(time.time() - started, 1), complete=True)
+    doc["machine"]["uptime_after"] = after
     table = report.table(steps)
     print(table)
     report.write_json(out / "ingest.json", doc)

@@ -55,20 +55,23 @@ def plot(path: Path, steps: Sequence[dict[str, Any]]) -> Path:
     top = max((s["sent"] for s in steps), default=1.0) or 1.0
     axes[0].plot([0, top / 1000], [0, top / 1000], color="0.7", linestyle=":", label="applied = sent")
     axes[0].axhline(50, color="tab:red", linestyle="--", linewidth=1, label="target 50k")
-    for n, rows in sorted(by_n.items()):
+    for k, (n, rows) in enumerate(sorted(by_n.items())):
+        color = f"C{k}"  # one colour per replica count in every panel
         x = [r["sent"] / 1000 for r in rows]
-        axes[0].plot(x, [r["applied"] / 1000 for r in rows], marker="o", label=f"{n} replicas")
-        axes[1].plot(x, [r["fixed"]["router_cpu_pct"] for r in rows], marker="o", label=f"{n} replicas: router")
-        axes[1].plot(x, [r["fixed"]["apply_pct"] for r in rows], marker=".", linestyle="--",
+        axes[0].plot(x, [r["applied"] / 1000 for r in rows], marker="o", color=color, label=f"{n} replicas")
+        axes[1].plot(x, [r["fixed"]["router_cpu_pct"] for r in rows], marker="o", color=color,
+                     label=f"{n} replicas: router")
+        axes[1].plot(x, [r["fixed"]["apply_pct"] for r in rows], marker=".", linestyle="--", color=color,
                      label=f"{n} replicas: of it ingest")
-        axes[2].plot(x, [r["fixed"]["requests"]["p99_ms"] for r in rows], marker="o", label=f"{n} replicas: fixed rate")
-        axes[2].plot(x, [r["closed"]["requests"]["p99_ms"] for r in rows], marker="s", linestyle="--",
+        axes[2].plot(x, [r["fixed"]["requests"]["p99_ms"] for r in rows], marker="o", color=color,
+                     label=f"{n} replicas: fixed rate")
+        axes[2].plot(x, [r["closed"]["requests"]["p99_ms"] for r in rows], marker="s", linestyle="--", color=color,
                      label=f"{n} replicas: closed loop")
     axes[0].set(title="Blocks applied", xlabel="sent, thousand blocks/s", ylabel="applied, thousand blocks/s")
     axes[1].axhline(100, color="0.5", linewidth=1)
     axes[1].set(title="Router CPU, fixed-rate phase (one core = 100 %)", xlabel="sent, thousand blocks/s",
                 ylabel="% of one core")
-    axes[2].set(title="Request latency p99", xlabel="sent, thousand blocks/s", ylabel="ms")
+    axes[2].set(title="Request latency p99", xlabel="sent, thousand blocks/s", ylabel="ms (log)", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -33,6 +33,7 @@ from routerlab.realvllm.promtext import Sample, fetch_metrics, metric_sum
 KEPT_UP_SHARE: Final = 0.97
 COVER_TIMEOUT_S: Final = 60.0
 SAMPLE_S: Final = 0.5
+METRICS_TIMEOUT_S: Final = 30.0
 COUNTERS: Final = {"blocks": "prefix_router_kv_blocks_total", "batches": "prefix_router_kv_batches_total",
                    "gaps": "prefix_router_kv_gaps_total", "resets": "prefix_router_kv_view_resets_total",
                    "bad_frames": "prefix_router_kv_bad_frames_total", "apply_s": "prefix_router_kv_apply_seconds_total",
@@ -211,7 +212,8 @@ class Harness:
         self._stack.close()
 
     def snapshot(self) -> Snapshot:
-        router = router_counters(fetch_metrics(self.metrics_url))  # first: the backlog read after it is an upper bound
+        # first: the backlog read after it is an upper bound; a router far past its capacity answers slowly
+        router = router_counters(fetch_metrics(self.metrics_url, timeout=METRICS_TIMEOUT_S))
         driver = self.driver.stats()
         return Snapshot(time.monotonic(), router, driver, process_cpu_s(self.router.pid) or 0.0, machine_busy_s())
 
@@ -220,7 +222,8 @@ class Harness:
         t0 = time.monotonic()
         sent = self.driver.stats()["sent_batches"]
         try:
-            wait_until(lambda: router_counters(fetch_metrics(self.metrics_url))["batches"] >= sent + self.n,
+            wait_until(lambda: router_counters(fetch_metrics(self.metrics_url, timeout=METRICS_TIMEOUT_S))["batches"]
+                       >= sent + self.n,
                        timeout, "the router to apply every batch sent", interval=0.1)
         except TimeoutError:
             return None
@@ -271,15 +274,24 @@ class Harness:
         return out
 
 
-def run(cfg: Config, workdir: Path, note: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every replica count's steps, as dicts (``Step`` fields)."""
+def run(cfg: Config, workdir: Path, note: Callable[[str], None],
+        on_step: Callable[[list[dict[str, Any]]], None] = lambda _: None) -> list[dict[str, Any]]:
+    """Every replica count's steps, as dicts (``Step`` fields); ``on_step`` gets the list after each
+    step (the report is written as the run goes, so a run stopped midway keeps what it measured).
+    A step whose router stops answering its metrics (starved past its capacity) ends that replica
+    count's steps, noted."""
     steps: list[dict[str, Any]] = []
     for n in cfg.replicas:
         harness = Harness(cfg, n, workdir, note)
         try:
             for rate in cfg.rates:
-                step = harness.step(rate)
+                try:
+                    step = harness.step(rate)
+                except (OSError, TimeoutError) as exc:
+                    note(f"{n} replicas, {rate:,} blocks/s: the router did not answer ({exc}); stopping here")
+                    break
                 steps.append(asdict(step))
+                on_step(steps)
                 if not step.kept_up and not cfg.all_steps:
                     note(f"{n} replicas: stopped stepping up at {rate:,} blocks/s")
                     break
