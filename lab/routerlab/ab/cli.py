@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from routerlab.ab import accesslog, analysis, driver, record, report
+from routerlab.ab import accesslog, analysis, driver, prometheus, record, report
 from routerlab.ab import windows as windows_file
-from routerlab.ab.counters import Delta, prometheus_increase
+from routerlab.ab.counters import Delta
 from routerlab.ab.stats import DRAWS
 
 EXIT_BAD_INPUT = 2
@@ -49,12 +49,19 @@ def _metrics_urls(values: list[str]) -> list[str]:
 
 
 def _selectors(values: list[str]) -> dict[str, str]:
-    out = {}
+    """``--selector ARM=MATCHERS`` values: arm -> label matchers, braces optional (``pod=~"a.*"`` or
+    ``{pod=~"a.*"}``); a value that starts with a matcher (no ARM=) goes under "". DriverError for
+    an arm given twice."""
+    out: dict[str, str] = {}
     for value in values:
         arm, sep, selector = value.partition("=")
-        if not sep:
-            raise SystemExit(f"--selector needs ARM=LABELS (e.g. prefix='pool=\"prefix\"'), got {value!r}")
-        out[arm.strip()] = selector.strip().strip("{}")
+        if not sep or not arm.strip().isidentifier() or selector.lstrip().startswith(('"', "~")):
+            # 'pod="x"', 'pod=~"x"' or '{pod="x"}': a matcher, no arm named
+            arm, selector = "", value
+        arm = arm.strip()
+        if arm in out:
+            raise driver.DriverError(f"--selector {arm or '(unlabelled)'} given twice")
+        out[arm] = selector.strip().removeprefix("{").removesuffix("}").strip()
     return out
 
 
@@ -64,8 +71,8 @@ def _add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draws", type=int, default=DRAWS, help=f"bootstrap draws (default {DRAWS})")
     p.add_argument("--prometheus", metavar="URL", help="read the counters' increases from this Prometheus server "
                    "instead of (or besides) the windows file's edges")
-    p.add_argument("--selector", action="append", default=[], metavar="ARM=LABELS",
-                   help="with --prometheus: the label matcher of an arm's pool (pools, shared), or fleet=LABELS "
+    p.add_argument("--selector", action="append", default=[], metavar="ARM=MATCHERS",
+                   help="with --prometheus: the label matchers of an arm's pool (pools, shared), or fleet=MATCHERS "
                         "for the whole fleet (switchback); default: every series")
 
 
@@ -107,8 +114,13 @@ def _add_record(sub: Any) -> None:
     r.add_argument("--design", choices=record.DESIGNS, default="pools",
                    help="pools (each arm's replicas: prefix=URL,... stock=URL,...) or shared (every replica, "
                         "unlabelled: the counters cannot split a shared fleet by arm); default pools")
-    r.add_argument("--metrics-url", action="append", default=[], required=True, metavar="[ARM=]URL,...",
+    r.add_argument("--metrics-url", action="append", default=[], metavar="[ARM=]URL,...",
                    help="the replicas' base URLs (their /metrics), labelled by pool: prefix=URL,URL; repeatable")
+    r.add_argument("--prometheus", metavar="URL", help="read the counters from this Prometheus server instead "
+                   "(an instant query at each edge's time); each pool named by --selector")
+    r.add_argument("--selector", action="append", default=[], metavar="ARM=MATCHERS",
+                   help="with --prometheus: a pool's replicas as Prometheus sees them, label matchers "
+                        "(prefix='pod=~\"vllm-prefix-.*\"', stock='...'; shared: fleet='...'); repeatable")
     r.add_argument("--duration", type=float, required=True, metavar="S", help="bound on the whole run (seconds)")
     r.add_argument("--window", type=float, default=60.0, metavar="S",
                    help="seconds between counter reads (default 60; at least 2 windows in --duration)")
@@ -116,25 +128,47 @@ def _add_record(sub: Any) -> None:
                    help="where to write the windows (default: ab-windows.jsonl)")
 
 
+def _record_source(args: argparse.Namespace) -> tuple[dict[str, list[str]] | None, record.Source | None]:
+    """The pools of --metrics-url, or a Prometheus source of --prometheus and --selector (exactly one).
+    DriverError for anything else."""
+    if bool(args.prometheus) == bool(args.metrics_url):
+        raise driver.DriverError("give the replicas' --metrics-url, or --prometheus URL with a --selector per pool "
+                                 "(one of the two)")
+    if not args.prometheus:
+        if args.selector:
+            raise driver.DriverError("--selector names pools in Prometheus: it needs --prometheus URL")
+        return record.pools_for(args.design, _labelled_urls(args.metrics_url)), None
+    return None, prometheus.PrometheusSource(args.prometheus, record.selectors_for(args.design,
+                                                                                   _selectors(args.selector)))
+
+
 def _record(args: argparse.Namespace) -> int:
+    def fail(e: Exception, code: int) -> int:
+        print(f"prefix-router ab record: {e}", file=sys.stderr)
+        return code
+
     try:
-        pools = record.pools_for(args.design, _labelled_urls(args.metrics_url))
+        pools, source = _record_source(args)
         record.window_count(args.duration, args.window)
     except driver.DriverError as e:
-        print(f"prefix-router ab record: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return fail(e, EXIT_BAD_INPUT)
     t0 = time.monotonic()
 
     def progress(text: str) -> None:
         print(f"[ab] {time.monotonic() - t0:6.1f}s {text}", file=sys.stderr, flush=True)
 
-    recorder = record.Recorder(args.design, pools, args.windows)
+    recorder = record.Recorder(args.design, pools, args.windows, source=source)
     try:
+        if isinstance(source, prometheus.PrometheusSource):
+            source.open(args.window)
+            progress(f"Prometheus {args.prometheus} scrapes these series every {source.interval:.3g} s: each edge "
+                     f"is read {prometheus.SETTLE_INTERVALS * source.interval:.3g} s after it, at its own time")
         recorder.open()
+    except driver.BadInput as e:
+        return fail(e, EXIT_BAD_INPUT)
     except driver.DriverError as e:
-        print(f"prefix-router ab record: {e}", file=sys.stderr)
-        return analysis.EXIT_NO_VERDICT
-    progress(f"recording {', '.join(f'{g}: {len(u)} replicas' for g, u in pools.items())} every "
+        return fail(e, analysis.EXIT_NO_VERDICT)
+    progress(f"recording {', '.join(f'{g}: {len(u)} replicas' for g, u in recorder.pools.items())} every "
              f"{args.window:g} s for {args.duration:g} s into {args.windows}")
     header = recorder.record(args.duration, args.window, progress)
     windows_file.append(args.windows, header)
@@ -142,6 +176,9 @@ def _record(args: argparse.Namespace) -> int:
              + (f" (interrupted: {header['interrupted']})" if "interrupted" in header else "")
              + f"; analyse with: prefix-router ab analyze --design {args.design} --windows {args.windows} "
                "--access-log FILE")
+    if "stopped" in header:
+        return fail(driver.DriverError(f"stopped: {header['stopped']}; the {header['windows_done']} windows "
+                                       f"before it are in {args.windows}"), analysis.EXIT_NO_VERDICT)
     return 0
 
 
@@ -151,7 +188,7 @@ def _prometheus(args: argparse.Namespace):
     selectors = _selectors(args.selector)
 
     def read(arm: str, start: float, end: float) -> Delta:
-        return prometheus_increase(args.prometheus, selectors.get(arm, ""), start, end)
+        return prometheus.increase(args.prometheus, selectors.get(arm, ""), start, end)
 
     return read
 
@@ -173,7 +210,12 @@ def _analyse(args: argparse.Namespace, design: str, windows_path: str | None) ->
         print(f"prefix-router ab: {args.access_log}: all {log.lines} lines are garbage (not Envoy's JSON access "
               f"log?); first: {log.garbage_examples[0]}", file=sys.stderr)
         return analysis.EXIT_NO_VERDICT
-    result = analysis.analyze(log, design, wf, _prometheus(args), seed=args.seed, draws=args.draws)
+    try:
+        read = _prometheus(args)
+    except driver.DriverError as e:
+        print(f"prefix-router ab: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    result = analysis.analyze(log, design, wf, read, seed=args.seed, draws=args.draws)
     print(report.text(result, args.access_log), end="")
     if args.json:
         report.write_json(result, args.json, {"access_log": str(args.access_log), "windows_file": windows_path})

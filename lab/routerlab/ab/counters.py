@@ -7,18 +7,16 @@ down restarted with its replica, so its delta is its new value (what it counted 
 restart: the part before the restart is lost, and the delta says so in ``resets``). A replica
 that did not answer at either edge is named in ``missing`` and left out, never filled in.
 
-A Prometheus server can stand in for the replicas: ``prometheus_increase`` asks it for
-``sum(increase(counter{selector}[w]))`` at the window's end, which handles resets the same way.
+A Prometheus server can stand in for the replicas: ``routerlab.ab.prometheus`` reads the same
+snapshots from it at each edge.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from routerlab.realvllm.promtext import HITS, QUERIES, fetch_metrics, http_get, metric_sum
+from routerlab.realvllm.promtext import HITS, QUERIES, fetch_metrics, metric_sum
 
 SUCCESS = "vllm:request_success_total"
 RUNNING = "vllm:num_requests_running"
@@ -80,34 +78,3 @@ def delta(before: Snapshot, after: Snapshot) -> Delta:
             setattr(d, key, getattr(d, key) + inc)
     return d
 
-
-def prometheus_increase(base_url: str, selector: str, start: float, end: float, timeout: float = 5.0) -> Delta:
-    """The counters' increase over [start, end] from a Prometheus server's HTTP API.
-
-    ``selector`` is a label matcher without braces (``pool="prefix"``), or "" for all series.
-    Raises OSError when the server cannot be asked, ValueError when it answers an error.
-    """
-    window = max(1, round(end - start))
-    d = Delta()
-    for key, name in COUNTERS.items():
-        query = f"sum(increase({name}{{{selector}}}[{window}s]))"
-        url = base_url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": query, "time": f"{end:.3f}"})
-        status, body = http_get(url, timeout=timeout)
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            raise ValueError(f"{base_url}: HTTP {status}, not JSON") from None
-        if status != 200 or doc.get("status") != "success":
-            raise ValueError(f"{base_url}: {query}: {doc.get('error', f'HTTP {status}')}")
-        result = doc["data"]["result"]
-        if result:
-            setattr(d, key, float(result[0]["value"][1]))
-    count_query = f"count(count by (instance) ({QUERIES}{{{selector}}}))"
-    status, body = http_get(base_url.rstrip("/") + "/api/v1/query?"
-                            + urllib.parse.urlencode({"query": count_query, "time": f"{end:.3f}"}), timeout=timeout)
-    try:
-        result = json.loads(body)["data"]["result"]
-        d.replicas = int(float(result[0]["value"][1])) if result else 0
-    except (ValueError, KeyError, IndexError, TypeError):
-        d.replicas = 0
-    return d

@@ -34,6 +34,11 @@ class DriverError(RuntimeError):
     """The switchback cannot start or go on (Envoy's admin unreachable, a plan that does not fit)."""
 
 
+class BadInput(DriverError):
+    """The run cannot start because of what the user gave (pools that overlap, a matcher that does
+    not parse, a window too short for the scrape interval): exit 2, not 3."""
+
+
 @dataclass(frozen=True)
 class Planned:
     arm: str

@@ -11,10 +11,15 @@ seconds for ``duration`` seconds, and appends each window as it ends to the wind
 - shared split: "fleet", every replica: both arms ran on each, so the counters cannot split the
   hit rate by arm (the fleet's per window is recorded, for context).
 
-What the counters say between two edges is ``counters.delta``'s: a replica that restarted in a
-window counts what came after its restart (named in ``resets``), one unreadable at an edge is
-left out of that window (``missing``). All replicas must answer at the start, or nothing is
-recorded. Ctrl-C or SIGTERM ends the run with a last, shorter window.
+The counters come from the replicas' /metrics (``MetricsSource``) or from a Prometheus server
+that scrapes them (``routerlab.ab.prometheus.PrometheusSource``: each pool a label matcher, each
+edge an instant query at the edge's time); both give the same snapshots. What the counters say
+between two edges is ``counters.delta``'s: a replica that restarted in a window counts what came
+after its restart (named in ``resets``), one unreadable at an edge is left out of that window
+(``missing``). All replicas must answer at the start, or nothing is recorded; a pool none of
+whose replicas can be read at an edge (its series gone from Prometheus, every replica down) ends
+the run there (``stopped``: no later window could give that arm a hit rate). Ctrl-C or SIGTERM
+ends the run with a last, shorter window.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from routerlab.ab import counters, windows
-from routerlab.ab.driver import DriverError, Stopped, in_main_thread, raise_stopped, sleep_until
+from routerlab.ab.driver import BadInput, DriverError, Stopped, in_main_thread, raise_stopped, sleep_until
 
 DESIGNS = ("pools", "shared")
 ARMS = ("prefix", "stock")
@@ -46,10 +51,31 @@ def pools_for(design: str, by_label: dict[str, list[str]]) -> dict[str, list[str
     if unknown or any(not by_label.get(arm) for arm in ARMS):
         raise DriverError("a pool split needs each arm's replicas: --metrics-url prefix=URL,... --metrics-url "
                           f"stock=URL,... (got {', '.join(sorted(by_label)) or 'none'})")
-    shared = sorted(set(by_label["prefix"]) & set(by_label["stock"]))
+    pools = {arm: list(dict.fromkeys(by_label[arm])) for arm in ARMS}
+    disjoint(pools)
+    return pools
+
+
+def disjoint(pools: dict[str, list[str]]) -> None:
+    """BadInput when the prefix and stock pools share a replica (that is a shared split)."""
+    shared = sorted(set(pools.get("prefix", ())) & set(pools.get("stock", ())))
     if shared:
-        raise DriverError(f"the pools share {', '.join(shared)}: that is a shared split (--design shared)")
-    return {arm: list(dict.fromkeys(by_label[arm])) for arm in ARMS}
+        raise BadInput(f"the pools share {', '.join(shared)}: that is a shared split (--design shared)")
+
+
+def selectors_for(design: str, by_label: dict[str, str]) -> dict[str, str]:
+    """The groups to record from Prometheus, each a label matcher: prefix and stock (pools), or
+    fleet (shared; an unlabelled matcher too). DriverError for any other set of labels."""
+    wanted = set(ARMS) if design == "pools" else {"fleet"}
+    if design == "shared" and set(by_label) == {""}:
+        return {"fleet": by_label[""]}
+    if set(by_label) != wanted:
+        example = ("--selector prefix='pod=~\"vllm-prefix-.*\"' --selector stock='pod=~\"vllm-stock-.*\"'"
+                   if design == "pools" else "--selector fleet='namespace=\"llm\"'")
+        raise DriverError(f"with --prometheus a {'pool split' if design == 'pools' else 'shared split'} needs "
+                          f"{' and '.join(sorted(wanted))} label matchers, e.g. {example} (got "
+                          f"{', '.join(repr(k) for k in sorted(by_label)) or 'none'})")
+    return dict(by_label)
 
 
 def window_count(duration: float, window: float) -> int:
@@ -75,33 +101,65 @@ def describe(group: str, d: counters.Delta) -> str:
     return text
 
 
+class Source(Protocol):
+    """Where the counters come from: every group's replicas read at an edge's time."""
+
+    def read(self, at: float) -> dict[str, counters.Snapshot]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class MetricsSource:
+    """The replicas' own /metrics, read now (``at`` is now: /metrics has no past)."""
+
+    def __init__(self, pools: dict[str, list[str]]) -> None:
+        self.pools = pools
+        self.urls = sorted({u for urls in pools.values() for u in urls})
+
+    def read(self, at: float) -> dict[str, counters.Snapshot]:
+        snap = counters.scrape(self.urls)
+        return {group: {u: snap[u] for u in urls} for group, urls in self.pools.items()}
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+
+def unreadable_groups(edge: dict[str, counters.Snapshot]) -> list[str]:
+    """The groups none of whose replicas could be read at this edge."""
+    return [g for g, snap in edge.items() if not any(isinstance(v, dict) for v in snap.values())]
+
+
 class Recorder:
     """Opens the windows file after a first read of every replica, then records windows."""
 
-    def __init__(self, design: str, pools: dict[str, list[str]], path: str | Path,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.design, self.pools, self.path, self.clock = design, pools, Path(path), clock
-        self.urls = sorted({u for urls in pools.values() for u in urls})
+    def __init__(self, design: str, pools: dict[str, list[str]] | None, path: str | Path,
+                 clock: Callable[[], float] = time.time, source: Source | None = None) -> None:
+        self.design, self.path, self.clock = design, Path(path), clock
+        self.source: Source = source or MetricsSource(pools or {})
+        self.pools = pools or {}
         self.header: dict[str, Any] = {}
         self._start = 0.0
         self._edge: dict[str, counters.Snapshot] = {}
 
-    def _read(self) -> dict[str, counters.Snapshot]:
-        snap = counters.scrape(self.urls)
-        return {group: {u: snap[u] for u in urls} for group, urls in self.pools.items()}
-
     def open(self) -> dict[str, Any]:
-        """The first edge; DriverError (nothing written) when a replica does not answer."""
+        """The first edge; DriverError (nothing written) when a replica does not answer, or a pool
+        has none (from Prometheus: a matcher that selects nothing) or shares one with the other."""
         start = self.clock()
-        edge = self._read()
+        edge = self.source.read(start)
         dead = {u: e for snap in edge.values() for u, e in snap.items() if isinstance(e, str)}
         if dead:
             raise DriverError("replica metrics unreachable: " + "; ".join(f"{u}: {e}" for u, e in sorted(dead.items())))
+        empty = unreadable_groups(edge)
+        if empty:
+            raise DriverError(f"no replica in {', '.join(empty)} at the start")
+        if not self.pools:  # from Prometheus: the replicas the matchers select at the start
+            self.pools = {g: sorted(snap) for g, snap in edge.items()}
+            disjoint(self.pools)
         self._start, self._edge = start, edge
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
         self.header = {"kind": "run", "design": self.design, "burn_in": 0.0, "record_only": True,
-                       "pools": self.pools, "started": start}
+                       "pools": self.pools, "started": start, **self.source.describe()}
         windows.append(self.path, self.header)
         return self.header
 
@@ -120,14 +178,28 @@ class Recorder:
                 except (KeyboardInterrupt, Stopped) as e:
                     self.header["interrupted"] = f"{type(e).__name__} {e}".strip()
                 end = self.clock()
-                after = self._read()
+                try:
+                    after = self.source.read(end)  # from Prometheus: waits for the edge's scrapes
+                except DriverError as e:
+                    self.header["stopped"] = f"window {i + 1}/{n} could not be read: {e}"
+                    break
+                except (KeyboardInterrupt, Stopped) as e:  # while waiting: this last window is not read
+                    self.header["interrupted"] = f"{type(e).__name__} {e}".strip()
+                    break
                 w = windows.Window(i, "both", start, end, 0.0,
-                                   {g: {"start": edge[g], "measure": edge[g], "end": after[g]} for g in self.pools})
+                                   {g: {"start": edge[g], "measure": edge[g], "end": after[g]} for g in edge})
                 windows.append(self.path, w.to_json())
                 done += 1
-                deltas = "; ".join(describe(g, counters.delta(edge[g], after[g])) for g in self.pools)
+                deltas = "; ".join(describe(g, counters.delta(edge[g], after[g])) for g in edge)
                 progress(f"window {i + 1}/{n} ({end - start:.1f} s): {deltas}; "
                          f"{max(0.0, t0 + duration - end):.0f} s left")
+                gone = unreadable_groups(after)
+                if gone:
+                    self.header["stopped"] = (f"at the end of window {i + 1}/{n} no replica of "
+                                              f"{', '.join(gone)} could be read (every one down, or its series "
+                                              "gone from Prometheus: pods replaced or relabelled?): no later window "
+                                              "could give that arm a hit rate")
+                    break
                 start, edge = end, after
                 if "interrupted" in self.header or (stop is not None and stop.is_set()):
                     break
