@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     def partial(steps: list[dict]) -> None:
         report.write_json(out / "ingest.json", {**doc, "steps": steps, "seconds": round(time.time() - started, 1)})
 
-    steps = run(cfg, out, note, partial)
+    with tempfile.TemporaryDirectory(prefix="ingest-") as work:  # the hot prefixes' file, the driver's log
+        steps = run(cfg, Path(work), note, partial)
     after = uptime()
     note(f"machine after: {after}")
     doc.update(steps=steps, seconds=round(time.time() - started, 1), complete=True)
