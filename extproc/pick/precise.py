@@ -11,6 +11,7 @@ tokenised) stays with the learned view, and the caller says so.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Final, NamedTuple, Protocol
 
 from extproc.core.decide import Decision, parsed_object
@@ -35,7 +36,7 @@ class Exact(NamedTuple):
     sizes: dict[str, int]  # covered replica -> its block size (absent while unknown)
     # covered replica -> the part of ``cached`` that the blocks of this router's requests in flight
     # there add to what its events say it holds (absent when none): a forecast, not yet in its cache
-    in_flight: dict[str, int] = {}
+    in_flight: Mapping[str, int] = MappingProxyType({})
     partial: tuple[str, ...] = ()  # covered replicas whose events miss part of their cache (origin partial)
 
 
@@ -95,7 +96,7 @@ class PreciseView:
             hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt) if blocks else []
             held[size] = self.index.match(hashes[size]) if blocks else {}
         cached = dict.fromkeys(covered, 0)
-        in_flight: dict[str, int] = {}
+        in_flight: Mapping[str, int] = MappingProxyType({})
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             pending = self.pending.get(address)
