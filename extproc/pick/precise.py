@@ -96,7 +96,7 @@ class PreciseView:
             hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt) if blocks else []
             held[size] = self.index.match(hashes[size]) if blocks else {}
         cached = dict.fromkeys(covered, 0)
-        in_flight: Mapping[str, int] = MappingProxyType({})
+        in_flight: dict[str, int] = {}
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             pending = self.pending.get(address)
