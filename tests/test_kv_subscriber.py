@@ -496,3 +496,47 @@ def test_time_spent_applying_batches_is_counted_and_exported() -> None:
             await rig.close()
 
     run(body)
+
+
+def test_a_backlog_is_applied_in_slices_with_the_event_loop_turning_between(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ingest yields to the request path: a backlog of queued batches is not drained in one go.
+
+    With the slice at 0 every batch is a slice of its own, so between two turns of the event loop
+    (seen by a task that yields every turn) the stream applies one batch. Draining up to DRAIN
+    batches per wake-up, as before, it applied the whole backlog in one turn, and requests then
+    waited seconds under load."""
+    from extproc.pick import kv_subscriber
+
+    monkeypatch.setattr(kv_subscriber, "SLICE_S", 0.0)
+    backlog = 300
+
+    async def body() -> None:
+        index = EventIndex()
+        rig = Rig()
+        rig.sub.index = index
+        pub = rig.publisher()
+        most = 0  # the most batches applied between two turns of the loop
+        stop = asyncio.Event()
+
+        async def watch() -> None:
+            nonlocal most
+            seen = rig.sub.stats.batches
+            while not stop.is_set():
+                await asyncio.sleep(0)
+                now = rig.sub.stats.batches
+                most, seen = max(most, now - seen), now
+
+        try:
+            await rig.subscribe()
+            first = rig.sub.stats.batches
+            watcher = asyncio.create_task(watch())
+            for mark in range(backlog):  # queued at once: the stream finds them all on its next wake-up
+                pub.publish([BlockStored([BIG + mark], None if mark == 0 else BIG + mark - 1, list(range(4)), 4)])
+            await until(lambda: rig.sub.stats.batches >= first + backlog, "the whole backlog")
+            stop.set()
+            await watcher
+            assert 1 <= most <= 2, most
+        finally:
+            await rig.close()
+
+    run(body)

@@ -144,22 +144,26 @@ class _Stream:
 
 
 class _IngestSlice:
-    """One ingest time slice shared by every stream of a subscriber (see ``SLICE_S``).
+    """One ingest time slice per turn of the event loop, shared by every stream of a subscriber
+    (see ``SLICE_S``).
 
-    ``spent()`` says whether the ingest work since the slice started has used it up; the stream
-    then yields (``await asyncio.sleep(0)``) after asking for a new slice with ``loop.call_soon``:
-    that callback runs on the loop's next round, after the I/O poll that brings the requests'
-    own callbacks in, so each round of the loop gives ingest at most about one slice in all,
-    however many streams are backlogged, and the requests' steps run in between."""
+    A stream charges each batch's time to it; once it is spent the stream asks for a new slice
+    with ``loop.call_soon`` and yields (``await asyncio.sleep(0)``): that callback runs on the
+    loop's next turn, after the I/O poll that brings the requests' own callbacks in, so a turn
+    gives ingest about one slice in all however many streams are backlogged, and the requests'
+    steps run in between. Only ingest time is charged, and a stream applies a batch before it
+    looks, so the events always progress too, however long the requests' steps take."""
 
-    __slots__ = ("start", "_asked")
+    __slots__ = ("used", "_asked")
 
     def __init__(self) -> None:
-        self.start = 0.0
+        self.used = 0.0
         self._asked = False
 
-    def spent(self) -> bool:
-        return time.perf_counter() - self.start >= SLICE_S
+    def charge(self, seconds: float) -> bool:
+        """Add one batch's time; True when the slice is spent (the caller should yield)."""
+        self.used += seconds
+        return self.used >= SLICE_S
 
     def renew_next_round(self) -> None:
         if not self._asked:
@@ -168,7 +172,7 @@ class _IngestSlice:
 
     def _renew(self) -> None:
         self._asked = False
-        self.start = time.perf_counter()
+        self.used = 0.0
 
 
 # ZMQ options and flags as plain ints: pyzmq's enum operators cost more than the calls themselves
@@ -355,16 +359,16 @@ class KvEventSubscriber:
                     await self._initial_replay(st)
                 handled = 0
                 while handled < DRAIN:
-                    if self._slice.spent():  # the other streams' share of this round counts too
-                        self._slice.renew_next_round()
-                        await asyncio.sleep(0)
-                        continue
                     try:
                         frames = raw.recv_multipart(_NOBLOCK)
                     except zmq.Again:
                         break
+                    started = time.perf_counter()
                     await self._on_live(st, frames)
                     handled += 1
+                    if self._slice.charge(time.perf_counter() - started):  # the other streams' share counts too
+                        self._slice.renew_next_round()
+                        await asyncio.sleep(0)
                 if handled == DRAIN:
                     await asyncio.sleep(0)  # more may be queued: let the request path run, then read on
                 elif not (raw.getsockopt(_EVENTS) & _POLLIN or raw_monitor.getsockopt(_EVENTS) & _POLLIN):
