@@ -1,7 +1,8 @@
-"""`prefix-router ab record --prometheus` against real processes: a real Prometheus (Debian's
-``prometheus`` package, scraping every 0.5 s) scraping four simulated vLLM replicas (two pools of
-two, labelled by pool as a Kubernetes scrape config would), the prefix router and a real Envoy on
-envoy/ab-pools.yaml under a closed-loop chat load.
+"""`prefix-router ab record --prometheus` (and `ab switchback --prometheus`) against real
+processes: a real Prometheus (Debian's ``prometheus`` package, scraping every 0.5 s) scraping four
+simulated vLLM replicas (two pools of two, labelled by pool as a Kubernetes scrape config would),
+the prefix router and a real Envoy on envoy/ab-pools.yaml (envoy/ab.yaml for the switchback)
+under a closed-loop chat load.
 
 What is asserted (counts, never timing):
 - each window edge is the last scrape at or before the edge's time: asked again after the run (a
@@ -9,6 +10,9 @@ What is asserted (counts, never timing):
 - a prefix-pool replica restarted mid-run is a reset in exactly one window, named by its instance,
   and `ab analyze` gives each arm's hit rate per window from the file, as on the /metrics path;
 - on an idle fleet the Prometheus path and the /metrics path record the same values per replica;
+- the switchback reads the fleet's edges from Prometheus after each switch, at the edges' own
+  times (asked again later: the same snapshots), each arm's hit rate once per window, and puts
+  the share back;
 - bad input: Prometheus unreachable, a matcher that selects nothing or does not parse, a window
   shorter than two scrape intervals, pools that overlap: a message, a non-zero exit, no file; a
   pool whose series disappear mid-run (its replicas stop answering scrapes) stops the run with
@@ -31,13 +35,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc import cli
 from routerlab.ab import counters, driver, prometheus
 from routerlab.bench.backends import SimBackend
 from routerlab.bench.scenarios import FleetSpec
+from routerlab.harness import envoy_config
+from routerlab.harness.envoy_proc import Envoy
 from routerlab.harness.procs import Process, free_ports, wait_until
 
 from test_ab_record import ab, pools_envoy, restart, windows_of  # noqa: F401 (pools_envoy: a fixture)
-from test_ab_switchback import chat_load
+from test_ab_switchback import chat_load, with_access_log
 
 SCRAPE_MS = 500
 
@@ -262,3 +269,77 @@ def test_record_from_prometheus_on_bad_input(fleet, prom, tmp_path, capsys) -> N
                for w in spans[:2])  # read in full before the replicas went away
     header = json.loads(path.read_text().splitlines()[-1])
     assert header["kind"] == "run" and "no replica of stock" in header["stopped"]
+
+
+@pytest.fixture()
+def ab_envoy(fleet: SimBackend, router: tuple[Process, int, int, int], tmp_path: Path) -> Iterator[tuple[Envoy, int]]:
+    """envoy/ab.yaml over the whole fleet: the switchback's config."""
+    listener, admin = free_ports(2)
+    cfg = envoy_config.localize(envoy_config.load("ab.yaml"), listener_port=listener, admin_port=admin,
+                                backends=[("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in fleet.urls],
+                                extproc_port=router[1], health_interval=0.2)
+    with_access_log(cfg, tmp_path / "access.log")
+    envoy = Envoy(cfg, extra_args=("--file-flush-interval-msec", "100")).start()
+    try:
+        envoy.wait_healthy("vllm", 4, timeout=20)
+        envoy.wait_healthy("vllm_stock", 4, timeout=20)
+        yield envoy, listener
+    finally:
+        envoy.stop()
+
+
+def test_switchback_reads_the_fleet_from_prometheus(fleet, prom, ab_envoy, tmp_path, capsys) -> None:
+    envoy, port = ab_envoy
+    admin = driver.Admin(f"http://127.0.0.1:{envoy.admin_port}")
+    path, log, report_path = tmp_path / "windows.jsonl", tmp_path / "access.log", tmp_path / "report.json"
+    base = ["ab", "switchback", "--admin", admin.base, "--access-log", str(log), "--windows", str(path),
+            "--seed", "3", "--draws", "300"]
+    # refused before anything changes: no fleet matcher, two sources, a measured part under two scrapes
+    for argv, message in [(["--prometheus", prom], "needs fleet label matchers"),
+                          (["--prometheus", prom, "--selector", 'fleet=job="vllm"', "--metrics-url", fleet.urls[0]],
+                           "not both"),
+                          (["--prometheus", prom, "--selector", 'fleet=job="vllm"', "--window-min", "1",
+                            "--window-max", "1"], "the measured part of the shortest window (--window-min - --burn-in)"
+                                                  " 0.5 s is shorter than two scrape intervals")]:
+        assert cli.main([*base, "--duration", "12", "--window-min", "2.5", "--window-max", "3", "--burn-in", "0.5",
+                         *argv]) == 2
+        assert message in capsys.readouterr().err, argv
+        assert admin.share() is None and not path.exists()
+
+    admin.set_share(37)  # the operator's setting, to be put back
+    argv = [*base, "--duration", "12", "--window-min", "2.5", "--window-max", "3", "--burn-in", "0.5",
+            "--prometheus", prom, "--selector", 'fleet={job="vllm"}', "--json", str(report_path)]
+
+    async def main() -> tuple[int, int]:
+        stop = asyncio.Event()
+        load = asyncio.create_task(chat_load(port, stop, sessions=8, deadline_s=120))
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(cli.main, argv), timeout=90)
+        finally:
+            stop.set()
+        return code, await load
+
+    code, sent = asyncio.run(main())
+    out, err = capsys.readouterr()
+    assert code == 3, out + err  # 2 + 2 windows: too few for a verdict, said so
+    assert "too few windows for a verdict: 2 prefix + 2 stock" in out and sent > 20
+    assert admin.share() == "37"
+    header = json.loads(path.read_text().splitlines()[0])
+    assert header["prometheus"] == prom and header["selectors"] == {"fleet": 'job="vllm"'}
+    spans = windows_of(path)
+    assert len(spans) == 4 and sorted(w["arm"] for w in spans) == ["prefix", "prefix", "stock", "stock"]
+    assert spans[-1]["end"] - spans[0]["start"] <= 12.5, spans  # the reads never stretched the run
+    source = prometheus.PrometheusSource(prom, {"fleet": 'job="vllm"'})
+    source.interval = header["scrape_interval"]
+    everyone = {instance(u) for u in fleet.urls}
+    for w in spans:
+        edges = w["counters"]["fleet"]
+        assert set(edges["start"]) == set(edges["measure"]) == set(edges["end"]) == everyone
+        # read after the next switch, yet at the edges' own times: asked again now, the same
+        assert source.read(w["start"] + w["burn_in"])["fleet"] == edges["measure"]
+        assert source.read(w["end"])["fleet"] == edges["end"]
+    report = json.loads(report_path.read_text())
+    (hit,) = [c for c in report["changes"] if c["metric"] == "KV hit rate"]
+    assert hit["clusters"] == [2, 2], hit  # one pair per window: the windows' counters, not Prometheus twice
+    for arm in ("prefix", "stock"):
+        assert 0 < report["arms"][arm]["kv_hit_rate"] < 1 and report["arms"][arm]["windows"] == 2

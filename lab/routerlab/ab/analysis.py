@@ -244,8 +244,8 @@ def analyze(log: Log, design: str, windows: WindowsFile | None = None,
             if d.queries > 0:
                 pairs[arm] = [(d.hits, d.queries)] if not pairs[arm] else pairs[arm]
     elif prometheus and windows:
-        for w in windows.windows:
-            if w.arm in ARMS and w.measured_s > 0:
+        for w in windows.windows:  # a window whose fleet counters were recorded has its pair already
+            if w.arm in ARMS and w.measured_s > 0 and w.counter_delta("fleet") is None:
                 try:
                     d = prometheus("fleet", w.measure_start, w.end)
                 except (OSError, ValueError) as e:

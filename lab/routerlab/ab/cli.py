@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--windows", metavar="FILE", help="where to write the windows (default: ab-windows.jsonl)",
                    default="ab-windows.jsonl")
     s.add_argument("--metrics-url", action="append", default=[], metavar="[ARM=]URL,...",
-                   help="the replicas' base URLs (their /metrics are read at each window's edges); repeatable")
+                   help="the replicas' base URLs (their /metrics are read at each window's edges); repeatable; "
+                        "or --prometheus URL --selector fleet=MATCHERS: the fleet's counters from Prometheus")
     s.add_argument("--seed", type=int, default=0, help="seed of the plan and the bootstrap (default 0)")
     _add_analysis_arguments(s)
     _add_record(sub)
@@ -248,8 +249,17 @@ def _switchback(args: argparse.Namespace) -> int:
         print(f"[ab] {time.monotonic() - t0:6.1f}s {text}", file=sys.stderr, flush=True)
 
     try:
+        source = _switchback_source(args)
+        if source is not None:
+            source.open(args.window_min - args.burn_in, "the measured part of the shortest window (--window-min - "
+                        "--burn-in)")
+            progress(f"Prometheus {args.prometheus} scrapes the fleet's series every {source.interval:.3g} s: each "
+                     f"edge is read at its own time, {prometheus.SETTLE_INTERVALS * source.interval:.3g} s after it")
         header = driver.run(driver.Admin(args.admin), args.windows, planned, args.burn_in,
-                            _metrics_urls(args.metrics_url), progress, seed=args.seed)
+                            _metrics_urls(args.metrics_url), progress, seed=args.seed, source=source)
+    except driver.BadInput as e:
+        print(f"prefix-router ab switchback: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except driver.DriverError as e:
         print(f"prefix-router ab switchback: {e}", file=sys.stderr)
         return analysis.EXIT_NO_VERDICT
@@ -258,10 +268,29 @@ def _switchback(args: argparse.Namespace) -> int:
     if "interrupted" in header:
         progress(f"interrupted ({header['interrupted']}): analysing the windows that ended")
     windows_file.append(args.windows, {"kind": "run", **header})
+    if "stopped" in header:
+        print(f"prefix-router ab switchback: stopped: {header['stopped']}; the {header['windows_done']} windows "
+              f"before it are in {args.windows}", file=sys.stderr)
+        return analysis.EXIT_NO_VERDICT
     last_end = max((w.end for w in windows_file.read(args.windows).windows), default=time.time())
     if not driver.wait_for_log(args.access_log, last_end):
         progress("the access log was not written after the last window (is Envoy logging to it?)")
     return _analyse(args, "switchback", args.windows)
+
+
+def _switchback_source(args: argparse.Namespace) -> prometheus.PrometheusSource | None:
+    """With --prometheus, the fleet's counters from it (--selector fleet=MATCHERS, required: every
+    vLLM series a Prometheus holds may be more than this fleet); BadInput with --metrics-url too."""
+    if not args.prometheus:
+        return None
+    if args.metrics_url:
+        raise driver.BadInput("give the replicas' --metrics-url or --prometheus URL --selector fleet=MATCHERS, "
+                              "not both (each window's counters come from one of them)")
+    try:
+        matchers = record.selectors_for("shared", _selectors(args.selector))
+    except driver.DriverError as e:
+        raise driver.BadInput(str(e).replace("a shared split", "a switchback")) from None
+    return prometheus.PrometheusSource(args.prometheus, matchers)
 
 
 def run(args: argparse.Namespace) -> int:

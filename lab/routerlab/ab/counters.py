@@ -14,7 +14,7 @@ snapshots from it at each edge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from routerlab.realvllm.promtext import HITS, QUERIES, fetch_metrics, metric_sum
 
@@ -37,6 +37,39 @@ def scrape(urls: list[str], timeout: float = 2.0) -> Snapshot:
         values["running"] = metric_sum(samples, RUNNING)
         out[url] = values
     return out
+
+
+class Source(Protocol):
+    """Where the counters come from: every group's replicas read at an edge's time. ``past``: it can
+    read an edge after the fact (Prometheus), so a caller may read it later (after a switch)."""
+
+    past: bool
+
+    def read(self, at: float) -> dict[str, Snapshot]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class MetricsSource:
+    """The replicas' own /metrics, read now (``at`` is now: /metrics has no past)."""
+
+    past = False
+
+    def __init__(self, pools: dict[str, list[str]]) -> None:
+        self.pools = pools
+        self.urls = sorted({u for urls in pools.values() for u in urls})
+
+    def read(self, at: float) -> dict[str, Snapshot]:
+        snap = scrape(self.urls)
+        return {group: {u: snap[u] for u in urls} for group, urls in self.pools.items()}
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+
+def unreadable_groups(edge: dict[str, Snapshot]) -> list[str]:
+    """The groups none of whose replicas could be read at this edge."""
+    return [g for g, snap in edge.items() if not any(isinstance(v, dict) for v in snap.values())]
 
 
 @dataclass

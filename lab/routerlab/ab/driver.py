@@ -110,54 +110,104 @@ def raise_stopped(signum: int, _frame: object) -> None:
 
 def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in: float, urls: list[str],
         progress: Callable[[str], None] = lambda _: None, seed: int = 0,
-        clock: Callable[[], float] = time.time) -> dict[str, Any]:
-    """Drive the plan; returns the header written (with ``interrupted`` when stopped early)."""
+        clock: Callable[[], float] = time.time, source: counters.Source | None = None) -> dict[str, Any]:
+    """Drive the plan; returns the header written (with ``interrupted`` when stopped early, ``stopped``
+    when the fleet's counters could no longer be read). The counters come from ``source`` (its group
+    "fleet"), by default the replicas' /metrics at ``urls``, read at each edge; a source that reads
+    the past (Prometheus) is read after the next switch, at the edges' own times, so its wait for the
+    scrapes never delays a switch."""
     if any(p.seconds <= burn_in for p in planned):
         raise DriverError(f"burn-in {burn_in:g} s is not shorter than every window "
                           f"(shortest {min(p.seconds for p in planned):g} s): nothing would be measured")
+    if source is None and urls:
+        source = counters.MetricsSource({"fleet": urls})
     found = admin.share()  # fails early, before anything is changed, when the admin is unreachable
-    first = counters.scrape(urls)
+    read: dict[float, counters.Snapshot] = {}
+
+    def at(t: float) -> counters.Snapshot:
+        """The fleet's counters at edge ``t`` (read once: a window's end is the next one's start)."""
+        if t not in read:
+            read[t] = source.read(t)["fleet"] if source else {}
+        return read[t]
+
+    def mark(t: float) -> float:
+        """An edge due at ``t`` (now or just past): /metrics is read now; a past-reading source later."""
+        if source is None or source.past:
+            return t
+        t = clock()
+        at(t)
+        return t
+
+    first = at(mark(clock()))
     dead = {u: e for u, e in first.items() if isinstance(e, str)}
     if dead:
         raise DriverError("replica metrics unreachable: " + "; ".join(f"{u}: {e}" for u, e in dead.items()))
+    if source and not first:
+        raise DriverError("no replica in the fleet at the start")
     path = Path(windows_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
     header: dict[str, Any] = {"kind": "run", "design": "switchback", "burn_in": burn_in, "seed": seed,
-                              "share_found": found, "metrics_urls": urls, "planned": [p.__dict__ for p in planned]}
+                              "share_found": found, "metrics_urls": urls, "planned": [p.__dict__ for p in planned],
+                              **(source.describe() if source else {})}
     windows.append(path, header)
     old_term = signal.signal(signal.SIGTERM, raise_stopped) if in_main_thread() else None
+    pending: list[tuple[int, str, float, float, float, float, float]] = []
+
+    def flush() -> None:
+        """Write the windows whose edges are marked; DriverError when the fleet had none readable."""
+        while pending:
+            i, arm, start, end, t_start, t_measure, t_end = pending[0]
+            w = windows.Window(i, arm, start, end, burn_in,
+                               {"fleet": {"start": at(t_start), "measure": at(t_measure), "end": at(t_end)}})
+            windows.append(path, w.to_json())
+            pending.pop(0)
+            for t in [t for t in read if t < t_end]:
+                del read[t]
+            if source and counters.unreadable_groups({"fleet": at(t_end)}):
+                raise DriverError(f"at the end of window {i + 1}/{len(planned)} no replica of the fleet could be read "
+                                  "(every one down, or its series gone from Prometheus)")
+
     done = 0
     total = sum(p.seconds for p in planned)
     try:
-        edge = first
+        t_edge = 0.0
         t0 = clock()
         for i, p in enumerate(planned):
             admin.set_share(SHARE[p.arm])
             start = clock()
-            start_edge = edge if i else counters.scrape(urls)
+            t_start = t_edge if i else mark(start)
+            flush()  # a past-reading source: the last window's edges, read now that the switch is made
             progress(f"window {i + 1}/{len(planned)}: {p.arm} for {p.seconds:.1f} s "
                      f"(burn-in {burn_in:g} s), {total - done:.0f} s left")
             sleep_until(start + burn_in, clock)
-            measure = counters.scrape(urls)
+            t_measure = mark(start + burn_in)
             # the plan's edge, not start + length: the reads and the switch between windows take
             # time, which would otherwise stretch the run past --duration, more on a busy machine
             sleep_until(max(t0 + done + p.seconds, start + burn_in), clock)
             end = clock()
-            edge = counters.scrape(urls)
-            w = windows.Window(i, p.arm, start, end, burn_in,
-                               {"fleet": {"start": start_edge, "measure": measure, "end": edge}})
-            windows.append(path, w.to_json())
+            t_edge = mark(end)
+            pending.append((i, p.arm, start, end, t_start, t_measure, t_edge))
+            if source is None or not source.past:
+                flush()
             done += p.seconds
     except (KeyboardInterrupt, Stopped) as e:
         header["interrupted"] = f"{type(e).__name__} {e}".strip()
         progress(f"interrupted after {done:.0f} s: restoring the share")
+    except DriverError as e:
+        header["stopped"] = str(e)
+        pending.clear()
+        progress(f"stopped after {done:.0f} s: {e}: restoring the share")
     finally:
         try:
             admin.set_share("" if found is None else found)
         finally:
             if old_term is not None:
                 signal.signal(signal.SIGTERM, old_term)
+    try:
+        flush()  # the windows that ended (a past-reading source reads them now)
+    except DriverError as e:
+        header["stopped"] = str(e)
     header["restored"] = found
     header["windows_done"] = sum(1 for line in path.read_text().splitlines() if '"index"' in line)
     return header

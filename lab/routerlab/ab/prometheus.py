@@ -106,6 +106,8 @@ def scrape_interval(base_url: str, matchers: str, at: float, timeout: float = 5.
 class PrometheusSource:
     """Each pool's replicas as Prometheus sees them (``matchers``: group -> label matchers, no braces)."""
 
+    past = True  # an edge is an instant query at its time: it can be read after the fact
+
     def __init__(self, base_url: str, matchers: dict[str, str], clock: Callable[[], float] = time.time,
                  timeout: float = 5.0) -> None:
         self.base, self.matchers, self.clock, self.timeout = base_url.rstrip("/"), matchers, clock, timeout
@@ -115,9 +117,9 @@ class PrometheusSource:
     def describe(self) -> dict[str, Any]:
         return {"prometheus": self.base, "selectors": self.matchers, "scrape_interval": self.interval}
 
-    def open(self, window: float) -> None:
+    def open(self, window: float, name: str = "--window") -> None:
         """Before the first edge: the server answers, the clocks agree, each matcher selects series
-        with a known scrape interval, and the window holds two scrapes. DriverError (TooShort,
+        with a known scrape interval, and the (measured part of the) window holds two scrapes. DriverError (TooShort,
         BadQuery: the input's fault) otherwise."""
         try:
             asked = self.clock()
@@ -141,10 +143,9 @@ class PrometheusSource:
                               f"interval ({self.interval:.3g} s): the edges would read the wrong scrapes; sync the "
                               "clocks (NTP)")
         if window < 2 * self.interval:
-            raise TooShort(f"--window {window:g} s is shorter than two scrape intervals (Prometheus scrapes these "
+            raise TooShort(f"{name} {window:g} s is shorter than two scrape intervals (Prometheus scrapes these "
                            f"series every {self.interval:.3g} s): each edge reads the last scrape before it, so a "
-                           f"window needs two scrapes of its own; use --window {math.ceil(2 * self.interval)} or "
-                           "longer")
+                           f"window needs two scrapes of its own; make it {math.ceil(2 * self.interval)} s or longer")
         self.patience = min(30.0, window)
 
     def _name(self, group: str) -> str:

@@ -11,7 +11,7 @@ seconds for ``duration`` seconds, and appends each window as it ends to the wind
 - shared split: "fleet", every replica: both arms ran on each, so the counters cannot split the
   hit rate by arm (the fleet's per window is recorded, for context).
 
-The counters come from the replicas' /metrics (``MetricsSource``) or from a Prometheus server
+The counters come from the replicas' /metrics (``counters.MetricsSource``) or from a Prometheus server
 that scrapes them (``routerlab.ab.prometheus.PrometheusSource``: each pool a label matcher, each
 edge an instant query at the edge's time); both give the same snapshots. What the counters say
 between two edges is ``counters.delta``'s: a replica that restarted in a window counts what came
@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from routerlab.ab import counters, windows
 from routerlab.ab.driver import BadInput, DriverError, Stopped, in_main_thread, raise_stopped, sleep_until
@@ -101,41 +101,13 @@ def describe(group: str, d: counters.Delta) -> str:
     return text
 
 
-class Source(Protocol):
-    """Where the counters come from: every group's replicas read at an edge's time."""
-
-    def read(self, at: float) -> dict[str, counters.Snapshot]: ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-
-class MetricsSource:
-    """The replicas' own /metrics, read now (``at`` is now: /metrics has no past)."""
-
-    def __init__(self, pools: dict[str, list[str]]) -> None:
-        self.pools = pools
-        self.urls = sorted({u for urls in pools.values() for u in urls})
-
-    def read(self, at: float) -> dict[str, counters.Snapshot]:
-        snap = counters.scrape(self.urls)
-        return {group: {u: snap[u] for u in urls} for group, urls in self.pools.items()}
-
-    def describe(self) -> dict[str, Any]:
-        return {}
-
-
-def unreadable_groups(edge: dict[str, counters.Snapshot]) -> list[str]:
-    """The groups none of whose replicas could be read at this edge."""
-    return [g for g, snap in edge.items() if not any(isinstance(v, dict) for v in snap.values())]
-
-
 class Recorder:
     """Opens the windows file after a first read of every replica, then records windows."""
 
     def __init__(self, design: str, pools: dict[str, list[str]] | None, path: str | Path,
-                 clock: Callable[[], float] = time.time, source: Source | None = None) -> None:
+                 clock: Callable[[], float] = time.time, source: counters.Source | None = None) -> None:
         self.design, self.path, self.clock = design, Path(path), clock
-        self.source: Source = source or MetricsSource(pools or {})
+        self.source: counters.Source = source or counters.MetricsSource(pools or {})
         self.pools = pools or {}
         self.header: dict[str, Any] = {}
         self._start = 0.0
@@ -149,7 +121,7 @@ class Recorder:
         dead = {u: e for snap in edge.values() for u, e in snap.items() if isinstance(e, str)}
         if dead:
             raise DriverError("replica metrics unreachable: " + "; ".join(f"{u}: {e}" for u, e in sorted(dead.items())))
-        empty = unreadable_groups(edge)
+        empty = counters.unreadable_groups(edge)
         if empty:
             raise DriverError(f"no replica in {', '.join(empty)} at the start")
         if not self.pools:  # from Prometheus: the replicas the matchers select at the start
@@ -193,7 +165,7 @@ class Recorder:
                 deltas = "; ".join(describe(g, counters.delta(edge[g], after[g])) for g in edge)
                 progress(f"window {i + 1}/{n} ({end - start:.1f} s): {deltas}; "
                          f"{max(0.0, t0 + duration - end):.0f} s left")
-                gone = unreadable_groups(after)
+                gone = counters.unreadable_groups(after)
                 if gone:
                     self.header["stopped"] = (f"at the end of window {i + 1}/{n} no replica of "
                                               f"{', '.join(gone)} could be read (every one down, or its series "
