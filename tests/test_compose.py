@@ -259,6 +259,8 @@ def test_the_fast_shape_keys_through_the_routers_http_port(stack: Stack) -> None
     assert all(c > 1000 for c in cached[1:]), cached
     spread = [stack.send(chat(f"{i} fast system prompt. " + SYSTEM, "hi"), FAST)[0] for i in range(24)]
     assert len(set(spread)) > 1, spread
+    wait_for(lambda: stack.counter("http.llm.ext_authz.ok", FAST) - ok_before >= 36, 10,
+             "the fast Envoy to count its 36 checks", stack.logs)
     assert stack.counter("http.llm.ext_authz.ok", FAST) - ok_before == 36
     assert stack.counter("http.llm.ext_authz.denied", FAST) == 0
     assert stack.counter("http.llm.ext_authz.failure_mode_allowed", FAST) == 0
@@ -330,7 +332,8 @@ def test_requests_fail_open_while_the_router_is_stopped(stack: Stack) -> None:
     stack.wait_router(healthy=True)
     for envoy, counter in FAIL_OPEN.items():
         allowed = stack.counter(counter, envoy)
-        again = [stack.send(chat(f"{envoy}. " + SYSTEM, f"after restart {i}"), envoy)[0] for i in range(10)]
+        system = SYSTEM if envoy == PICK else "The fast shape again. " + SYSTEM
+        again = [stack.send(chat(system, f"after restart {i}"), envoy)[0] for i in range(10)]
         assert len(set(again)) == 1, (envoy, again)  # keyed again: one prefix, one replica
         assert stack.counter(counter, envoy) == allowed, envoy
 
