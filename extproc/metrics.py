@@ -28,8 +28,6 @@ def decision_counter(normalize: str, fallback: str) -> Counter:
     return DECISIONS.labels(normalize, fallback)
 
 
-
-
 class LoopHistogram(Collector):
     """A histogram without labels observed from the event loop's thread only: plain counts, no lock.
 
