@@ -14,7 +14,8 @@ What is asserted (counts, never timing):
   times (asked again later: the same snapshots), each arm's hit rate once per window, and puts
   the share back;
 - bad input: Prometheus unreachable, a matcher that selects nothing or does not parse, a window
-  shorter than two scrape intervals, pools that overlap: a message, a non-zero exit, no file; a
+  shorter than two scrape intervals, pools that overlap, an instance two jobs scrape, clocks apart:
+  a message, a non-zero exit, no file; a
   pool whose series disappear mid-run (its replicas stop answering scrapes) stops the run with
   exit 3, the windows before it kept.
 
@@ -71,7 +72,9 @@ def prom(fleet: SimBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     config = {"global": {"scrape_interval": f"{SCRAPE_MS}ms", "scrape_timeout": f"{SCRAPE_MS}ms"},
               "scrape_configs": [{"job_name": "vllm", "static_configs": [
                   {"targets": targets[:2], "labels": {"pool": "prefix"}},
-                  {"targets": targets[2:], "labels": {"pool": "stock"}}]}]}
+                  {"targets": targets[2:], "labels": {"pool": "stock"}}]},
+                  # a second job on one replica (a ServiceMonitor and a PodMonitor on the same pod)
+                  {"job_name": "vllm-again", "static_configs": [{"targets": targets[:1], "labels": {"pool": "again"}}]}]}
     (tmp / "prometheus.yaml").write_text(yaml.safe_dump(config))
     (port,) = free_ports(1)
     server = Process([binary, f"--config.file={tmp / 'prometheus.yaml'}", f"--storage.tsdb.path={tmp / 'data'}",
@@ -83,7 +86,7 @@ def prom(fleet: SimBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 _, result = prometheus.query(url, f"count_over_time({counters.QUERIES}[30s]) >= 2")
             except (OSError, ValueError):
                 return False
-            return len(result) == 4
+            return len(result) == 5
         server.wait_ready(scraped_twice, timeout=60)
         yield url
     finally:
@@ -93,13 +96,13 @@ def prom(fleet: SimBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def last_sample(url: str, inst: str, at: float) -> float:
     """The replica's last raw sample of the queries counter at or before ``at`` (a range selector:
     the samples themselves, not an instant query's choice)."""
-    _, result = prometheus.query(url, f'{counters.QUERIES}{{instance="{inst}"}}[10s]', at)
+    _, result = prometheus.query(url, f'{counters.QUERIES}{{job="vllm", instance="{inst}"}}[10s]', at)
     values = [(float(t), float(v)) for series in result for t, v in series["values"]]
     return sum(v for t, v in values if t == max(t for t, _ in values))
 
 
 def prom_value(url: str, inst: str) -> float:
-    _, result = prometheus.query(url, f'sum({counters.QUERIES}{{instance="{inst}"}})')
+    _, result = prometheus.query(url, f'sum({counters.QUERIES}{{job="vllm", instance="{inst}"}})')
     return float(result[0]["value"][1]) if result else -1.0
 
 
@@ -232,6 +235,8 @@ def test_record_from_prometheus_on_bad_input(fleet, prom, tmp_path, capsys) -> N
         (["--prometheus", prom, "--selector", 'prefix=job="vllm"', "--selector", 'stock=pool="stock"'], 2,
          "the pools share"),
         (["--prometheus", prom, "--selector", 'prefix=pool="prefix"'], 2, "needs prefix and stock label matchers"),
+        (["--prometheus", prom, "--selector", f'prefix=instance="{instance(fleet.urls[0])}"', "--selector",
+          'stock=pool="stock"'], 3, "scraped by 2 jobs (vllm, vllm-again): add job="),
         (["--prometheus", prom, *both, "--metrics-url", f"prefix={fleet.urls[0]}"], 2, "(one of the two)"),
     ]
     for argv, code, message in cases:
@@ -241,6 +246,9 @@ def test_record_from_prometheus_on_bad_input(fleet, prom, tmp_path, capsys) -> N
     got, err = record("--prometheus", prom, *both, window="0.6", duration="2")
     assert got == 2 and "--window 0.6 s is shorter than two scrape intervals" in err, err
     assert not path.exists()
+    skewed = prometheus.PrometheusSource(prom, {"fleet": 'job="vllm"'}, clock=lambda: time.time() + 5)
+    with pytest.raises(driver.DriverError, match="clock and Prometheus's differ by -5"):
+        skewed.open(60)
 
     # the stock pool's replicas stop answering scrapes mid-run: Prometheus marks their series
     # stale, the pool is gone at the next edge, and the run stops there (exit 3), windows kept
