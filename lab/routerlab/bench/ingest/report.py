@@ -57,6 +57,7 @@ def plot(path: Path, steps: Sequence[dict[str, Any]]) -> Path:
     axes[0].axhline(50, color="tab:red", linestyle="--", linewidth=1, label="target 50k")
     for k, (n, rows) in enumerate(sorted(by_n.items())):
         color = f"C{k}"  # one colour per replica count in every panel
+        rows = sorted(rows, key=lambda r: r["offered"])  # repeated rates (interleaved rounds) as points on one line
         x = [r["sent"] / 1000 for r in rows]
         axes[0].plot(x, [r["applied"] / 1000 for r in rows], marker="o", color=color, label=f"{n} replicas")
         axes[1].plot(x, [r["fixed"]["router_cpu_pct"] for r in rows], marker="o", color=color,
