@@ -93,8 +93,8 @@ class PickCore:
         return choice, chunks
 
     def _evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int], Exact | None]:
-        """The choice, with the learned chunks to record (empty when the events cover every replica
-        it could go to) and the events' exact match (None without one).
+        """The choice, with the learned chunks to record (none when complete events cover the chosen
+        replica) and the events' exact match (None without one).
 
         With precise mode on the route, the events' exact figures replace the learned view's
         estimates for every replica they cover, and the prompt length is exact. The learned view
