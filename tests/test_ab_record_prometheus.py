@@ -45,7 +45,7 @@ from routerlab.harness.envoy_proc import Envoy
 from routerlab.harness.procs import Process, free_ports, wait_until
 
 from test_ab_record import ab, pools_envoy, restart, windows_of  # noqa: F401 (pools_envoy: a fixture)
-from test_ab_switchback import chat_load, with_access_log
+from test_ab_switchback import chat_load, cli_under_load, with_access_log
 
 SCRAPE_MS = 500
 
@@ -318,16 +318,7 @@ def test_switchback_reads_the_fleet_from_prometheus(fleet, prom, ab_envoy, tmp_p
     argv = [*base, "--duration", "12", "--window-min", "2.5", "--window-max", "3", "--burn-in", "0.5",
             "--prometheus", prom, "--selector", 'fleet={job="vllm"}', "--json", str(report_path)]
 
-    async def main() -> tuple[int, int]:
-        stop = asyncio.Event()
-        load = asyncio.create_task(chat_load(port, stop, sessions=8, deadline_s=120))
-        try:
-            code = await asyncio.wait_for(asyncio.to_thread(cli.main, argv), timeout=90)
-        finally:
-            stop.set()
-        return code, await load
-
-    code, sent = asyncio.run(main())
+    code, sent = cli_under_load(argv, port, sessions=8, deadline_s=120)
     out, err = capsys.readouterr()
     assert code == 3, out + err  # 2 + 2 windows: too few for a verdict, said so
     assert "too few windows for a verdict: 2 prefix + 2 stock" in out and sent > 20

@@ -10,6 +10,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -96,6 +97,21 @@ async def chat_load(port: int, stop: asyncio.Event, sessions: int = 6, deadline_
     return sent
 
 
+def cli_under_load(argv: list[str], port: int, **load: Any) -> tuple[int, int]:
+    """``prefix-router argv`` run to its end (90 s at most) while ``chat_load`` sends through
+    ``port``; returns its exit code and the requests the load sent."""
+    async def main() -> tuple[int, int]:
+        stop = asyncio.Event()
+        sending = asyncio.create_task(chat_load(port, stop, **load))
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(cli.main, argv), timeout=90)
+        finally:
+            stop.set()
+        return code, await sending
+
+    return asyncio.run(main())
+
+
 def test_switchback_drives_envoy_records_windows_and_reports_both_arms(stack, capsys) -> None:
     """4 windows are too few for a verdict (exit 3, said so), but the report has both arms and
     the changes between them, labelled."""
@@ -106,16 +122,7 @@ def test_switchback_drives_envoy_records_windows_and_reports_both_arms(stack, ca
             "--windows", str(tmp / "windows.jsonl"), "--metrics-url", ",".join(urls), "--seed", "3",
             "--json", str(tmp / "report.json"), "--plots", str(tmp / "plots"), "--draws", "500"]
 
-    async def main() -> tuple[int, int]:
-        stop = asyncio.Event()
-        load = asyncio.create_task(chat_load(port, stop))
-        try:
-            code = await asyncio.wait_for(asyncio.to_thread(cli.main, argv), timeout=90)
-        finally:
-            stop.set()
-        return code, await load
-
-    code, sent = asyncio.run(main())
+    code, sent = cli_under_load(argv, port)
     out = capsys.readouterr().out
     print(out)
     assert code == 3, out
