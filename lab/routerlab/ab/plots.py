@@ -9,26 +9,15 @@ from pathlib import Path
 import numpy as np
 
 from routerlab.ab.analysis import Analysis
-from routerlab.bench.plots import _figure, _legend_outside, _log_ms_axis, plt
+from routerlab.bench.plots import _figure, _legend_outside, cdf_per_arm, plt
 
 COLORS = {"prefix": "tab:blue", "stock": "tab:orange"}
 
 
 def ttft_cdf(a: Analysis, path: Path) -> Path:
     with _figure(path, f"A/B ({a.design}): time to first token, CDF per arm (burn-in left out)") as ax:
-        drawn: list[float] = []
-        for arm, samples in a.ttft.items():
-            if samples:
-                xs = np.sort(np.asarray(samples, dtype=float))
-                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=f"{arm} ({len(xs)} requests)",
-                        drawstyle="steps-post", color=COLORS.get(arm))
-                drawn += [float(xs[0]), float(xs[-1])]
-        _log_ms_axis(ax, drawn)
-        ax.set_xlabel("time to first token at Envoy (ms, log scale)")
-        ax.set_ylabel("fraction of requests (cumulative)")
-        ax.set_ylim(0, 1.02)
-        ax.grid(True, which="major", alpha=0.4)
-        _legend_outside(ax, title="arm")
+        cdf_per_arm(ax, ((f"{arm} ({len(samples)} requests)", samples, COLORS.get(arm))
+                         for arm, samples in a.ttft.items()), "time to first token at Envoy (ms, log scale)")
     return path
 
 

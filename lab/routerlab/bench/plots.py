@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -108,21 +108,28 @@ def _log_ms_axis(ax: Axes, values: Sequence[float]) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
+def cdf_per_arm(ax: Axes, curves: Iterable[tuple[str, Sequence[float], str | None]], xlabel: str) -> None:
+    """One cumulative step curve per (label, milliseconds, colour), on a log-ms axis; arms
+    without samples are left out."""
+    drawn: list[float] = []
+    for label, samples, color in curves:
+        if samples:
+            xs = np.sort(np.asarray(samples, dtype=float))
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label, drawstyle="steps-post", color=color)
+            drawn += [float(xs[0]), float(xs[-1])]
+    _log_ms_axis(ax, drawn)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests (cumulative)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, which="major", alpha=0.4)
+    ax.grid(True, which="minor", alpha=0.15)
+    _legend_outside(ax, title="arm")
+
+
 def ttft_cdf(report: Report, path: Path) -> Path:
     with _figure(path, f"{report.scenario}: time to first token, CDF per arm") as ax:
-        drawn: list[float] = []
-        for name, samples in report.ttft_samples.items():
-            if samples:
-                xs = np.sort(np.asarray(samples, dtype=float))
-                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name, drawstyle="steps-post")
-                drawn += [float(xs[0]), float(xs[-1])]
-        _log_ms_axis(ax, drawn)
-        ax.set_xlabel("time to first token (ms, log scale)")
-        ax.set_ylabel("fraction of requests (cumulative)")
-        ax.set_ylim(0, 1.02)
-        ax.grid(True, which="major", alpha=0.4)
-        ax.grid(True, which="minor", alpha=0.15)
-        _legend_outside(ax, title="arm")
+        cdf_per_arm(ax, ((name, samples, None) for name, samples in report.ttft_samples.items()),
+                    "time to first token (ms, log scale)")
     return path
 
 
