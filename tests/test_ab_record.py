@@ -24,7 +24,7 @@ from routerlab.harness import envoy_config
 from routerlab.harness.envoy_proc import Envoy
 from routerlab.harness.procs import Process, free_ports, wait_until
 
-from test_ab_switchback import chat_load, with_access_log
+from test_ab_switchback import chat_load, logging_envoy
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +43,8 @@ def pools_envoy(fleet: SimBackend, router: tuple[Process, int, int, int], tmp_pa
                                 backends=backends, extproc_port=router[1], health_interval=0.2)
     envoy_config.set_endpoints(cfg, "vllm", backends[:2], hash_key_prefix="vllm")
     envoy_config.set_endpoints(cfg, "vllm_stock", backends[2:], hash_key_prefix="vllm")
-    with_access_log(cfg, tmp_path / "access.log")
-    envoy = Envoy(cfg, extra_args=("--file-flush-interval-msec", "100")).start()
-    try:
-        envoy.wait_healthy("vllm", 2, timeout=20)
-        envoy.wait_healthy("vllm_stock", 2, timeout=20)
+    with logging_envoy(cfg, tmp_path / "access.log", 2, ("--file-flush-interval-msec", "100")) as envoy:
         yield envoy, listener
-    finally:
-        envoy.stop()
 
 
 def ab(*argv: str) -> int:

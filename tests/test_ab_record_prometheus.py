@@ -45,7 +45,7 @@ from routerlab.harness.envoy_proc import Envoy
 from routerlab.harness.procs import Process, free_ports, wait_until
 
 from test_ab_record import ab, pools_envoy, restart, windows_of  # noqa: F401 (pools_envoy: a fixture)
-from test_ab_switchback import chat_load, cli_under_load, with_access_log
+from test_ab_switchback import chat_load, cli_under_load, logging_envoy
 
 SCRAPE_MS = 500
 
@@ -286,14 +286,8 @@ def ab_envoy(fleet: SimBackend, router: tuple[Process, int, int, int], tmp_path:
     cfg = envoy_config.localize(envoy_config.load("ab.yaml"), listener_port=listener, admin_port=admin,
                                 backends=[("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in fleet.urls],
                                 extproc_port=router[1], health_interval=0.2)
-    with_access_log(cfg, tmp_path / "access.log")
-    envoy = Envoy(cfg, extra_args=("--file-flush-interval-msec", "100")).start()
-    try:
-        envoy.wait_healthy("vllm", 4, timeout=20)
-        envoy.wait_healthy("vllm_stock", 4, timeout=20)
+    with logging_envoy(cfg, tmp_path / "access.log", 4, ("--file-flush-interval-msec", "100")) as envoy:
         yield envoy, listener
-    finally:
-        envoy.stop()
 
 
 def test_switchback_reads_the_fleet_from_prometheus(fleet, prom, ab_envoy, tmp_path, capsys) -> None:

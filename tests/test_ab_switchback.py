@@ -9,6 +9,8 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,21 @@ def with_access_log(cfg: envoy_config.Config, path: Path) -> None:
         "@type": FILE_LOGGER, "path": str(path), "log_format": {"json_format": LOG_FORMAT}}}]
 
 
+@contextmanager
+def logging_envoy(cfg: envoy_config.Config, log: Path, healthy: int,
+                  extra_args: tuple[str, ...] = ()) -> Iterator[Envoy]:
+    """``cfg`` with its JSON access log at ``log``, started and held until both arms' clusters
+    (``vllm``, ``vllm_stock``) see ``healthy`` hosts; stopped on the way out."""
+    with_access_log(cfg, log)
+    envoy = Envoy(cfg, extra_args=extra_args).start()
+    try:
+        envoy.wait_healthy("vllm", healthy, timeout=20)
+        envoy.wait_healthy("vllm_stock", healthy, timeout=20)
+        yield envoy
+    finally:
+        envoy.stop()
+
+
 @pytest.fixture()
 def stack(router: tuple[Process, int, int], tmp_path: Path):
     fleet = SimBackend(FleetSpec(replicas=3, profile="llama-3.1-70b-h100-tp8", time_scale=1.0)).start()
@@ -54,14 +71,8 @@ def stack(router: tuple[Process, int, int], tmp_path: Path):
         cfg = envoy_config.localize(envoy_config.load("ab.yaml"), listener_port=listener, admin_port=admin,
                                     backends=[("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in fleet.urls],
                                     extproc_port=router[1], health_interval=0.2)
-        with_access_log(cfg, tmp_path / "access.log")
-        envoy = Envoy(cfg).start()
-        try:
-            envoy.wait_healthy("vllm", 3, timeout=20)
-            envoy.wait_healthy("vllm_stock", 3, timeout=20)
+        with logging_envoy(cfg, tmp_path / "access.log", 3) as envoy:
             yield envoy, listener, fleet.urls, tmp_path
-        finally:
-            envoy.stop()
     finally:
         fleet.stop()
 
