@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +25,7 @@ from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, route_settings, with_metadata
 from routerlab.harness import envoy_config, envoy_proc
 from routerlab.harness.procs import wait_until
+from routerlab.harness.extproc_messages import body_message, headers_message
 
 from support import send, start_router
 
@@ -33,18 +33,10 @@ BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello
 
 
 def headers_msg(headers: dict[str, str], end_of_stream: bool = False) -> pb.ProcessingRequest:
-    req = pb.ProcessingRequest()
-    for k, v in headers.items():
-        req.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
-    req.request_headers.end_of_stream = end_of_stream
-    return req
+    return headers_message(headers.items(), end_of_stream)
 
 
-def body_msg(body: bytes) -> pb.ProcessingRequest:
-    req = pb.ProcessingRequest()
-    req.request_body.body = body
-    req.request_body.end_of_stream = True
-    return req
+body_msg = body_message
 
 
 def key_set(reply: pb.ProcessingResponse) -> str | None:

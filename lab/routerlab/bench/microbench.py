@@ -19,7 +19,6 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -37,6 +36,7 @@ from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.process.http1 import Http1Protocol
 from routerlab.assets import TINY_BYTELEVEL
+from routerlab.harness.extproc_messages import body_message, headers_message
 
 SIZES_KB = (2, 4, 32)
 INDEX_CHUNKS = 50_000  # capacity of the full index the new-prompt column runs on
@@ -87,13 +87,8 @@ class _Context:
 
 def wire_messages(body: bytes) -> list[bytes]:
     """envoy.yaml's two ext_proc messages for one request, serialised as Envoy sends them."""
-    headers = pb.ProcessingRequest()
-    for k, v in (*_WIRE_HEADERS, ("content-length", str(len(body)))):
-        headers.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
-    message = pb.ProcessingRequest()
-    message.request_body.body = body
-    message.request_body.end_of_stream = True
-    return [headers.SerializeToString(), message.SerializeToString()]
+    headers = headers_message((*_WIRE_HEADERS, ("content-length", str(len(body)))))
+    return [headers.SerializeToString(), body_message(body).SerializeToString()]
 
 
 def check_message(body: bytes) -> bytes:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from routerlab.bench.zero_backend import MODEL
+from routerlab.harness.extproc_messages import body_message, headers_message
 
 # envoy/pick.yaml's initial_metadata for the router's stream
 PICK_METADATA: Final = (("x-prefix-router-mode", "pick"), ("x-prefix-router-prefix-length", "4096"),
@@ -86,19 +86,8 @@ class Bodies:
         return [json.loads(head + b"a" + tail) for head, tail in head_tail]
 
 
-def _headers_msg() -> pb.ProcessingRequest:
-    req = pb.ProcessingRequest()
-    for k, v in ((":method", "POST"), (":path", "/v1/chat/completions"), (":authority", "127.0.0.1:10000"),
-                 (":scheme", "http"), ("content-type", "application/json")):
-        req.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
-    return req
-
-
-def _body_msg(body: bytes) -> pb.ProcessingRequest:
-    req = pb.ProcessingRequest()
-    req.request_body.body = body
-    req.request_body.end_of_stream = True
-    return req
+_HEADERS: Final = ((":method", "POST"), (":path", "/v1/chat/completions"), (":authority", "127.0.0.1:10000"),
+                   (":scheme", "http"), ("content-type", "application/json"))
 
 
 def _picked(reply: pb.ProcessingResponse) -> bool:
@@ -134,7 +123,7 @@ class Client:
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
         self.bodies = bodies
-        self.headers = _headers_msg()
+        self.headers = headers_message(_HEADERS)
         self.sent = 0
 
     async def close(self) -> None:
@@ -147,7 +136,7 @@ class Client:
         try:
             call = self.stub.Process(metadata=PICK_METADATA, timeout=TIMEOUT_S)
             await call.write(self.headers)
-            await call.write(_body_msg(self.bodies.body(i)))
+            await call.write(body_message(self.bodies.body(i)))
             await call.read()  # the headers reply
             reply = await call.read()
             done = time.perf_counter()
