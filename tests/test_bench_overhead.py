@@ -346,3 +346,28 @@ def test_microbench_reports_normalise_key_and_the_pick_choice_per_size() -> None
                 "pick_choice_us", "pick_total_us"):
         assert row[key] > 0, key
     assert row["body_bytes"] == pytest.approx(2048, abs=64)
+
+
+def test_the_bare_http_floor_answers_pipelined_checks_with_empty_200s_and_counts_them() -> None:
+    port, metrics_port, http_port = free_ports(3)
+    proc = Process(python_module("routerlab.bench.noop_extproc", "--port", str(port), "--metrics-port",
+                                 str(metrics_port), "--http-port", str(http_port), "--http-shape", "bare"),
+                   name="noop bare http")
+    try:
+        proc.wait_for_line("ready on", timeout=30)
+        with socket.create_connection(("127.0.0.1", http_port), timeout=10) as sock:
+            sock.sendall(b"POST /check/v1/chat HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" * 3
+                         + b"NOT HTTP\r\n\r\n")
+            sock.settimeout(10)
+            answers = b""
+            while chunk := sock.recv(4096):  # the unparsable request closes the connection
+                answers += chunk
+        assert answers == b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n" * 3
+        assert metric_sum(fetch_metrics(f"http://127.0.0.1:{metrics_port}"), noop_extproc.STREAMS_METRIC) == 3
+    finally:
+        proc.stop()
+
+
+def test_an_unknown_http_floor_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "--scenario", "overhead", "--param", "http_floor=nginx"]) == 2
+    assert "unknown http_floor" in capsys.readouterr().err

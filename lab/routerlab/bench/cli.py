@@ -18,7 +18,7 @@ DRILLS = {
     "overhead": "the hop's cost: Envoy alone vs a do-nothing server (the floor) vs the router, per "
                 "shipped config and body size, wrk at 1/16/64 connections in interleaved rounds, CPU per request; "
                 "--replicas (backends), --param rounds= phase_s= sizes=2,32 configs= arms= connections=16,64 "
-                "warmup_s= threads= envoy_concurrency= floor_shape=aio-uvloop|aio-asyncio|sync processes=",
+                "warmup_s= threads= envoy_concurrency= floor_shape=aio-uvloop|aio-asyncio|sync http_floor=server|bare processes=",
 }
 
 

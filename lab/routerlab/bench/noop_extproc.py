@@ -15,7 +15,10 @@ message size limits.
 
 With ``--http-port`` it also answers ext_authz over HTTP (envoy-fast.yaml) there: an empty 200
 to every check, unparsed beyond what the router's own HTTP server parses (the same server,
-extproc.process.http1), so the floor of the HTTP shape is that server and the protocol.
+extproc.process.http1), so the floor of the HTTP shape is that server and the protocol. With
+``--http-shape bare`` the HTTP port is instead the barest server httptools allows (no callback
+but the one that ends a request, nothing kept; health checks counted too): what Envoy and the
+protocol cost on this machine with no server code to speak of.
 
 Run: ``python -m routerlab.bench.noop_extproc --port 50061 --metrics-port 9470 [--hold] [--http-port 50062]``;
 ``/metrics`` on the metrics port counts streams and messages (an HTTP check is a stream of one).
@@ -30,8 +33,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Final
 
 import grpc
+import httptools
 from aiohttp import web
 from envoy.service.auth.v3 import external_auth_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -47,6 +52,7 @@ from extproc.process.serve import HTTP_HEALTH_PATH, SERVER_OPTIONS
 from extproc.process.signals import stop_on_signals
 
 SHAPES = ("aio-uvloop", "aio-asyncio", "sync")
+HTTP_SHAPES = ("server", "bare")  # the HTTP port: the router's own server code, or the barest one
 STREAMS_METRIC = "noop_extproc_streams_total"
 MESSAGES_METRIC = "noop_extproc_messages_total"
 _LENGTH_DELIMITED = 2  # protobuf wire type of a sub-message
@@ -206,10 +212,41 @@ def serve_sync(port: int, metrics_port: int, hold: bool, workers: int = 128) -> 
     http.shutdown()
 
 
-async def serve(port: int, metrics_port: int, hold: bool, http_port: int = 0) -> None:
+_OK: Final = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+
+
+class BareHttp(asyncio.Protocol):
+    """An empty 200 per request and nothing else: httptools told only where a request ends."""
+
+    def __init__(self, noop: Noop) -> None:
+        self.noop = noop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_message_complete(self) -> None:
+        self.noop.streams += 1
+        self.noop.messages += 1
+        if self.transport is not None:
+            self.transport.write(_OK)
+
+
+async def serve(port: int, metrics_port: int, hold: bool, http_port: int = 0, http_shape: str = "server") -> None:
     noop = Noop(hold)
     http_authz = Http1Server(noop.check_http)
-    if http_port:
+    bare: asyncio.Server | None = None
+    if http_port and http_shape == "bare":
+        bare = await asyncio.get_running_loop().create_server(lambda: BareHttp(noop), "127.0.0.1", http_port)
+    elif http_port:
         await http_authz.start("127.0.0.1", http_port)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers(noop.handlers(sync=False))
@@ -234,6 +271,8 @@ async def serve(port: int, metrics_port: int, hold: bool, http_port: int = 0) ->
     await stop_on_signals().wait()
     await server.stop(grace=1)
     await http_authz.stop()
+    if bare is not None:
+        bare.close()
     await runner.cleanup()
 
 
@@ -244,6 +283,9 @@ def main() -> None:
     parser.add_argument("--hold", action="store_true", help="keep each stream open until Envoy ends it")
     parser.add_argument("--http-port", type=int, default=0,
                         help="also answer ext_authz over HTTP on this port (envoy-fast.yaml); aio shapes only")
+    parser.add_argument("--http-shape", choices=HTTP_SHAPES, default="server",
+                        help="the HTTP port: the router's own server code (extproc.process.http1), or the barest "
+                             "httptools server (counts health checks too)")
     parser.add_argument("--shape", choices=SHAPES, default="aio-uvloop",
                         help="server shape: grpc.aio on uvloop (as `serve`), on asyncio's loop, or grpc's thread-pool server")
     args = parser.parse_args()
@@ -253,9 +295,9 @@ def main() -> None:
         serve_sync(args.port, args.metrics_port, args.hold)
         return
     if args.shape == "aio-asyncio":
-        asyncio.run(serve(args.port, args.metrics_port, args.hold, args.http_port))
+        asyncio.run(serve(args.port, args.metrics_port, args.hold, args.http_port, args.http_shape))
         return
-    event_loop.run(serve(args.port, args.metrics_port, args.hold, args.http_port))
+    event_loop.run(serve(args.port, args.metrics_port, args.hold, args.http_port, args.http_shape))
 
 
 if __name__ == "__main__":

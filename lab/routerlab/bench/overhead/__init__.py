@@ -80,7 +80,7 @@ QUICK = dict(rounds=1, phase_s=1, connections=(16,), warmup_s=0)
 FLAGS = ("replicas",)
 PARAMS: dict[str, Callable[[str], Any]] = {
     "rounds": int, "phase_s": int, "sizes": _ints, "configs": drill.names, "arms": drill.names,
-    "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int, "floor_shape": str,
+    "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int, "floor_shape": str, "http_floor": str,
     "processes": int, "id_at": str,
 }
 

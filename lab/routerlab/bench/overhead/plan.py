@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from routerlab.bench import drill
-from routerlab.bench.noop_extproc import SHAPES
+from routerlab.bench.noop_extproc import HTTP_SHAPES, SHAPES
 from routerlab.bench.overhead.events import SUFFIX, envoy_file, has_events
 from routerlab.bench.overhead.wrk import ID_AT
 from routerlab.harness import envoy_config
@@ -37,6 +37,7 @@ class Config(drill.Common):
     threads: int = 1  # wrk threads
     envoy_concurrency: int = 1
     floor_shape: str = "aio-uvloop"  # the do-nothing server's shape: aio-uvloop (as serve), aio-asyncio, sync
+    http_floor: str = "server"  # its HTTP port (envoy-fast.yaml): the router's server code, or "bare" httptools
     processes: int = 1  # ext_proc server processes per arm, all in the prefix_router cluster
     id_at: str = "start"  # where each request's own id sits: start of the system prompt, or end of the prompt
 
@@ -74,6 +75,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"the arms must include {BASELINE!r}: every ratio is against Envoy alone")
     if cfg.floor_shape not in SHAPES:
         raise ValueError(f"unknown floor_shape {cfg.floor_shape!r}; choose from {', '.join(SHAPES)}")
+    if cfg.http_floor not in HTTP_SHAPES:
+        raise ValueError(f"unknown http_floor {cfg.http_floor!r}; choose from {', '.join(HTTP_SHAPES)}")
     if cfg.id_at not in ID_AT:
         raise ValueError(f"unknown id_at {cfg.id_at!r}; choose from {', '.join(ID_AT)}")
     for config in cfg.configs:

@@ -51,6 +51,9 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
     if foreign and median(foreign) > FOREIGN_CORES:
         out.append(f"other processes on this machine used {median(foreign):.2f} cores (median over phases; max "
                    f"{max(foreign):.2f}) while it ran: figures include their noise, compare rows of one run.")
+    if cfg.http_floor == "bare":
+        out.append("The HTTP floor is the barest httptools server (--param http_floor=bare), not the router's own "
+                   "server code: it shows what Envoy and the protocol cost alone; its calls/req count health checks too.")
     out.append("On this machine everything (wrk, Envoy, the ext_proc server, the backends) shares the same "
                f"{os.cpu_count()} cores: requests/s at 16 and 64 connections is bounded by the CPU per request of "
                "all of them together, which the CPU columns break down.")

@@ -57,12 +57,13 @@ class Stack:
 
 
 def _server_argv(arm: str, port: int, metrics_port: int, pick: bool, endpoints: Sequence[str],
-                 floor_shape: str = "aio-uvloop", precise: Sequence[str] = (), http_port: int = 0) -> list[str]:
+                 floor_shape: str = "aio-uvloop", precise: Sequence[str] = (), http_port: int = 0,
+                 http_floor: str = "server") -> list[str]:
     """The floor's or the router's command line; ``http_port``: also ext_authz over HTTP there."""
     if arm == "floor":
         return python_module("routerlab.bench.noop_extproc", "--port", str(port), "--metrics-port", str(metrics_port),
                              "--shape", floor_shape, *(["--hold"] if pick else []),
-                             *(["--http-port", str(http_port)] if http_port else []))
+                             *(["--http-port", str(http_port), "--http-shape", http_floor] if http_port else []))
     return python_module("extproc", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
                          "--log-level", "warning", "--drain-seconds", "1",
                          *(["--endpoints", ",".join(endpoints)] if pick else []), *precise,
@@ -118,7 +119,8 @@ class Rig:
                 port, metrics_port, http_port = next(ports), next(ports), next(ports)
                 precise = self.backends[0].event_flags() if arm == "router" and events.has_events(config) else []
                 proc = Process(_server_argv(arm, port, metrics_port, is_pick(loaded[config]), addresses,
-                                            cfg.floor_shape, precise, http_port if over_http else 0),
+                                            cfg.floor_shape, precise, http_port if over_http else 0,
+                                            cfg.http_floor),
                                name=f"{arm} ext_proc {i} for {config}", env=arms_mod.ROUTER_ENV)
                 self._stop.callback(proc.stop)
                 servers.setdefault((config, arm), []).append((proc, http_port if over_http else port, metrics_port))
