@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import json
+import os
 import shutil
 from collections.abc import AsyncIterator
 from itertools import product
@@ -371,3 +372,20 @@ def test_the_bare_http_floor_answers_pipelined_checks_with_empty_200s_and_counts
 def test_an_unknown_http_floor_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--scenario", "overhead", "--param", "http_floor=nginx"]) == 2
     assert "unknown http_floor" in capsys.readouterr().err
+
+
+def test_the_report_states_the_machines_wake_cost(run: dict[str, Any]) -> None:
+    wake = run["setup"]["wake_round_trip_us"]
+    assert wake["same_cpu"] > 0
+    if len(os.sched_getaffinity(0)) > 1:
+        assert wake["across_cpus"] > 0
+        assert any("one-byte round trip" in n for n in run["notes"])
+
+
+def test_the_wake_measure_restores_this_process_affinity() -> None:
+    from routerlab.bench.overhead import wake
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    assert wake.round_trip_us(cpu, cpu, n=200) > 0
+    assert os.sched_getaffinity(0) == before
+    assert wake.round_trip_us(cpu, 10_000, n=10) is None  # a CPU this process may not use

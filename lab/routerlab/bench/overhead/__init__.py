@@ -54,6 +54,7 @@ from routerlab.bench.overhead.plan import (ARM_SUMMARY, ARMS, CONFIGS, Config, c
 from routerlab.bench.overhead.report import markdown, notes, write
 from routerlab.bench.overhead.rig import Rig, is_pick
 from routerlab.bench.overhead.rounds import phases, warm_up
+from routerlab.bench.overhead import wake
 from routerlab.bench.overhead.wrk import body_template, lua_script, run_wrk, wrk_argv
 from routerlab.bench.progress import stop as stop_progress
 from routerlab.harness.envoy_proc import envoy_binary, envoy_version
@@ -120,6 +121,7 @@ def run(cfg: Config) -> dict[str, Any]:
         },
         "phases": [],
     }
+    report["setup"]["wake_round_trip_us"] = wake.measure()
     prog.note(f"overhead: {len(cfg.configs)} configs x {len(cfg.sizes)} sizes x {len(cfg.arms)} arms x connections "
               f"{'/'.join(map(str, connection_levels(cfg)))}, {cfg.rounds} rounds of {cfg.phase_s} s phases "
               f"({len(plan)} phases, about {estimate_s(cfg) / 60:.1f} min); starting the processes")

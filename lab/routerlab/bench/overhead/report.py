@@ -51,6 +51,11 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
     if foreign and median(foreign) > FOREIGN_CORES:
         out.append(f"other processes on this machine used {median(foreign):.2f} cores (median over phases; max "
                    f"{max(foreign):.2f}) while it ran: figures include their noise, compare rows of one run.")
+    wake = report["setup"].get("wake_round_trip_us") or {}
+    if wake.get("across_cpus") is not None:
+        out.append(f"A one-byte round trip between two processes took {wake['same_cpu']} us on one CPU and "
+                   f"{wake['across_cpus']} us across two (routerlab.bench.overhead.wake, before the run): at one "
+                   "connection each hop of a request may pay the second (a process woken on the other CPU).")
     if cfg.http_floor == "bare":
         out.append("The HTTP floor is the barest httptools server (--param http_floor=bare), not the router's own "
                    "server code: it shows what Envoy and the protocol cost alone; its calls/req count health checks too.")
