@@ -8,7 +8,6 @@ tenant and compression rules, the pick path on any decision, and the command's r
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import random
@@ -173,7 +172,7 @@ NO_FLEET = PickCore.from_state({"replicas": [{"address": "10.0.0.9:1", "healthy"
 DECISIONS = st.builds(Decision, key=st.none() | st.text(max_size=20) | SURROGATES, tenant=st.none(),
                       tenant_source=st.none(), normalize=st.sampled_from(MODES), fallback=st.none(),
                       prefix_bytes=st.integers(0, 65536), normalized_bytes=st.integers(0, 10**6), preview=st.just(b""),
-                      normalized=st.binary(max_size=8192))
+                      normalized=st.binary(max_size=8192), document=st.none())
 PICK_ROUTES = st.builds(RouteSettings, mode=st.just("pick"), concurrency_threshold=st.integers(0, 16),
                         tie_tokens=st.integers(0, 4096), load_tokens=st.integers(0, 4096),
                         backlog_weight=st.floats(0, 4))
@@ -244,7 +243,7 @@ def test_fuzz_command_fails_when_a_promise_breaks(monkeypatch: pytest.MonkeyPatc
     real = runner.decide
 
     def decompressing(*args: Any, **kwargs: Any) -> Decision:
-        return dataclasses.replace(real(*args, **kwargs), fallback=None)  # claims it parsed the body
+        return real(*args, **kwargs)._replace(fallback=None)  # claims it parsed the body
 
     monkeypatch.setattr(runner, "decide", decompressing)
     rc, report = _fuzz_command(capsys)

@@ -7,8 +7,7 @@ tests all share it and it is testable in microseconds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import orjson
 import xxhash
@@ -22,9 +21,12 @@ TENANT_SEPARATOR: Final = b"\x00"
 CONTENT_ENCODING: Final = "content-encoding"
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What the router decided for one request, and enough to explain why."""
+class Decision(NamedTuple):
+    """What the router decided for one request, and enough to explain why.
+
+    A NamedTuple, not a frozen dataclass: it is built once per request on every path, and a
+    frozen dataclass's ``__init__`` cost 1.9 us against 0.3 us here (13 fields).
+    """
 
     key: str | None  # None: no key, Envoy picks a host at random
     tenant: str | None
@@ -34,13 +36,19 @@ class Decision:
     prefix_bytes: int  # how many bytes of the normalised form were hashed
     normalized_bytes: int  # length of the whole normalised form
     preview: bytes  # the start of the hashed bytes, for `explain`
-    normalized: bytes = field(default=b"", repr=False)  # the whole normalised form (pick mode chunks it)
+    normalized: bytes = b""  # the whole normalised form (pick mode chunks it)
     tenant_rejected: str | None = None  # why a sent tenant id was refused (too_long, bad_chars), or None
-    body: bytes | None = field(default=None, repr=False)  # tenant isolation: the body to send instead
+    body: bytes | None = None  # tenant isolation: the body to send instead
     isolation: str | None = None  # tenant isolation's outcome (extproc.core.isolation), None when off
     # the parsed body as the replica will see it (with the salt isolation added), when the body
     # was a whole JSON object: precise mode renders and tokenises it as vLLM does
-    document: dict[str, Any] | None = field(default=None, repr=False)
+    document: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:  # without the body-sized fields
+        return (f"Decision(key={self.key!r}, tenant={self.tenant!r}, tenant_source={self.tenant_source!r}, "
+                f"normalize={self.normalize!r}, fallback={self.fallback!r}, prefix_bytes={self.prefix_bytes}, "
+                f"normalized_bytes={self.normalized_bytes}, preview={self.preview!r}, "
+                f"tenant_rejected={self.tenant_rejected!r}, isolation={self.isolation!r})")
 
 
 def prefix_key(tenant: str | None, prefix: bytes) -> str:
