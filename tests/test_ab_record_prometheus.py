@@ -25,6 +25,7 @@ prometheus must be installed (``apt-get install -y prometheus``): without it the
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import threading
@@ -61,13 +62,13 @@ def instance(url: str) -> str:
     return url.split("://", 1)[1]
 
 
-@pytest.fixture(scope="module")
-def prom(fleet: SimBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Prometheus scraping the fleet every 0.5 s, each pool's targets labelled pool=prefix / pool=stock."""
+def start_prometheus(fleet: SimBackend, tmp: Path, web: dict | None = None,
+                     authorization: str | None = None) -> tuple[Process, str]:
+    """Prometheus scraping the fleet every 0.5 s, each pool's targets labelled pool=prefix / pool=stock,
+    ready once every replica has two samples; ``web``: its --web.config.file (basic auth)."""
     binary = shutil.which("prometheus")
     if not binary:
         pytest.fail("no prometheus: apt-get install -y prometheus (.ci/machine installs it)")
-    tmp = tmp_path_factory.mktemp("prometheus")
     targets = [instance(u) for u in fleet.urls]
     config = {"global": {"scrape_interval": f"{SCRAPE_MS}ms", "scrape_timeout": f"{SCRAPE_MS}ms"},
               "scrape_configs": [{"job_name": "vllm", "static_configs": [
@@ -76,21 +77,48 @@ def prom(fleet: SimBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                   # a second job on one replica (a ServiceMonitor and a PodMonitor on the same pod)
                   {"job_name": "vllm-again", "static_configs": [{"targets": targets[:1], "labels": {"pool": "again"}}]}]}
     (tmp / "prometheus.yaml").write_text(yaml.safe_dump(config))
+    if web is not None:
+        (tmp / "web.yaml").write_text(yaml.safe_dump(web))
     (port,) = free_ports(1)
     server = Process([binary, f"--config.file={tmp / 'prometheus.yaml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                      f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], name="prometheus")
+                      f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
+                      *([f"--web.config.file={tmp / 'web.yaml'}"] if web is not None else [])], name="prometheus")
     url = f"http://127.0.0.1:{port}"
+    asked = prometheus.Server(url, authorization)
+
+    def scraped_twice() -> bool:  # every replica, two samples: the scrape interval can be told
+        try:
+            _, result = prometheus.query(asked, f"count_over_time({counters.QUERIES}[30s]) >= 2")
+        except (OSError, ValueError):
+            return False
+        return len(result) == 5
     try:
-        def scraped_twice() -> bool:  # every replica, two samples: the scrape interval can be told
-            try:
-                _, result = prometheus.query(url, f"count_over_time({counters.QUERIES}[30s]) >= 2")
-            except (OSError, ValueError):
-                return False
-            return len(result) == 5
         server.wait_ready(scraped_twice, timeout=60)
-        yield url
-    finally:
+    except BaseException:
         server.stop()
+        raise
+    return server, url
+
+
+@pytest.fixture(scope="module")
+def prom(fleet: SimBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server, url = start_prometheus(fleet, tmp_path_factory.mktemp("prometheus"))
+    yield url
+    server.stop()
+
+
+# user "router", password "s3cret" (bcrypt, cost 4: Prometheus checks it on every request)
+ROUTER_BCRYPT = "$2b$04$9xshxmUCkFbXbpFFo3QBnOqb5veTdAIzGz/sjLyZ8i0es8NYN9LSG"
+
+
+@pytest.fixture(scope="module")
+def prom_auth(fleet: SimBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The same Prometheus behind basic auth (its web config), as operators often run it."""
+    basic = "Basic " + base64.b64encode(b"router:s3cret").decode()
+    server, url = start_prometheus(fleet, tmp_path_factory.mktemp("prometheus-auth"),
+                                   {"basic_auth_users": {"router": ROUTER_BCRYPT}}, basic)
+    yield url
+    server.stop()
 
 
 def last_sample(url: str, inst: str, at: float) -> float:
@@ -336,3 +364,41 @@ def test_switchback_reads_the_fleet_from_prometheus(fleet, prom, ab_envoy, tmp_p
     assert hit["clusters"] == [2, 2], hit  # one pair per window: the windows' counters, not Prometheus twice
     for arm in ("prefix", "stock"):
         assert 0 < report["arms"][arm]["kv_hit_rate"] < 1 and report["arms"][arm]["windows"] == 2
+
+
+def test_prometheus_behind_basic_auth_gets_the_credentials_and_a_refusal_is_named(fleet, prom_auth, tmp_path,
+                                                                                 capsys) -> None:
+    pools = ["--selector", 'prefix=pool="prefix"', "--selector", 'stock=pool="stock"']
+    good, bad, blank = tmp_path / "good", tmp_path / "bad", tmp_path / "blank"
+    good.write_text("router:s3cret\n")
+    bad.write_text("router:wrong\n")
+    blank.write_text("\n")
+    userinfo = prom_auth.replace("http://", "http://router:s3cret@")
+
+    def record(*argv: str) -> tuple[int, str, Path]:
+        path = tmp_path / f"w{len(list(tmp_path.glob('w*.jsonl')))}.jsonl"
+        code = ab("record", *argv, "--duration", "2", "--window", "1", "--windows", str(path))
+        return code, capsys.readouterr().err, path
+
+    for argv in (["--prometheus", prom_auth, "--prometheus-auth-file", str(good), *pools],
+                 ["--prometheus", userinfo, *pools]):
+        code, err, path = record(*argv)
+        assert code == 0, err
+        assert "s3cret" not in err  # the credentials are never printed
+        recorded = windows_of(path)
+        assert len(recorded) == 2 and all(len(w["counters"][g]["end"]) == 2 for w in recorded for g in ("prefix", "stock"))
+    for argv, message in (
+            (["--prometheus", prom_auth, *pools], "refused the query (HTTP 401): it wants credentials"),
+            (["--prometheus", prom_auth, "--prometheus-auth-file", str(bad), *pools], "were not accepted"),
+            (["--prometheus", prom_auth, "--prometheus-auth-file", str(tmp_path / "none"), *pools],
+             "--prometheus-auth-file"),
+            (["--prometheus", prom_auth, "--prometheus-auth-file", str(blank), *pools], "give one line"),
+            (["--metrics-url", "prefix=" + fleet.urls[0], "--metrics-url", "stock=" + fleet.urls[2],
+              "--prometheus-auth-file", str(good)], "goes with --prometheus URL")):
+        code, err, path = record(*argv)
+        assert (code, message in err) == (2, True), (argv, err)
+        assert not path.exists()
+    log = tmp_path / "access.log"
+    log.write_text("")
+    assert ab("analyze", "--access-log", str(log), "--design", "pools", "--prometheus", prom_auth, *pools) == 2
+    assert "it wants credentials" in capsys.readouterr().err

@@ -74,6 +74,9 @@ def _add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selector", action="append", default=[], metavar="ARM=MATCHERS",
                    help="with --prometheus: the label matchers of an arm's pool (pools, shared), or fleet=MATCHERS "
                         "for the whole fleet (switchback); default: every series")
+    p.add_argument("--prometheus-auth-file", metavar="FILE",
+                   help="with --prometheus: the credentials to send, one line: Bearer TOKEN, Basic B64, "
+                        "user:password, or a bare token (bearer); user:password@ in the URL works too")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +125,9 @@ def _add_record(sub: Any) -> None:
     r.add_argument("--selector", action="append", default=[], metavar="ARM=MATCHERS",
                    help="with --prometheus: a pool's replicas as Prometheus sees them, label matchers "
                         "(prefix='pod=~\"vllm-prefix-.*\"', stock='...'; shared: fleet='...'); repeatable")
+    r.add_argument("--prometheus-auth-file", metavar="FILE",
+                   help="with --prometheus: the credentials to send, one line: Bearer TOKEN, Basic B64, "
+                        "user:password, or a bare token (bearer); user:password@ in the URL works too")
     r.add_argument("--duration", type=float, required=True, metavar="S", help="bound on the whole run (seconds)")
     r.add_argument("--window", type=float, default=60.0, metavar="S",
                    help="seconds between counter reads (default 60; at least 2 windows in --duration)")
@@ -132,6 +138,7 @@ def _add_record(sub: Any) -> None:
 def _record_source(args: argparse.Namespace) -> tuple[dict[str, list[str]] | None, record.Source | None]:
     """The pools of --metrics-url, or a Prometheus source of --prometheus and --selector (exactly one).
     DriverError for anything else."""
+    server = _server(args)
     if bool(args.prometheus) == bool(args.metrics_url):
         raise driver.DriverError("give the replicas' --metrics-url, or --prometheus URL with a --selector per pool "
                                  "(one of the two)")
@@ -139,8 +146,7 @@ def _record_source(args: argparse.Namespace) -> tuple[dict[str, list[str]] | Non
         if args.selector:
             raise driver.DriverError("--selector names pools in Prometheus: it needs --prometheus URL")
         return record.pools_for(args.design, _labelled_urls(args.metrics_url)), None
-    return None, prometheus.PrometheusSource(args.prometheus, record.selectors_for(args.design,
-                                                                                   _selectors(args.selector)))
+    return None, prometheus.PrometheusSource(server, record.selectors_for(args.design, _selectors(args.selector)))
 
 
 def _record(args: argparse.Namespace) -> int:
@@ -162,7 +168,7 @@ def _record(args: argparse.Namespace) -> int:
     try:
         if isinstance(source, prometheus.PrometheusSource):
             source.open(args.window)
-            progress(f"Prometheus {args.prometheus} scrapes these series every {source.interval:.3g} s: each edge "
+            progress(f"Prometheus {source.base} scrapes these series every {source.interval:.3g} s: each edge "
                      f"is read {prometheus.SETTLE_INTERVALS * source.interval:.3g} s after it, at its own time")
         recorder.open()
     except driver.BadInput as e:
@@ -183,13 +189,25 @@ def _record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server(args: argparse.Namespace) -> prometheus.Server:
+    """--prometheus with its credentials (--prometheus-auth-file, or user:password@ in the URL)."""
+    if args.prometheus_auth_file and not args.prometheus:
+        raise driver.BadInput("--prometheus-auth-file goes with --prometheus URL")
+    return prometheus.server(args.prometheus or "", args.prometheus_auth_file)
+
+
 def _prometheus(args: argparse.Namespace):
+    server = _server(args)
     if not args.prometheus:
         return None
     selectors = _selectors(args.selector)
+    try:
+        prometheus.query(server, "time()")  # credentials refused: the user's to fix, before any analysis
+    except (OSError, ValueError):
+        pass  # unreachable or odd: the analysis notes it per read
 
     def read(arm: str, start: float, end: float) -> Delta:
-        return prometheus.increase(args.prometheus, selectors.get(arm, ""), start, end)
+        return prometheus.increase(server, selectors.get(arm, ""), start, end)
 
     return read
 
@@ -253,7 +271,7 @@ def _switchback(args: argparse.Namespace) -> int:
         if source is not None:
             source.open(args.window_min - args.burn_in, "the measured part of the shortest window (--window-min - "
                         "--burn-in)")
-            progress(f"Prometheus {args.prometheus} scrapes the fleet's series every {source.interval:.3g} s: each "
+            progress(f"Prometheus {source.base} scrapes the fleet's series every {source.interval:.3g} s: each "
                      f"edge is read at its own time, {prometheus.SETTLE_INTERVALS * source.interval:.3g} s after it")
         header = driver.run(driver.Admin(args.admin), args.windows, planned, args.burn_in,
                             _metrics_urls(args.metrics_url), progress, seed=args.seed, source=source)
@@ -281,6 +299,7 @@ def _switchback(args: argparse.Namespace) -> int:
 def _switchback_source(args: argparse.Namespace) -> prometheus.PrometheusSource | None:
     """With --prometheus, the fleet's counters from it (--selector fleet=MATCHERS, required: every
     vLLM series a Prometheus holds may be more than this fleet); BadInput with --metrics-url too."""
+    server = _server(args)
     if not args.prometheus:
         return None
     if args.metrics_url:
@@ -290,7 +309,7 @@ def _switchback_source(args: argparse.Namespace) -> prometheus.PrometheusSource 
         matchers = record.selectors_for("shared", _selectors(args.selector))
     except driver.DriverError as e:
         raise driver.BadInput(str(e).replace("a shared split", "a switchback")) from None
-    return prometheus.PrometheusSource(args.prometheus, matchers)
+    return prometheus.PrometheusSource(server, matchers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,17 +20,24 @@ file, ``counters.delta`` and ``analyze`` are the /metrics path's, unchanged:
 
 The scrape interval is measured from the series' own samples (no access to the targets API
 needed, which Thanos or Mimir do not serve). A window must hold two scrapes.
+
+Credentials (``Server``): a Prometheus behind basic auth (its ``--web.config.file``) or a proxy
+that wants a bearer token (Thanos, Mimir, a gateway) gets an ``Authorization`` header on every
+query, from ``user:password@`` in the URL or from a file (``--prometheus-auth-file``), never
+printed; a server that refuses them is the user's input to fix (``Unauthorized``, exit 2).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import statistics
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from routerlab.ab import counters
 from routerlab.ab.driver import BadInput, DriverError, sleep_until
@@ -50,11 +57,64 @@ class TooShort(BadInput):
     """A window shorter than two scrape intervals: the user's input, exit 2."""
 
 
-def query(base_url: str, expr: str, at: float | None = None, timeout: float = 5.0) -> tuple[str, Any]:
+class Unauthorized(BadInput):
+    """The server refused the credentials sent (or wanted some): the user's input, exit 2."""
+
+
+class Server(NamedTuple):
+    """A Prometheus server's base URL (no credentials in it) and the Authorization header to send."""
+
+    url: str
+    authorization: str | None = None
+
+
+def server(url: str, auth_file: str | None = None) -> Server:
+    """``url`` (``user:password@`` in it becomes basic auth) with the credentials of ``auth_file``:
+    one line, either a whole header value (``Bearer TOKEN``, ``Basic B64``), ``user:password``
+    (basic auth) or a bare token (bearer). BadInput when the file cannot be read or is empty."""
+    parts = urllib.parse.urlsplit(url)
+    authorization = None
+    if parts.username is not None:
+        pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        authorization = "Basic " + base64.b64encode(pair.encode()).decode()
+        parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
+    if auth_file:
+        try:
+            line = Path(auth_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"--prometheus-auth-file {auth_file}: cannot read it ({e})") from None
+        if not line or "\n" in line:
+            raise BadInput(f"--prometheus-auth-file {auth_file}: give one line (Bearer TOKEN, Basic B64, "
+                           "user:password or a bare token)")
+        scheme = line.split(" ", 1)[0].lower()
+        if " " in line and scheme in ("bearer", "basic"):
+            authorization = line
+        elif ":" in line:
+            authorization = "Basic " + base64.b64encode(line.encode()).decode()
+        else:
+            authorization = f"Bearer {line}"
+    return Server(urllib.parse.urlunsplit(parts).rstrip("/"), authorization)
+
+
+def _server(base: str | Server) -> Server:
+    return base if isinstance(base, Server) else Server(base.rstrip("/"))
+
+
+def query(base: str | Server, expr: str, at: float | None = None, timeout: float = 5.0) -> tuple[str, Any]:
     """(resultType, result) of an instant query at ``at`` (the server's now when None).
-    OSError: the server cannot be asked; BadQuery: it refused the expression; ValueError: another error."""
+    OSError: the server cannot be asked; BadQuery: it refused the expression; Unauthorized: the
+    credentials; ValueError: another error."""
+    srv = _server(base)
+    base_url = srv.url
     params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
-    status, body = http_get(base_url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(params), timeout=timeout)
+    headers = {"Authorization": srv.authorization} if srv.authorization else None
+    status, body = http_get(base_url + "/api/v1/query?" + urllib.parse.urlencode(params), timeout=timeout,
+                            headers=headers)
+    if status in (401, 403):
+        raise Unauthorized(f"Prometheus {base_url} refused the query (HTTP {status}): "
+                           + ("its credentials (--prometheus-auth-file, or user:password@ in the URL) were not "
+                              "accepted" if srv.authorization else "it wants credentials: give "
+                              "--prometheus-auth-file (or user:password@ in the URL)"))
     try:
         doc = json.loads(body)
     except ValueError:
@@ -74,7 +134,7 @@ def selector(matchers: str, name: str | None = None) -> str:
     return f"{name}{{{matchers}}}"
 
 
-def increase(base_url: str, matchers: str, start: float, end: float, timeout: float = 5.0) -> counters.Delta:
+def increase(base_url: str | Server, matchers: str, start: float, end: float, timeout: float = 5.0) -> counters.Delta:
     """``sum(increase(counter{matchers}[w]))`` at ``end``, for ``analyze --prometheus`` over a whole run
     (extrapolated by Prometheus; the recorder reads edges instead). OSError / ValueError as ``query``."""
     window = max(1, round(end - start))
@@ -91,7 +151,7 @@ def increase(base_url: str, matchers: str, start: float, end: float, timeout: fl
     return d
 
 
-def scrape_interval(base_url: str, matchers: str, at: float, timeout: float = 5.0) -> float | None:
+def scrape_interval(base_url: str | Server, matchers: str, at: float, timeout: float = 5.0) -> float | None:
     """The longest of the series' median gaps between samples in the last ``INTERVAL_LOOKBACK_S``;
     None when no series has two samples yet."""
     _, result = query(base_url, f"{selector(matchers, QUERIES)}[{INTERVAL_LOOKBACK_S}s]", at, timeout)
@@ -108,9 +168,10 @@ class PrometheusSource:
 
     past = True  # an edge is an instant query at its time: it can be read after the fact
 
-    def __init__(self, base_url: str, matchers: dict[str, str], clock: Callable[[], float] = time.time,
+    def __init__(self, base_url: str | Server, matchers: dict[str, str], clock: Callable[[], float] = time.time,
                  timeout: float = 5.0) -> None:
-        self.base, self.matchers, self.clock, self.timeout = base_url.rstrip("/"), matchers, clock, timeout
+        self.server = _server(base_url)
+        self.base, self.matchers, self.clock, self.timeout = self.server.url, matchers, clock, timeout
         self.interval = 0.0
         self.patience = 30.0
 
@@ -123,12 +184,12 @@ class PrometheusSource:
         BadQuery: the input's fault) otherwise."""
         try:
             asked = self.clock()
-            _, now = query(self.base, "time()", None, self.timeout)
+            _, now = query(self.server, "time()", None, self.timeout)
             skew = float(now[1]) - (asked + self.clock()) / 2
-            intervals = {g: scrape_interval(self.base, m, asked, self.timeout) for g, m in self.matchers.items()}
+            intervals = {g: scrape_interval(self.server, m, asked, self.timeout) for g, m in self.matchers.items()}
         except OSError as e:
             raise DriverError(f"Prometheus {self.base} unreachable: {e}") from None
-        except BadQuery:
+        except BadInput:  # a matcher that does not parse, credentials refused
             raise
         except ValueError as e:
             raise DriverError(str(e)) from None
@@ -153,8 +214,8 @@ class PrometheusSource:
 
     def _edge(self, matchers: str, at: float) -> counters.Snapshot:
         """One group's replicas at ``at``: instance -> counters, or -> why it is unreadable there."""
-        _, values = query(self.base, f"sum by (__name__, job, instance) ({selector(matchers)})", at, self.timeout)
-        _, stamps = query(self.base, f"max by (job, instance) (timestamp({selector(matchers, QUERIES)}))", at,
+        _, values = query(self.server, f"sum by (__name__, job, instance) ({selector(matchers)})", at, self.timeout)
+        _, stamps = query(self.server, f"max by (job, instance) (timestamp({selector(matchers, QUERIES)}))", at,
                           self.timeout)
         jobs: dict[str, list[str]] = {}
         out: counters.Snapshot = {}
@@ -183,7 +244,7 @@ class PrometheusSource:
         while True:
             try:
                 return {g: self._edge(m, at) for g, m in self.matchers.items()}
-            except BadQuery:
+            except BadInput:
                 raise
             except (OSError, ValueError) as e:
                 if self.clock() >= deadline:

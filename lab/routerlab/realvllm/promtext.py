@@ -40,9 +40,9 @@ def metric_labels(samples: list[Sample], name: str) -> dict[str, str] | None:
     return None
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """GET ``url``; returns (status, body). Connection errors raise ``OSError``."""
-    req = urllib.request.Request(url, method="GET")
+    req = urllib.request.Request(url, method="GET", headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
