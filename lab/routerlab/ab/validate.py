@@ -86,6 +86,7 @@ class ValidateConfig:
     params: Mapping[str, Any] = field(default_factory=dict)
     time_scale: float | None = None
     duration_s: float | None = None  # the switchback's run; default: from the truth arms' durations
+    load_s: float | None = None  # every run's bound on the load (truth arms, splits); default: the scenario's
     windows: int = 12  # switchback windows planned (in balanced pairs), lengths +-20 % around duration / windows
     burn_in: float | None = None  # default: a quarter of the shortest window
     slice_s: float | None = None  # pools: how often each pool's counters are read (default duration / 12)
@@ -109,7 +110,8 @@ def context(cfg: ValidateConfig) -> Context:
     scenario = get_scenario(cfg.scenario)
     bench = runner.BenchConfig(scenario=cfg.scenario, arms=[TRUTH[cfg.mode]["stock"], TRUTH[cfg.mode]["prefix"]],
                                seed=cfg.seed, out=Path(cfg.out) / "truth", quick=cfg.quick, params=dict(cfg.params),
-                               replicas=cfg.replicas, time_scale=cfg.time_scale, plots=False)
+                               replicas=cfg.replicas, time_scale=cfg.time_scale, plots=False,
+                               duration_s=cfg.load_s)
     params = runner._params(scenario, bench)
     spec = runner._fleet(scenario, params, bench)
     load = runner._load(scenario, bench)
@@ -200,6 +202,9 @@ def switchback_plan(cfg: ValidateConfig, duration: float) -> tuple[list[driver.P
     mean = duration / max(cfg.windows, 4)
     wmin, wmax = 0.8 * mean, 1.2 * mean
     burn_in = cfg.burn_in if cfg.burn_in is not None else round(0.25 * wmin, 3)
+    if burn_in >= wmin:
+        raise ValueError(f"--burn-in {burn_in:g} s is not shorter than the shortest window ({wmin:.3g} s: 0.8 x "
+                         f"{duration:.0f} s / {cfg.windows} windows): fewer windows, or a longer --load-duration")
     return driver.plan(duration, wmin, wmax, cfg.seed), burn_in
 
 
@@ -498,6 +503,8 @@ def validate(cfg: ValidateConfig, command: str = "") -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown design(s) {', '.join(unknown)}; choose from {', '.join(DESIGNS)}")
     ctx = context(cfg)
+    if "switchback" in cfg.designs:  # a burn-in that outlasts the windows: say so before the truth runs
+        switchback_plan(cfg, cfg.duration_s or 0.95 * ctx.load.duration_s)
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     cfg.progress(f"{cfg.scenario}: {len(ctx.trace)} requests in {len(ctx.trace.sessions)} sessions, "
                  f"{ctx.spec.replicas} replicas, seed {cfg.seed}, designs {', '.join(cfg.designs)}")
@@ -532,6 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float)
     p.add_argument("--duration", type=float, help="the switchback's length in s (default: 0.95 x the faster "
                    "truth arm's run)")
+    p.add_argument("--load-duration", type=float, help="every run's bound on the load in s, the truth arms' and "
+                   "the splits' (default: the scenario's); the trace must be long enough to fill it")
     p.add_argument("--windows", type=int, default=12, help="switchback windows (balanced pairs), default 12")
     p.add_argument("--burn-in", type=float, help="seconds left out at each window's start (default: a quarter "
                    "of the shortest window)")
@@ -546,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         params[key] = value
     cfg = ValidateConfig(scenario=args.scenario, mode=args.mode, designs=[d.strip() for d in args.design.split(",") if d.strip()],
                          seed=args.seed, out=Path(args.out), replicas=args.replicas, quick=args.quick, params=params,
-                         time_scale=args.time_scale, duration_s=args.duration, windows=args.windows,
+                         time_scale=args.time_scale, duration_s=args.duration, load_s=args.load_duration,
+                         windows=args.windows,
                          burn_in=args.burn_in, slice_s=args.slice, draws=args.draws)
     command = "python -m routerlab.ab.validate " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
