@@ -88,3 +88,19 @@ def test_every_design_end_to_end_and_the_truth_is_the_bench(mode: str, tmp_path:
     assert "| design | metric | estimate [95 % CI] | truth | error (pp) | truth in CI | over |" in md
     assert "| switchback | TTFT p50 |" in md and "| truth (each arm alone" in md
     assert json.loads((tmp_path / "validation.json").read_text())["rows"] == doc["rows"]
+
+
+def test_load_duration_bounds_the_truth_and_a_burn_in_longer_than_the_windows_is_refused_first(
+        tmp_path: Path) -> None:
+    cfg = validate.ValidateConfig(scenario="zipf-chat", quick=True, seed=5, params={"conversations": 20}, load_s=42.0)
+    assert validate.context(cfg).load.duration_s == 42.0
+    assert validate.context(validate.ValidateConfig(scenario="zipf-chat", quick=True, seed=5,
+                                                    params={"conversations": 20})).load.duration_s != 42.0
+    planned, burn_in = validate.switchback_plan(validate.ValidateConfig(windows=8, burn_in=5.0), 400.0)
+    assert burn_in == 5.0 and len(planned) >= 2
+    refused = validate.ValidateConfig(scenario="zipf-chat", quick=True, seed=5, params={"conversations": 20},
+                                      designs=["truth", "switchback"], windows=12, burn_in=30.0, load_s=100.0,
+                                      out=tmp_path / "out", progress=lambda _: None)
+    with pytest.raises(ValueError, match="--burn-in 30 s is not shorter than the shortest window"):
+        validate.validate(refused)
+    assert not (tmp_path / "out").exists()  # refused before anything ran
