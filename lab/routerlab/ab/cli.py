@@ -65,6 +65,12 @@ def _selectors(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _add_auth(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prometheus-auth-file", metavar="FILE",
+                   help="with --prometheus: the credentials to send, one line: Bearer TOKEN, Basic B64, "
+                        "user:password, or a bare token (bearer); user:password@ in the URL works too")
+
+
 def _add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the report as JSON (to compare runs)")
     p.add_argument("--plots", metavar="DIR", help="write ttft_cdf.png and over_time.png (needs the [bench] extra)")
@@ -74,9 +80,7 @@ def _add_analysis_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selector", action="append", default=[], metavar="ARM=MATCHERS",
                    help="with --prometheus: the label matchers of an arm's pool (pools, shared), or fleet=MATCHERS "
                         "for the whole fleet (switchback); default: every series")
-    p.add_argument("--prometheus-auth-file", metavar="FILE",
-                   help="with --prometheus: the credentials to send, one line: Bearer TOKEN, Basic B64, "
-                        "user:password, or a bare token (bearer); user:password@ in the URL works too")
+    _add_auth(p)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,9 +129,7 @@ def _add_record(sub: Any) -> None:
     r.add_argument("--selector", action="append", default=[], metavar="ARM=MATCHERS",
                    help="with --prometheus: a pool's replicas as Prometheus sees them, label matchers "
                         "(prefix='pod=~\"vllm-prefix-.*\"', stock='...'; shared: fleet='...'); repeatable")
-    r.add_argument("--prometheus-auth-file", metavar="FILE",
-                   help="with --prometheus: the credentials to send, one line: Bearer TOKEN, Basic B64, "
-                        "user:password, or a bare token (bearer); user:password@ in the URL works too")
+    _add_auth(r)
     r.add_argument("--duration", type=float, required=True, metavar="S", help="bound on the whole run (seconds)")
     r.add_argument("--window", type=float, default=60.0, metavar="S",
                    help="seconds between counter reads (default 60; at least 2 windows in --duration)")
