@@ -235,9 +235,9 @@ def test_on_an_idle_fleet_prometheus_and_metrics_record_the_same_counters(fleet,
     wait_until(settled, 30, "Prometheus caught up with the idle replicas", interval=0.2)
     by_url, by_prom = tmp_path / "metrics.jsonl", tmp_path / "prom.jsonl"
     pools = ["--metrics-url", "prefix=" + ",".join(fleet.urls[:2]), "--metrics-url", "stock=" + ",".join(fleet.urls[2:])]
-    assert ab("record", *pools, "--duration", "2", "--window", "1", "--windows", str(by_url)) == 0
+    assert ab("record", *pools, "--duration", "4", "--window", "2", "--windows", str(by_url)) == 0
     assert ab("record", "--prometheus", prom, "--selector", 'prefix=pool="prefix"', "--selector",
-              'stock=pool="stock"', "--duration", "2", "--window", "1", "--windows", str(by_prom)) == 0, \
+              'stock=pool="stock"', "--duration", "4", "--window", "2", "--windows", str(by_prom)) == 0, \
         capsys.readouterr().err
     for a, b in zip(windows_of(by_url), windows_of(by_prom), strict=True):
         for group in ("prefix", "stock"):
@@ -249,7 +249,7 @@ def test_record_from_prometheus_on_bad_input(fleet, prom, tmp_path, capsys) -> N
     path = tmp_path / "w.jsonl"
     both = ["--selector", 'prefix=pool="prefix"', "--selector", 'stock=pool="stock"']
 
-    def record(*argv: str, duration: str = "4", window: str = "1") -> tuple[int, str]:
+    def record(*argv: str, duration: str = "4", window: str = "2") -> tuple[int, str]:
         code = ab("record", "--duration", duration, "--window", window, "--windows", str(path), *argv)
         return code, capsys.readouterr().err
 
@@ -282,7 +282,7 @@ def test_record_from_prometheus_on_bad_input(fleet, prom, tmp_path, capsys) -> N
     # stale, the pool is gone at the next edge, and the run stops there (exit 3), windows kept
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(ab(
-        "record", "--prometheus", prom, *both, "--duration", "60", "--window", "1", "--windows", str(path))))
+        "record", "--prometheus", prom, *both, "--duration", "60", "--window", "2", "--windows", str(path))))
     thread.start()
     try:
         wait_until(lambda: path.exists() and len(windows_of(path)) >= 2, 30, "two windows recorded")
@@ -377,7 +377,7 @@ def test_prometheus_behind_basic_auth_gets_the_credentials_and_a_refusal_is_name
 
     def record(*argv: str) -> tuple[int, str, Path]:
         path = tmp_path / f"w{len(list(tmp_path.glob('w*.jsonl')))}.jsonl"
-        code = ab("record", *argv, "--duration", "2", "--window", "1", "--windows", str(path))
+        code = ab("record", *argv, "--duration", "4", "--window", "2", "--windows", str(path))
         return code, capsys.readouterr().err, path
 
     for argv in (["--prometheus", prom_auth, "--prometheus-auth-file", str(good), *pools],
