@@ -434,7 +434,10 @@ def test_a_restarted_publisher_makes_a_partial_view_complete() -> None:
         await until(lambda: pub.subscriptions() >= 1, "the subscriber reconnected")
         pub.publish([stored(0)])
         await until(lambda: rig.index.marks() == [2, 3, 0], "the new process's first batch")
-        assert view.origin == "events" and view.complete == {0: True}
+        # complete either way; the label says how seq 0 came: live ("events") or in the answer to
+        # the replay the reconnection asks for ("replayed"), whichever ZMQ delivers first (a race
+        # between the monitor's CONNECTED event and the live batch: CI saw "replayed" once)
+        assert view.origin in ("events", "replayed") and view.complete == {0: True}
 
     with_rig(body, {"buffer_steps": 2})
 
