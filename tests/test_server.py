@@ -36,8 +36,6 @@ def headers_msg(headers: dict[str, str], end_of_stream: bool = False) -> pb.Proc
     return headers_message(headers.items(), end_of_stream)
 
 
-body_msg = body_message
-
 
 def key_set(reply: pb.ProcessingResponse) -> str | None:
     for opt in reply.request_body.response.header_mutation.set_headers:
@@ -59,7 +57,7 @@ def process(channel: grpc.Channel, messages: list[pb.ProcessingRequest],
 
 def test_headers_then_body_sets_the_key_and_strips_the_client_copy(channel: grpc.Channel) -> None:
     replies = process(channel, [headers_msg({":path": "/v1/chat/completions", "x-prefix-aware-id": "acme",
-                                             "x-prefix-key": "spoof"}), body_msg(BODY)])
+                                             "x-prefix-key": "spoof"}), body_message(BODY)])
     assert len(replies) == 2
     assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefix-key", "x-prefix-pick"]
     expected = decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
@@ -68,19 +66,19 @@ def test_headers_then_body_sets_the_key_and_strips_the_client_copy(channel: grpc
 
 
 def test_body_without_header_phase_reads_tenant_from_attributes(channel: grpc.Channel) -> None:
-    msg = body_msg(BODY)
+    msg = body_message(BODY)
     msg.attributes["envoy.filters.http.ext_proc"].fields["request.headers['x-prefix-aware-id']"].string_value = "acme"
     (reply,) = process(channel, [msg])
     assert key_set(reply) == decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
 
 
 def test_metadata_overrides_per_stream_and_bad_values_are_ignored(channel: grpc.Channel) -> None:
-    default = key_set(process(channel, [body_msg(BODY)])[0])
-    short = key_set(process(channel, [body_msg(BODY)], (("x-prefix-router-prefix-length", "64"),))[0])
-    bad = key_set(process(channel, [body_msg(BODY)], (("x-prefix-router-prefix-length", "9"),))[0])
+    default = key_set(process(channel, [body_message(BODY)])[0])
+    short = key_set(process(channel, [body_message(BODY)], (("x-prefix-router-prefix-length", "64"),))[0])
+    bad = key_set(process(channel, [body_message(BODY)], (("x-prefix-router-prefix-length", "9"),))[0])
     assert short == decide(BODY, {}, RouteSettings(prefix_length=64)).key != default
     assert bad == default
-    header = process(channel, [body_msg(BODY)], (("x-prefix-router-key-header", "x-route-key"),))[0]
+    header = process(channel, [body_message(BODY)], (("x-prefix-router-key-header", "x-route-key"),))[0]
     assert header.request_body.response.header_mutation.set_headers[0].header.key == "x-route-key"
 
 
@@ -108,7 +106,7 @@ def test_a_pick_stream_closed_at_any_point_releases_the_replica(close_after: int
     router = ext_proc.PrefixRouter(RouteSettings(mode="pick"), picker=core)
 
     async def requests() -> AsyncIterator[pb.ProcessingRequest]:
-        yield body_msg(BODY)
+        yield body_message(BODY)
         await asyncio.sleep(3600)  # the HTTP response is still on its way
 
     async def run() -> list[int]:
@@ -161,7 +159,7 @@ def test_health_command_answers_for_probes(router) -> None:
 
 
 def test_metrics_count_decisions_by_mode_and_fallback(router, channel: grpc.Channel) -> None:
-    process(channel, [body_msg(b"\xff\xfe")])
+    process(channel, [body_message(b"\xff\xfe")])
     text = send(router[2], "/metrics").body.decode()
     assert 'prefix_router_decisions_total{fallback="not_utf8",normalize="raw"}' in text
     assert "prefix_router_decision_seconds_bucket" in text
@@ -182,7 +180,7 @@ def test_an_exception_in_the_router_passes_the_request_on(monkeypatch: pytest.Mo
         await srv.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                call = pb_grpc.ExternalProcessorStub(ch).Process(iter([headers_msg({}), body_msg(BODY)]))
+                call = pb_grpc.ExternalProcessorStub(ch).Process(iter([headers_msg({}), body_message(BODY)]))
                 return [r async for r in call]
         finally:
             await srv.stop(None)
@@ -202,7 +200,7 @@ def test_sigterm_drains_an_open_stream_then_exits() -> None:
             def requests() -> Iterator[pb.ProcessingRequest]:
                 yield headers_msg({":path": "/v1/completions"})
                 body_sent.wait(10)
-                yield body_msg(BODY)
+                yield body_message(BODY)
 
             call = pb_grpc.ExternalProcessorStub(ch).Process(requests(), timeout=20)
             first = next(call)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from routerlab.ab import accesslog, analysis, driver, prometheus, record, report

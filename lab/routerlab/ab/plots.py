@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-
 from routerlab.ab.analysis import Analysis
 from routerlab.bench.plots import _figure, _legend_outside, cdf_per_arm, plt
 

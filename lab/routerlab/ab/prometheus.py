@@ -96,7 +96,7 @@ def server(url: str, auth_file: str | None = None) -> Server:
     return Server(urllib.parse.urlunsplit(parts).rstrip("/"), authorization)
 
 
-def _server(base: str | Server) -> Server:
+def _as_server(base: str | Server) -> Server:
     return base if isinstance(base, Server) else Server(base.rstrip("/"))
 
 
@@ -104,7 +104,7 @@ def query(base: str | Server, expr: str, at: float | None = None, timeout: float
     """(resultType, result) of an instant query at ``at`` (the server's now when None).
     OSError: the server cannot be asked; BadQuery: it refused the expression; Unauthorized: the
     credentials; ValueError: another error."""
-    srv = _server(base)
+    srv = _as_server(base)
     base_url = srv.url
     params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
     headers = {"Authorization": srv.authorization} if srv.authorization else None
@@ -134,27 +134,27 @@ def selector(matchers: str, name: str | None = None) -> str:
     return f"{name}{{{matchers}}}"
 
 
-def increase(base_url: str | Server, matchers: str, start: float, end: float, timeout: float = 5.0) -> counters.Delta:
+def increase(base: str | Server, matchers: str, start: float, end: float, timeout: float = 5.0) -> counters.Delta:
     """``sum(increase(counter{matchers}[w]))`` at ``end``, for ``analyze --prometheus`` over a whole run
     (extrapolated by Prometheus; the recorder reads edges instead). OSError / ValueError as ``query``."""
     window = max(1, round(end - start))
     d = counters.Delta()
     for key, name in counters.COUNTERS.items():
-        _, result = query(base_url, f"sum(increase({selector(matchers, name)}[{window}s]))", end, timeout)
+        _, result = query(base, f"sum(increase({selector(matchers, name)}[{window}s]))", end, timeout)
         if result:
             setattr(d, key, float(result[0]["value"][1]))
     try:
-        _, result = query(base_url, f"count(count by (instance) ({selector(matchers, QUERIES)}))", end, timeout)
+        _, result = query(base, f"count(count by (instance) ({selector(matchers, QUERIES)}))", end, timeout)
         d.replicas = int(float(result[0]["value"][1])) if result else 0
     except (OSError, ValueError):
         d.replicas = 0
     return d
 
 
-def scrape_interval(base_url: str | Server, matchers: str, at: float, timeout: float = 5.0) -> float | None:
+def scrape_interval(base: str | Server, matchers: str, at: float, timeout: float = 5.0) -> float | None:
     """The longest of the series' median gaps between samples in the last ``INTERVAL_LOOKBACK_S``;
     None when no series has two samples yet."""
-    _, result = query(base_url, f"{selector(matchers, QUERIES)}[{INTERVAL_LOOKBACK_S}s]", at, timeout)
+    _, result = query(base, f"{selector(matchers, QUERIES)}[{INTERVAL_LOOKBACK_S}s]", at, timeout)
     gaps = []
     for series in result:
         ts = [float(t) for t, _ in series["values"]]
@@ -168,12 +168,17 @@ class PrometheusSource:
 
     past = True  # an edge is an instant query at its time: it can be read after the fact
 
-    def __init__(self, base_url: str | Server, matchers: dict[str, str], clock: Callable[[], float] = time.time,
+    def __init__(self, base: str | Server, matchers: dict[str, str], clock: Callable[[], float] = time.time,
                  timeout: float = 5.0) -> None:
-        self.server = _server(base_url)
-        self.base, self.matchers, self.clock, self.timeout = self.server.url, matchers, clock, timeout
+        self.server = _as_server(base)
+        self.matchers, self.clock, self.timeout = matchers, clock, timeout
         self.interval = 0.0
         self.patience = 30.0
+
+    @property
+    def base(self) -> str:
+        """The server's URL, without credentials (for messages and the windows file)."""
+        return self.server.url
 
     def describe(self) -> dict[str, Any]:
         return {"prometheus": self.base, "selectors": self.matchers, "scrape_interval": self.interval}
