@@ -187,3 +187,24 @@ PRECISE_SECONDS = Histogram(
     buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1),
     registry=REGISTRY,
 )
+TOKENIZE_AHEAD = Counter(
+    "prefix_router_tokenize_ahead_total",
+    "Precise-mode requests whose new text was longer than --tokenize-inline-chars: tokenised on the "
+    "worker thread before the pick (done), or not queued because the worker's queue would have made "
+    "it wait longer than --tokenize-queue-seconds (busy: the pick used the learned view)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+for _outcome in ("done", "busy"):
+    TOKENIZE_AHEAD.labels(_outcome)
+TOKENIZE_AHEAD_CHARS = Counter(
+    "prefix_router_tokenize_ahead_chars_total",
+    "Characters tokenised on the worker thread (the requests counted done)",
+    registry=REGISTRY,
+)
+TOKENIZE_AHEAD_SECONDS = Histogram(
+    "prefix_router_tokenize_ahead_seconds",
+    "How long a request waited for its new text to be tokenised on the worker thread (queue included)",
+    buckets=(5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5),
+    registry=REGISTRY,
+)

@@ -25,6 +25,7 @@ from routerlab.realvllm.promtext import fetch_metrics
 from support import send
 
 MODEL = "sim-tiny"
+INLINE_CHARS = 300
 SYSTEMS = [f"You are assistant number {i} of the ACME platform team; answer with runbook steps, briefly. " * 6
            for i in range(3)]
 
@@ -70,8 +71,9 @@ def stack() -> Iterator[Stack]:
                      tokenizer=str(TINY_BYTELEVEL), kv_events=True)
     fleet = SimBackend(spec).start()
     try:
-        with RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True,
-                        event_flags=fleet.event_flags()) as arm:
+        # new text longer than 300 characters is tokenised on the router's worker thread, not in the pick
+        with RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True, event_flags=fleet.event_flags(),
+                        router_flags=("--tokenize-inline-chars", str(INLINE_CHARS))) as arm:
             stack = Stack(fleet, arm)
             wait_until(lambda: metric(stack.metrics_port, "prefix_router_kv_view_origin", origin="none") == 0
                        and metric(stack.metrics_port, "prefix_router_kv_view_origin") == 2, 15,
@@ -124,6 +126,23 @@ def test_a_request_that_cannot_be_tokenised_is_routed_on_the_learned_view(stack:
     assert reply.status == 400
     after = metric(stack.metrics_port, "prefix_router_cache_view_total", reason="multimodal", view="learned")
     assert after == before + 1
+
+
+def test_a_long_new_prompt_is_tokenised_off_the_loop_and_routed_on_the_events(stack: Stack) -> None:
+    system = "You review ACME change requests for risk and answer in three short bullet points. " * 9  # 747 chars
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "Is a schema migration risky?"}]}).encode()
+    assert len(system) > INLINE_CHARS
+    done = metric(stack.metrics_port, "prefix_router_tokenize_ahead_total", outcome="done")
+    events = metric(stack.metrics_port, "prefix_router_cache_view_total", view="events", reason="covered")
+    stack.caught_up()
+    reply = send(stack.port, body=body)
+    assert reply.status == 200, reply.body
+    assert metric(stack.metrics_port, "prefix_router_tokenize_ahead_total", outcome="done") == done + 1
+    assert metric(stack.metrics_port, "prefix_router_cache_view_total", view="events", reason="covered") == events + 1
+    assert metric(stack.metrics_port, "prefix_router_cache_view_total", reason="tokenizer_busy") == 0
+    # the text tokenised ahead is what vLLM computed: the router's prompt length is the replica's
+    assert stack.explain(body)["prompt_tokens"] == reply.json()["usage"]["prompt_tokens"]
 
 
 def chat_body(text: str) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,46 @@ def test_cached_encode_equals_uncached_on_raw_text(family: str, parts: list[str]
         assert mt.encode(text, add_special_tokens=True) == mt.encode_uncached(text, add_special_tokens=True)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(pieces, max_size=20))
+def test_segments_tokenised_ahead_on_a_thread_then_stored_give_the_uncached_ids(family: str, parts: list[str]) -> None:
+    mt = _roomy(family)
+    text = "".join(parts)
+    missing = mt.missing(text)
+    with ThreadPoolExecutor(1) as pool:  # as extproc.pick.tokenize_ahead runs it
+        encoded = pool.submit(mt.encode_segments, missing).result()
+    assert encoded is not None
+    mt.store_segments(missing, encoded)
+    before = mt.cache_misses
+    assert mt.encode(text) == mt.encode_uncached(text)
+    assert mt.cache_misses == before and mt.missing(text) == []  # served from what was stored
+
+
+def test_new_text_beyond_max_new_chars_is_refused_not_tokenised() -> None:
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    known, new = "You answer about deploys. " * 10, "a brand new question " * 20  # 260 and 420 characters
+    mt.encode(f"<|system|>{known}")
+    misses = mt.cache_misses
+    with pytest.raises(NotTokenizable) as refused:
+        mt.encode_array(f"<|system|>{known}<|user|>{new}", max_new_chars=400)
+    assert refused.value.reason == "tokenizer_busy" and "tokenizer_busy" in REASONS
+    assert mt.cache_misses == misses  # nothing was tokenised
+    # the cached part does not count, and at the limit it tokenises
+    assert mt.encode_array(f"<|system|>{known}<|user|>{new}", max_new_chars=420).tolist() == mt.encode_uncached(
+        f"<|system|>{known}<|user|>{new}")
+    assert mt.missing(f"<|system|>{known}<|user|>{new}") == []
+
+
 _TOKENIZERS: dict[str, ModelTokenizer] = {}
+_ROOMY: dict[str, ModelTokenizer] = {}
+
+
+def _roomy(family: str) -> ModelTokenizer:
+    """One tokenizer a family with the default cache (nothing an example stores is evicted)."""
+    if family not in _ROOMY:
+        _ROOMY[family] = ModelTokenizer(ASSETS / family)
+    return _ROOMY[family]
 
 
 def _fresh(family: str) -> ModelTokenizer:

@@ -164,7 +164,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     if settings.mode != "pick":
                         yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
                         return
-                    reply, picked = self.pick_reply(body.body, headers, settings, complete=body.end_of_stream)
+                    decision = self.decide(body.body, headers, settings, body.end_of_stream)
+                    reply, picked = self.pick_reply(decision, settings, await self.prepare(decision, settings))
                     if picked is None:
                         yield reply
                         return
@@ -233,19 +234,30 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         decision = self.decide(body, headers, settings, complete)
         return _empty_body_reply() if decision is None else self.decision_reply(decision, settings)
 
-    def pick_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
-                   complete: bool = True) -> tuple[pb.ProcessingResponse, Choice | None]:
+    async def prepare(self, decision: Decision | None, settings: RouteSettings) -> int:
+        """What the picker does off the event loop before ``pick_reply`` (precise mode's long new
+        text tokenised on its worker); returns the pick's ``max_new_chars``. Never raises."""
+        if decision is None or self.picker is None:
+            return 0
+        try:
+            return await self.picker.prepare(decision, settings)
+        except Exception:
+            log.exception("tokenizing ahead failed; the pick tokenises on the loop")
+            metrics.ERRORS.labels("tokenize_ahead").inc()
+            return 0
+
+    def pick_reply(self, decision: Decision | None, settings: RouteSettings,
+                   max_new_chars: int = 0) -> tuple[pb.ProcessingResponse, Choice | None]:
         """The hash-mode reply plus the picked replica: Envoy's stateful_session reads the
         pick header (and sends the request there only if that host is healthy, else its
         own LB hashes the key header); ``envoy.lb`` metadata carries the same host for
         override_host configs (the Gateway API Inference Extension convention)."""
-        decision = self.decide(body, headers, settings, complete)
         if decision is None:
             return _empty_body_reply(), None
         reply = self.decision_reply(decision, settings)
         assert self.picker is not None
         try:
-            choice = self.picker.pick(decision, settings)
+            choice = self.picker.pick(decision, settings, max_new_chars)
         except Exception:
             log.exception("picking a replica failed; Envoy's load balancer chooses")
             metrics.ERRORS.labels("pick").inc()

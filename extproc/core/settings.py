@@ -92,6 +92,10 @@ class ServerSettings:
     kv_ports_relative: bool = False  # the two ports are offsets from each endpoint's port (one host, many replicas)
     index_max_blocks: int = 8_000_000  # memory bound of the event view over all replicas
     tokenizer_check_every: int = 100  # check each model's first request, then 1 in N, against vLLM's /tokenize; 0: off
+    # New text longer than this is tokenised on a worker thread before the pick (extproc.pick.tokenize_ahead),
+    # so the event loop keeps serving; 0: every request's text on the loop, in its pick.
+    tokenize_inline_chars: int = 2048
+    tokenize_queue_seconds: float = 0.1  # a request that would wait longer for the worker uses the learned view
     # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
     # command lines are visible to every local user).
     tenant_secret_file: str = ""
@@ -246,6 +250,8 @@ SPECS: Final[dict[str, _Spec]] = {
     "kv_ports_relative": _Spec(_switch, "on or off"),
     "index_max_blocks": _Spec(_number_in(int, 1, 10**10), "an integer in 1..10000000000"),
     "tokenizer_check_every": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (requests per check; 0: off)"),
+    "tokenize_inline_chars": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (characters; 0: all inline)"),
+    "tokenize_queue_seconds": _Spec(_number_in(float, 0.0, 60.0), "seconds in 0..60"),
     "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))

@@ -92,7 +92,8 @@ class PickCore:
         choice, chunks, _ = self._evaluate(decision, settings)
         return choice, chunks
 
-    def _evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, list[int], Exact | None]:
+    def _evaluate(self, decision: Decision, settings: RouteSettings,
+                  max_new_chars: int = 0) -> tuple[Choice, list[int], Exact | None]:
         """The choice, with the learned chunks to record (none when complete events cover the chosen
         replica) and the events' exact match (None without one).
 
@@ -103,7 +104,8 @@ class PickCore:
         gets the larger of the two views' figures (``extproc.pick.partial_view``). It is matched
         and kept learning only for those, so a fleet fully covered by events pays nothing for it.
         """
-        exact = self._exact(decision) if self.precise is not None and settings.cache_view != "learned" else None
+        exact = (self._exact(decision, max_new_chars)
+                 if self.precise is not None and settings.cache_view != "learned" else None)
         snapshot = self.load.snapshot(self.clock())
         partial: Sequence[str] = ()
         if exact is None:
@@ -130,12 +132,12 @@ class PickCore:
             chunks = []  # the events will tell where this request's blocks are; nothing to learn
         return choice, chunks, exact
 
-    def _exact(self, decision: Decision) -> Exact | None:
+    def _exact(self, decision: Decision, max_new_chars: int) -> Exact | None:
         """The events' exact match, or None (counted by reason) when the request cannot have one."""
         assert self.precise is not None
         started = time.perf_counter()
         try:
-            exact = self.precise.match(decision)
+            exact = self.precise.match(decision, max_new_chars)
         except NotTokenizable as exc:
             metrics.cache_view_counter("learned", exc.reason).inc()
             return None
@@ -147,8 +149,16 @@ class PickCore:
         metrics.cache_view_counter(EVENTS, "covered" if exact.cached else "none_covered").inc()
         return exact
 
-    def pick(self, decision: Decision, settings: RouteSettings) -> Choice:
-        choice, chunks, exact = self._evaluate(decision, settings)
+    async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
+        """Before ``pick``, on the event loop: what must happen off it first; returns ``pick``'s
+        ``max_new_chars``. Nothing here (``Picker`` tokenises precise mode's long new text ahead)."""
+        return 0
+
+    def pick(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0) -> Choice:
+        """Choose and record. ``max_new_chars`` (0: no limit): precise mode tokenises at most this many
+        characters its tokenizer's cache does not hold, else uses the learned view (``Picker.prepare``
+        says when: its worker could not take the request's long new text)."""
+        choice, chunks, exact = self._evaluate(decision, settings, max_new_chars)
         _PICKS[choice.reason].inc()
         if choice.address is not None:
             if chunks:

@@ -19,6 +19,7 @@ REASONS: Final = frozenset({
     "unsupported",  # valid for vLLM, not reproduced here (per-request template, truncation, ...)
     "tokenizer_mismatch",  # a run-time check found the router's tokenizer disagrees with the replica's
     "not_json",  # the body is not a whole JSON object (cut at the buffer limit, or not JSON)
+    "tokenizer_busy",  # long new text not tokenised ahead: the worker's queue was full (tokenize_ahead.py)
 })
 
 

@@ -11,7 +11,8 @@ from collections.abc import Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.core.settings import ServerSettings, SettingError, flag, tokenizer_dirs
+from extproc.core.decide import Decision
+from extproc.core.settings import RouteSettings, ServerSettings, SettingError, flag, tokenizer_dirs
 from extproc.pick.core import PickCore
 from extproc.pick.endpoints import EndpointWatcher
 from extproc.pick.kv_index import EventIndex
@@ -19,6 +20,7 @@ from extproc.pick.kv_subscriber import KvEventSubscriber
 from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer, TokenizerError
 from extproc.pick.scrape import Scraper
+from extproc.pick.tokenize_ahead import TokenizeAhead
 from extproc.pick.tokenizer_check import RESULTS, TokenizerCheck
 
 
@@ -41,6 +43,7 @@ class Picker(PickCore):
                          cfg.prefill_tokens_per_s)
         self.subscriber: KvEventSubscriber | None = None
         self.tokenizer_check: TokenizerCheck | None = None
+        self.ahead: TokenizeAhead | None = None
         if cfg.kv_events:
             events = EventIndex(cfg.index_max_blocks)
             self.subscriber = KvEventSubscriber(events, cfg.kv_events_port, cfg.kv_replay_port or None,
@@ -50,8 +53,16 @@ class Picker(PickCore):
                                        self.subscriber.stats.replicas)
             self.tokenizer_check = TokenizerCheck(self.precise, cfg.tokenizer_check_every)
             self.on_precise_pick = self.tokenizer_check.offer
+            self.ahead = TokenizeAhead(self.precise, cfg.tokenize_inline_chars, cfg.tokenize_queue_seconds)
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
+
+    async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
+        """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
+        pick's ``max_new_chars`` (extproc.pick.tokenize_ahead)."""
+        if self.ahead is None or settings.cache_view == "learned":
+            return 0
+        return await self.ahead.prepare(decision)
 
     def set_endpoints(self, addresses: Sequence[str]) -> None:
         super().set_endpoints(addresses)
@@ -75,6 +86,8 @@ class Picker(PickCore):
             await self.subscriber.stop()
         if self.tokenizer_check is not None:
             await self.tokenizer_check.stop()
+        if self.ahead is not None:
+            self.ahead.close()
 
 
 

@@ -17,7 +17,7 @@ from typing import Final, NamedTuple, Protocol
 from extproc.core.decide import Decision, parsed_object
 from extproc.pick.chain_cache import ChainCache
 from extproc.pick.kv_index import EventIndex
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable, PathKind
 
 EVENTS: Final = "events"
 PARTIAL: Final = "partial"  # a replica origin: events that miss part of its cache (extproc.pick.partial_view)
@@ -62,9 +62,22 @@ class PreciseView:
         view = self.origins.get(address)
         return view.origin if view is not None else "none"
 
-    def tokens(self, decision: Decision, *, checking: bool = False) -> Sequence[int]:
+    def tokens(self, decision: Decision, *, checking: bool = False, max_new_chars: int = 0) -> Sequence[int]:
         """The prompt's token ids as the replica computes them; raises NotTokenizable (also for a
-        model whose tokenizer a run-time check found wrong, unless ``checking`` it again)."""
+        model whose tokenizer a run-time check found wrong, unless ``checking`` it again, and for
+        more than ``max_new_chars`` characters the tokenizer's cache does not hold, 0: no limit)."""
+        tokenizer, doc, kind = self._resolve(decision, checking)
+        return tokenizer.token_array(doc, kind, max_new_chars)
+
+    def missing(self, decision: Decision) -> tuple[ModelTokenizer, list[tuple[bool, str]]]:
+        """The tokenizer for the request and the segments of its text that tokenizer's cache does not
+        hold (what ``tokens`` would tokenise); raises NotTokenizable as ``tokens`` does."""
+        tokenizer, doc, kind = self._resolve(decision, False)
+        text = tokenizer.prompt_text(doc, kind)
+        return tokenizer, tokenizer.missing(text) if text else []
+
+    def _resolve(self, decision: Decision, checking: bool) -> tuple[ModelTokenizer, Mapping, PathKind]:
+        """The request's tokenizer, parsed body and path kind; raises NotTokenizable."""
         doc = decision.document
         if doc is None and decision.normalize == "raw" and decision.fallback is None and decision.normalized:
             doc = parsed_object(decision.normalized)  # raw mode hashed the bytes without parsing them
@@ -77,15 +90,16 @@ class PreciseView:
         if tokenizer is None:
             raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {doc.get('model')!r}")
         if "messages" in doc:
-            return tokenizer.token_array(doc, "chat")
+            return tokenizer, doc, "chat"
         if "prompt" in doc:
-            return tokenizer.token_array(doc, "completions")
+            return tokenizer, doc, "completions"
         raise NotTokenizable("bad_request", "neither messages nor prompt")
 
-    def match(self, decision: Decision) -> Exact:
+    def match(self, decision: Decision, max_new_chars: int = 0) -> Exact:
         """Exact cached tokens on every covered replica (what its events say it holds, continued by
-        the blocks this router's requests in flight there are computing); raises NotTokenizable."""
-        ids = self.tokens(decision)
+        the blocks this router's requests in flight there are computing); raises NotTokenizable,
+        also for more than ``max_new_chars`` new characters to tokenise (0: no limit)."""
+        ids = self.tokens(decision, max_new_chars=max_new_chars)
         doc = decision.document or {}
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
         covered, partial, sizes = self._coverage()

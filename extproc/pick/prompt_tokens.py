@@ -200,21 +200,49 @@ class ModelTokenizer:
         """``tokenizer.encode(text, add_special_tokens=...).ids``, served from the segment cache."""
         return self.encode_array(text, add_special_tokens=add_special_tokens).tolist()
 
-    def encode_array(self, text: str, *, add_special_tokens: bool = False) -> array:
+    def encode_array(self, text: str, *, add_special_tokens: bool = False, max_new_chars: int = 0) -> array:
         """``encode`` as an ``array('I')``: cached segments join by memory copy, and precise mode
-        hashes the ids' bytes, so a 17,000-token prompt never becomes a list of int objects."""
+        hashes the ids' bytes, so a 17,000-token prompt never becomes a list of int objects.
+
+        ``max_new_chars`` (0: no limit): raise NotTokenizable("tokenizer_busy") rather than tokenise
+        more than this many characters the cache does not hold (precise mode's request path: what
+        is longer was to be tokenised ahead, off the event loop, by extproc.pick.tokenize_ahead).
+        """
         if add_special_tokens:
             if self._special_affix is None:
                 return array("I", self.encode_uncached(text, add_special_tokens=True))
             prefix, suffix = self._special_affix
-            return array("I", prefix) + self.encode_array(text) + array("I", suffix)
-        if not self.cache_enabled or self.cache_limit == 0 or self._split is None:
+            return array("I", prefix) + self.encode_array(text, max_new_chars=max_new_chars) + array("I", suffix)
+        if not self.caching:
             return array("I", self.encode_uncached(text))
+        out, pending = self._plan(text)
+        if not pending:
+            return _joined(out)
+        segments = [(first, seg) for _, first, seg in pending]
+        if max_new_chars and sum(len(seg) for _, seg in segments) > max_new_chars:
+            raise NotTokenizable("tokenizer_busy", f"{sum(len(seg) for _, seg in segments)} new characters, "
+                                 f"more than {max_new_chars} to tokenise on the request path")
+        encoded = self.encode_segments(segments)
+        if encoded is None:
+            return array("I", self.encode_uncached(text))
+        for (at, _, _), value in zip(pending, self.store_segments(segments, encoded), strict=True):
+            out[at] = value
+        return _joined(out)
+
+    @property
+    def caching(self) -> bool:
+        """Whether texts are tokenised segment by segment through the cache (else whole, every time)."""
+        return self.cache_enabled and self.cache_limit > 0 and self._split is not None
+
+    def _plan(self, text: str, count: bool = True) -> tuple[list[array | int], list[tuple[int, bool, str]]]:
+        """``text`` split at its added tokens: the pieces in order (added-token ids, cached ids, and
+        -1 where a segment is not cached) and those segments as (index in the pieces, whether it
+        starts the text, text). Counts the cache hits if ``count``."""
         out: list[array | int] = []
+        pending: list[tuple[int, bool, str]] = []
         pos = 0
-        pending: list[tuple[int, bool, str]] = []  # (index in out, first, text) still to tokenise
         parts: list[Any] = []
-        for start, end in self._split.spans(text):
+        for start, end in self._split.spans(text):  # type: ignore[union-attr]  # caching: a split
             if start > pos:
                 parts.append((pos == 0, text[pos:start]))
             parts.append(text[start:end])
@@ -232,27 +260,47 @@ class ModelTokenizer:
             hit = cache.get(key)
             if hit is not None and hit[0] == seg:
                 cache.move_to_end(key)
-                self.cache_hits += 1
-                self.cache_hit_chars += len(seg)
+                if count:
+                    self.cache_hits += 1
+                    self.cache_hit_chars += len(seg)
                 out.append(hit[1])
             else:
                 pending.append((len(out), first, seg))
-                out.append(-1)  # placeholder, replaced below
-        if not pending:
-            return _joined(out)
-        inputs = [seg if first else self._sep + seg for _, first, seg in pending]
+                out.append(-1)  # placeholder, replaced by the caller
+        return out, pending
+
+    def missing(self, text: str) -> list[tuple[bool, str]]:
+        """The segments of ``text`` the cache does not hold, as (starts the text, segment): what
+        ``encode_segments`` would tokenise (none when the tokenizer does not cache)."""
+        if not self.caching:
+            return []
+        return [(first, seg) for _, first, seg in self._plan(text, count=False)[1]]
+
+    def encode_segments(self, segments: list[tuple[bool, str]]) -> list[list[int]] | None:
+        """Each segment's ids as it tokenises in its text (None if the split assumption fails, which a
+        split-before tokenizer never does). Touches only the Hugging Face tokenizer, which releases
+        the GIL while it works: safe to run on a worker thread beside the event loop."""
+        inputs = [seg if first else self._sep + seg for first, seg in segments]  # type: ignore[operator]
         # encode_batch_fast even for one text: no offsets computed (a third of a short text's cost)
         encoded = self._tok.encode_batch_fast(inputs, add_special_tokens=False)
-        for (at, first, seg), enc in zip(pending, encoded, strict=True):
+        out: list[list[int]] = []
+        for (first, _), enc in zip(segments, encoded, strict=True):
             ids = enc.ids
             if not first:
-                if not ids or ids[0] != self._sep_id:  # cannot happen with a split-before tokenizer
-                    return array("I", self.encode_uncached(text))
+                if not ids or ids[0] != self._sep_id:
+                    return None
                 ids = ids[1:]
+            out.append(ids)
+        return out
+
+    def store_segments(self, segments: list[tuple[bool, str]], encoded: list[list[int]]) -> list[array]:
+        """Cache ``encode_segments``' result (on the loop's thread: the cache is not thread-safe)."""
+        stored = []
+        for (first, seg), ids in zip(segments, encoded, strict=True):
             self.cache_misses += 1
             self.cache_miss_chars += len(seg)
-            out[at] = self._store(first, seg, ids)
-        return _joined(out)
+            stored.append(self._store(first, seg, ids))
+        return stored
 
     @property
     def _added_ids(self) -> dict[str, int]:
@@ -301,24 +349,36 @@ class ModelTokenizer:
         :class:`NotTokenizable` when it cannot say."""
         return self.token_array(doc, path_kind).tolist()
 
-    def token_array(self, doc: Mapping[str, Any], path_kind: PathKind) -> array:
-        """``tokens_for`` as an ``array('I')`` (what precise mode hashes)."""
+    def token_array(self, doc: Mapping[str, Any], path_kind: PathKind, max_new_chars: int = 0) -> array:
+        """``tokens_for`` as an ``array('I')`` (what precise mode hashes); ``max_new_chars``: as
+        ``encode_array``'s."""
         if not isinstance(doc, Mapping):
             raise NotTokenizable("bad_request", "the body is not a JSON object")
         if doc.get("truncate_prompt_tokens") is not None:
             raise NotTokenizable("unsupported", "truncate_prompt_tokens")
         if path_kind == "chat":
             text = self.render_chat(doc)
-            return self.encode_array(text, add_special_tokens=request_bool(doc, "add_special_tokens", False))
+            return self.encode_array(text, add_special_tokens=request_bool(doc, "add_special_tokens", False),
+                                     max_new_chars=max_new_chars)
         if path_kind == "completions":
-            return self._completion_tokens(doc)
+            return self._completion_tokens(doc, max_new_chars)
         raise NotTokenizable("bad_request", f"unknown path kind {path_kind!r}")
 
     def render_chat(self, doc: Mapping[str, Any]) -> str:
         """The chat template rendered for a chat completions body, as vLLM renders it."""
         return render_chat(self._template, self.special_tokens, self.content_format, doc)
 
-    def _completion_tokens(self, doc: Mapping[str, Any]) -> array:
+    def prompt_text(self, doc: Mapping[str, Any], path_kind: PathKind) -> str | None:
+        """The text ``token_array`` tokenises for ``doc`` (None: token ids, or nothing to tokenise);
+        raises NotTokenizable as it does."""
+        if path_kind == "chat":
+            return self.render_chat(doc)
+        prompt = doc.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
+
+    def _completion_tokens(self, doc: Mapping[str, Any], max_new_chars: int = 0) -> array:
         if doc.get("prompt_embeds") is not None:
             raise NotTokenizable("unsupported", "prompt_embeds")
         prompt = doc.get("prompt")
@@ -336,7 +396,7 @@ class ModelTokenizer:
                     return _ids(prompt)
                 raise NotTokenizable("bad_request", "a prompt list that is not token ids")
         if isinstance(prompt, str):
-            return self.encode_array(prompt, add_special_tokens=add_special)
+            return self.encode_array(prompt, add_special_tokens=add_special, max_new_chars=max_new_chars)
         raise NotTokenizable("bad_request", "prompt is neither a string nor token ids")
 
 

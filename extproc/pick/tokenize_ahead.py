@@ -1,0 +1,94 @@
+"""Precise mode's long new text, tokenised on a worker thread before its request is picked.
+
+Tokenising text the segment cache does not hold is precise mode's one heavy step: about 0.3 us a
+character with the tiny tokenizer here, so a new 32 KB prompt costs ~9 ms, and on the event loop
+that stalls every other request meanwhile (docs/overhead.md, "Precise mode"). The Hugging Face
+tokenizer releases the GIL while it encodes, so the adapter awaits ``prepare`` before the pick:
+a request with more than ``inline_chars`` new characters has them tokenised on one worker thread
+while the loop serves the others, stored in the cache on the loop, and its pick then finds them
+cached. Shorter new text is tokenised in the pick itself (the thread hop would cost more).
+
+The worker's queue is bounded by time: ``max_wait_s`` at the rate measured on the jobs done so
+far. A request that would wait longer is not queued; ``prepare`` returns ``inline_chars`` and the
+pick, refusing to tokenise more than that on the loop, routes it on the learned view (counted as
+``tokenizer_busy``). Overload then costs exactness for some requests, never their routing: waiting
+past Envoy's ``message_timeout`` would send them on unkeyed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final
+
+from extproc import metrics
+from extproc.core.decide import Decision
+from extproc.pick.precise import PreciseView
+from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
+
+RATE_WEIGHT: Final = 0.2  # of the newest job in the measured characters per second
+
+
+class TokenizeAhead:
+    """One worker thread for the tokenizer, and the bound on its queue."""
+
+    def __init__(self, precise: PreciseView, inline_chars: int, max_wait_s: float) -> None:
+        self.precise = precise
+        self.inline_chars = inline_chars
+        self.max_wait_s = max_wait_s
+        self.queued_chars = 0  # of the jobs submitted and not finished
+        self.chars_per_s = 0.0  # the worker's measured speed (0 until a job has finished)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
+
+    async def prepare(self, decision: Decision) -> int:
+        """Tokenise the request's long new text off the loop; returns the pick's ``max_new_chars``:
+        0 (no limit) or, when the worker is too busy to take it, ``inline_chars``."""
+        if not self.inline_chars or decision.normalized_bytes <= self.inline_chars:
+            return 0  # its whole text is short: the pick tokenises what is new
+        try:
+            tokenizer, segments = self.precise.missing(decision)
+        except NotTokenizable:
+            return 0  # the pick finds the same reason, and counts it
+        chars = sum(len(seg) for _, seg in segments)
+        if chars <= self.inline_chars:
+            return 0
+        if not self._admits(chars):
+            metrics.TOKENIZE_AHEAD.labels("busy").inc()
+            return self.inline_chars
+        await self._run(tokenizer, segments, chars)
+        return 0
+
+    def _admits(self, chars: int) -> bool:
+        """Whether a job of ``chars`` would start within ``max_wait_s`` (always when the worker is idle)."""
+        if not self.queued_chars:
+            return True
+        return not self.chars_per_s or (self.queued_chars + chars) / self.chars_per_s <= self.max_wait_s
+
+    async def _run(self, tokenizer: ModelTokenizer, segments: list[tuple[bool, str]], chars: int) -> None:
+        self.queued_chars += chars
+        started = time.perf_counter()
+        try:
+            encoded, seconds = await asyncio.get_running_loop().run_in_executor(
+                self._pool, _timed, tokenizer, segments)
+        finally:
+            self.queued_chars -= chars
+        if encoded is not None:
+            tokenizer.store_segments(segments, encoded)
+        speed = chars / seconds if seconds > 0 else 0.0
+        if speed:
+            self.chars_per_s = speed if not self.chars_per_s else (
+                (1 - RATE_WEIGHT) * self.chars_per_s + RATE_WEIGHT * speed)
+        metrics.TOKENIZE_AHEAD.labels("done").inc()
+        metrics.TOKENIZE_AHEAD_CHARS.inc(chars)
+        metrics.TOKENIZE_AHEAD_SECONDS.observe(time.perf_counter() - started)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _timed(tokenizer: ModelTokenizer, segments: list[tuple[bool, str]]) -> tuple[list[list[int]] | None, float]:
+    """On the worker: the segments' ids, and the seconds the tokenizer took (its speed, not the queue's)."""
+    started = time.perf_counter()
+    encoded = tokenizer.encode_segments(segments)
+    return encoded, time.perf_counter() - started

@@ -1,0 +1,128 @@
+"""extproc.pick.tokenize_ahead: long new text tokenised on a worker thread while the loop serves,
+the pick then exact; a full queue sends the request to the learned view instead of making it wait."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from extproc import metrics
+from extproc.core.decide import decide
+from extproc.core.settings import RouteSettings
+from extproc.pick.core import PickCore
+from extproc.pick.kv_index import EventIndex
+from extproc.pick.precise import PreciseView
+from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.tokenize_ahead import TokenizeAhead
+from routerlab.assets import TINY_BYTELEVEL
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+PICK = RouteSettings(mode="pick")
+SYSTEM = "You answer questions about the ACME deploy pipeline with numbered runbook steps. " * 8  # 656 chars
+
+
+class Live:
+    origin = "events"
+
+
+def setup(inline_chars: int = 200, max_wait_s: float = 1.0) -> tuple[PickCore, ModelTokenizer, TokenizeAhead]:
+    tokenizer = ModelTokenizer(TINY_BYTELEVEL)
+    core = PickCore()
+    core.set_endpoints([A, B])
+    core.precise = PreciseView(EventIndex(), {"*": tokenizer}, {A: Live(), B: Live()})
+    return core, tokenizer, TokenizeAhead(core.precise, inline_chars, max_wait_s)
+
+
+def chat(question: str, system: str = SYSTEM) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "system", "content": system},
+                                                  {"role": "user", "content": question}]}).encode()
+
+
+def counted(view: str, reason: str) -> float:
+    return metrics.cache_view_counter(view, reason)._value.get()
+
+
+def test_long_new_text_is_tokenised_on_the_worker_while_the_loop_serves_then_the_pick_is_exact() -> None:
+    core, tokenizer, ahead = setup()
+    decision = decide(chat("How do I roll back a deploy?"), {}, PICK)
+    encode = tokenizer.encode_segments
+    threads: list[int] = []
+    loop_ran = threading.Event()
+
+    def on_worker(segments):  # type: ignore[no-untyped-def]
+        threads.append(threading.get_ident())
+        assert loop_ran.wait(10), "the event loop did not run while the worker tokenised"
+        return encode(segments)
+
+    tokenizer.encode_segments = on_worker  # type: ignore[method-assign]
+    done = metrics.TOKENIZE_AHEAD.labels("done")._value.get()
+
+    async def main() -> int:
+        async def meanwhile() -> None:
+            await asyncio.sleep(0)
+            loop_ran.set()  # another request's work, on the loop, while the worker is busy
+        prepared, _ = await asyncio.gather(ahead.prepare(decision), meanwhile())
+        return prepared
+
+    try:
+        assert asyncio.run(main()) == 0
+    finally:
+        ahead.close()
+    assert threads and threading.get_ident() not in threads
+    assert metrics.TOKENIZE_AHEAD.labels("done")._value.get() == done + 1
+    assert ahead.chars_per_s > 0 and ahead.queued_chars == 0
+    misses = tokenizer.cache_misses
+    events = counted("events", "covered")
+    choice = core.pick(decision, PICK)
+    assert tokenizer.cache_misses == misses  # the pick found every segment cached
+    assert counted("events", "covered") == events + 1
+    assert choice.prompt_tokens == len(tokenizer.encode_uncached(tokenizer.render_chat(decision.document)))
+
+
+def test_short_new_text_is_left_to_the_pick() -> None:
+    core, tokenizer, ahead = setup(inline_chars=200)
+    tokenizer.encode(tokenizer.render_chat(json.loads(chat("warm"))))  # the system prompt is known now
+    calls: list[int] = []
+    tokenizer.encode_segments = lambda s: calls.append(1)  # type: ignore[method-assign, assignment, return-value]
+    try:
+        assert asyncio.run(ahead.prepare(decide(chat("A short new question?"), {}, PICK))) == 0
+        assert asyncio.run(ahead.prepare(decide(b'{"model": "m", "prompt": [1, 2, 3]}', {}, PICK))) == 0
+    finally:
+        ahead.close()
+    assert calls == []
+
+
+@pytest.mark.parametrize("queued,expected", [(0, 0), (50_000, 200)])
+def test_a_request_that_would_wait_too_long_is_not_queued_and_takes_the_learned_view(queued: int,
+                                                                                     expected: int) -> None:
+    core, tokenizer, ahead = setup(inline_chars=200, max_wait_s=0.1)
+    ahead.chars_per_s = 100_000.0  # measured earlier: 50,000 queued characters are 0.5 s of work
+    ahead.queued_chars = queued
+    decision = decide(chat("Why did the canary fail?"), {}, PICK)
+    busy = metrics.TOKENIZE_AHEAD.labels("busy")._value.get()
+    refused = counted("learned", "tokenizer_busy")
+    try:
+        limit = asyncio.run(ahead.prepare(decision))
+    finally:
+        ahead.close()
+    assert limit == expected  # an idle worker always takes the job; a full one does not
+    choice = core.pick(decision, PICK, limit)
+    assert choice.address in (A, B)
+    assert metrics.TOKENIZE_AHEAD.labels("busy")._value.get() == busy + (1 if queued else 0)
+    assert counted("learned", "tokenizer_busy") == refused + (1 if queued else 0)
+
+
+def test_the_stall_bench_runs_both_ways_and_counts_every_request() -> None:
+    from argparse import Namespace
+
+    from routerlab.bench.stall import measure
+    rows = measure(Namespace(seconds=0.2, short_every=0.02, long_every=0.1, size_kb=4, replicas=4,
+                             inline_chars=2048, queue_seconds=0.1))
+    assert [r["tokenize_inline_chars"] for r in rows] == [0, 2048]
+    for r in rows:
+        assert r["short_ms"]["n"] == 10 and r["long_ms"]["n"] == 2
+        assert sum(r["long_views"].values()) == 2
+        assert 0 < r["short_ms"]["p50"] <= r["short_ms"]["max"]
