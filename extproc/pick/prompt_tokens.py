@@ -25,7 +25,8 @@ sees exactly the context it has in the full text. Tokenizers whose added tokens 
 split does not reproduce (``lstrip``/``rstrip``/``single_word``, ``normalized`` under a normaliser,
 ``encode_special_tokens``) get no cache: every text is tokenised whole, and a log line says so.
 
-Pure apart from reading the tokenizer files in the constructor; not thread-safe (one per loop).
+Pure apart from reading the tokenizer files in the constructor; not thread-safe (one per loop),
+except ``encode_segments``, which a worker thread runs (extproc.pick.tokenize_ahead).
 """
 
 from __future__ import annotations
@@ -219,9 +220,10 @@ class ModelTokenizer:
         if not pending:
             return _joined(out)
         segments = [(first, seg) for _, first, seg in pending]
-        if max_new_chars and sum(len(seg) for _, seg in segments) > max_new_chars:
-            raise NotTokenizable("tokenizer_busy", f"{sum(len(seg) for _, seg in segments)} new characters, "
-                                 f"more than {max_new_chars} to tokenise on the request path")
+        new_chars = sum(len(seg) for _, seg in segments)
+        if max_new_chars and new_chars > max_new_chars:
+            raise NotTokenizable("tokenizer_busy", f"{new_chars} new characters, more than {max_new_chars} "
+                                 "to tokenise on the request path")
         encoded = self.encode_segments(segments)
         if encoded is None:
             return array("I", self.encode_uncached(text))
