@@ -189,9 +189,10 @@ PRECISE_SECONDS = Histogram(
 )
 TOKENIZE_AHEAD = Counter(
     "prefix_router_tokenize_ahead_total",
-    "Precise-mode requests whose new text was longer than --tokenize-inline-chars: tokenised on the "
-    "worker thread before the pick (done), or not queued because the worker's queue would have made "
-    "it wait longer than --tokenize-queue-seconds (busy: the pick used the learned view)",
+    "Precise-mode requests (and tokenizer-check samples) whose new text was longer than "
+    "--tokenize-inline-chars: tokenised on the worker thread before the pick (done), or not queued "
+    "because the worker's queue would have made it wait longer than --tokenize-queue-seconds (busy: "
+    "the pick used the learned view, the check skipped the sample)",
     ["outcome"],
     registry=REGISTRY,
 )

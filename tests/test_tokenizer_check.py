@@ -128,3 +128,39 @@ def test_only_bodies_tokenize_can_express_are_asked() -> None:
         "model": MODEL, "messages": CHAT["messages"], "tools": [{"type": "function"}],
         "add_generation_prompt": False, "continue_final_message": True}
     assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_a_samples_long_new_text_is_tokenised_on_the_worker_and_skipped_when_it_is_busy() -> None:
+    import threading
+
+    from extproc.pick.tokenize_ahead import TokenizeAhead
+
+    tokenizer = ModelTokenizer(TINY_BYTELEVEL)
+    view = PreciseView(EventIndex(1000), {MODEL: tokenizer})
+    ahead = TokenizeAhead(view, inline_chars=100, max_wait_s=0.1)
+    long = decision(messages=[{"role": "user", "content": "why does the canary keep failing on step 3? " * 10}])
+    theirs = tokenizer.encode_uncached(tokenizer.render_chat(long.document))
+    encode, threads = tokenizer.encode_segments, []
+
+    def on_worker(segments):  # type: ignore[no-untyped-def]
+        threads.append(threading.get_ident())
+        return encode(segments)
+
+    tokenizer.encode_segments = on_worker  # type: ignore[method-assign]
+
+    async def run(replica: Replica, address: str) -> None:
+        check = TokenizerCheck(view, every=1, ahead=lambda d: ahead.prepare(d, checking=True))
+        await check.start()
+        try:
+            replica.answer = theirs
+            assert await check.check(address, MODEL, long.document, long) == "match"
+            assert threads and threading.get_ident() not in threads  # tokenised on the worker
+            ahead.queued_chars, ahead.chars_per_s = 10**6, 1000.0  # the worker has 1,000 s of work queued
+            other = decision(messages=[{"role": "user", "content": "a different long question, " * 10}])
+            assert await check.check(address, MODEL, other.document, other) is None
+            assert check.busy == 1 and len(replica.bodies) == 1  # skipped: not asked, not counted
+        finally:
+            await check.stop()
+            ahead.close()
+
+    asyncio.run(with_replica(run))

@@ -51,9 +51,10 @@ class Picker(PickCore):
                                                 ports_relative=cfg.kv_ports_relative)
             self.precise = PreciseView(events, tokenizers if tokenizers is not None else load_tokenizers(cfg),
                                        self.subscriber.stats.replicas)
-            self.tokenizer_check = TokenizerCheck(self.precise, cfg.tokenizer_check_every)
+            ahead = self.ahead = TokenizeAhead(self.precise, cfg.tokenize_inline_chars, cfg.tokenize_queue_seconds)
+            self.tokenizer_check = TokenizerCheck(self.precise, cfg.tokenizer_check_every,
+                                                  ahead=lambda decision: ahead.prepare(decision, checking=True))
             self.on_precise_pick = self.tokenizer_check.offer
-            self.ahead = TokenizeAhead(self.precise, cfg.tokenize_inline_chars, cfg.tokenize_queue_seconds)
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
 

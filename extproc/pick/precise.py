@@ -69,10 +69,10 @@ class PreciseView:
         tokenizer, doc, kind = self._resolve(decision, checking)
         return tokenizer.token_array(doc, kind, max_new_chars)
 
-    def missing(self, decision: Decision) -> tuple[ModelTokenizer, list[tuple[bool, str]]]:
+    def missing(self, decision: Decision, checking: bool = False) -> tuple[ModelTokenizer, list[tuple[bool, str]]]:
         """The tokenizer for the request and the segments of its text that tokenizer's cache does not
         hold (what ``tokens`` would tokenise); raises NotTokenizable as ``tokens`` does."""
-        tokenizer, doc, kind = self._resolve(decision, False)
+        tokenizer, doc, kind = self._resolve(decision, checking)
         text = tokenizer.prompt_text(doc, kind)
         return tokenizer, tokenizer.missing(text) if text else []
 

@@ -41,13 +41,15 @@ class TokenizeAhead:
         self.chars_per_s = 0.0  # the worker's measured speed (0 until a job has finished)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
 
-    async def prepare(self, decision: Decision) -> int:
+    async def prepare(self, decision: Decision, checking: bool = False) -> int:
         """Tokenise the request's long new text off the loop; returns the pick's ``max_new_chars``:
-        0 (no limit) or, when the worker is too busy to take it, ``inline_chars``."""
+        0 (no limit) or, when the worker is too busy to take it, ``inline_chars``. ``checking``: for
+        the run-time tokenizer check (extproc.pick.tokenizer_check), which tokenises a distrusted
+        model's requests too."""
         if not self.inline_chars or decision.normalized_bytes <= self.inline_chars:
             return 0  # its whole text is short: the pick tokenises what is new
         try:
-            tokenizer, segments = self.precise.missing(decision)
+            tokenizer, segments = self.precise.missing(decision, checking)
         except NotTokenizable:
             return 0  # the pick finds the same reason, and counts it
         chars = sum(len(seg) for _, seg in segments)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -80,12 +80,17 @@ def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> int:
 class TokenizerCheck:
     """Samples precise mode's requests and checks the router's token ids against the replica's."""
 
-    def __init__(self, precise: PreciseView, every: int, timeout: float = 5.0) -> None:
+    def __init__(self, precise: PreciseView, every: int, timeout: float = 5.0,
+                 ahead: Callable[[Decision], Awaitable[int]] | None = None) -> None:
         self.precise = precise
         self.every = every
         self.timeout = timeout
+        # tokenises a sample's long new text on the worker first (TokenizeAhead.prepare with
+        # checking=True); returns 0, or non-zero when the worker is too busy: the sample is skipped
+        self.ahead = ahead
         self.models: dict[str, ModelChecks] = {}
         self.dropped = 0  # samples dropped because the queue was full
+        self.busy = 0  # samples skipped because the worker could not tokenise them ahead
         self._queue: deque[tuple[str, str, dict[str, Any], Decision]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -140,6 +145,9 @@ class TokenizerCheck:
         None when the request is not one ``/tokenize`` can express or the router cannot tokenise."""
         body = tokenize_body(doc)
         if body is None:
+            return None
+        if self.ahead is not None and await self.ahead(decision):
+            self.busy += 1  # its text would be tokenised on the loop: skipped, the next sample is checked
             return None
         try:
             ours = list(self.precise.tokens(decision, checking=True))
