@@ -99,3 +99,14 @@ def test_events_need_a_picking_config_and_a_known_id_place(capsys: pytest.Captur
     assert "needs a config whose router picks" in capsys.readouterr().err
     assert cli_main(["bench", "--scenario", "overhead", "--param", "id_at=middle"]) == 2
     assert "unknown id_at" in capsys.readouterr().err
+
+
+def test_requests_not_on_the_events_view_are_counted_by_view_and_reason() -> None:
+    from routerlab.realvllm.promtext import Sample
+    samples = [Sample("prefix_router_cache_view_total", {"view": "events", "reason": "covered"}, 5.0),
+               Sample("prefix_router_cache_view_total", {"view": "learned", "reason": "tokenizer_busy"}, 3.0),
+               Sample("prefix_router_cache_view_total", {"view": "learned", "reason": "not_json"}, 0.0),
+               Sample("prefix_router_cache_view_total", {"view": "events", "reason": "none_covered"}, 1.0)]
+    assert events.views(samples) == {"events_covered": 5.0, "not_covered": 4.0,
+                                     "not_covered:learned/tokenizer_busy": 3.0,
+                                     "not_covered:events/none_covered": 1.0}

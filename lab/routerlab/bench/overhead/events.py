@@ -57,14 +57,23 @@ def write(path: Path, sizes: Sequence[int], id_at: str) -> Path:
     return write_announcement(path, announced_prompts(sizes, id_at), BLOCK_SIZE, MODEL)
 
 
+NOT_COVERED: Final = "not_covered:"  # a count key's prefix: the view and reason follow, "learned/tokenizer_busy"
+
+
 def views(samples: list[Sample]) -> dict[str, float]:
     """The router's requests by cache view: ``events_covered`` (the events view, some replica covered)
-    and ``not_covered`` (the learned view for any reason, or the events view with no replica covered)."""
+    and ``not_covered`` (the learned view for any reason, or the events view with no replica covered),
+    that one also by view and reason (``not_covered:VIEW/REASON``)."""
     out = {"events_covered": 0.0, "not_covered": 0.0}
     for s in samples:
         if s.name == VIEW_METRIC:
-            taken = (s.labels.get("view"), s.labels.get("reason")) == ("events", "covered")
-            out["events_covered" if taken else "not_covered"] += s.value
+            view, reason = s.labels.get("view"), s.labels.get("reason")
+            if (view, reason) == ("events", "covered"):
+                out["events_covered"] += s.value
+            elif s.value:
+                out["not_covered"] += s.value
+                key = f"{NOT_COVERED}{view}/{reason}"
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 

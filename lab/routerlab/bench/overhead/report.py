@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from routerlab.bench import drill
-from routerlab.bench.overhead.events import has_events
+from routerlab.bench.overhead.events import NOT_COVERED, has_events
 from routerlab.bench.overhead.figures import median
 from routerlab.bench.overhead.plan import LATENCY_CONNECTIONS, Config
 
@@ -33,8 +33,15 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
         mine = [p for p in phases if p["config"] == config and p["arm"] == "router"]
         taken = sum(p["counts"].get("events_covered", 0) for p in mine)
         other = sum(p["counts"].get("not_covered", 0) for p in mine)
+        why: dict[str, float] = {}
+        for p in mine:
+            for key, n in p["counts"].items():
+                if key.startswith(NOT_COVERED) and n:
+                    why[key.removeprefix(NOT_COVERED)] = why.get(key.removeprefix(NOT_COVERED), 0.0) + n
+        reasons = ", ".join(f"{k} {n:.0f}" for k, n in sorted(why.items(), key=lambda kv: -kv[1]))
         out.append(f"{config}: the router's requests in its phases took the events view (prefix_router_cache_view_total"
                    f"{{view=\"events\",reason=\"covered\"}}) {taken:.0f} times, another view {other:.0f} times"
+                   + (f" ({reasons})" if reasons else "")
                    + (": those phases do not measure precise mode alone." if other else "."))
     limit = SATURATED_SHARE * cfg.threads
     busy_wrk = [p for p in phases if p["cpu_share"]["generator"] >= limit]
