@@ -62,7 +62,9 @@ class TokenizeAhead:
         return 0
 
     def _admits(self, chars: int) -> bool:
-        """Whether a job of ``chars`` would start within ``max_wait_s`` (always when the worker is idle)."""
+        """Whether a job of ``chars`` would be done within ``max_wait_s`` at the measured speed, queue
+        included; an idle worker takes any job (a long prompt seen first when the router is quiet is
+        still matched exactly)."""
         if not self.queued_chars:
             return True
         return not self.chars_per_s or (self.queued_chars + chars) / self.chars_per_s <= self.max_wait_s
