@@ -110,3 +110,14 @@ def test_requests_not_on_the_events_view_are_counted_by_view_and_reason() -> Non
     assert events.views(samples) == {"events_covered": 5.0, "not_covered": 4.0,
                                      "not_covered:learned/tokenizer_busy": 3.0,
                                      "not_covered:events/none_covered": 1.0}
+
+
+def test_mixed_sends_one_request_in_ten_all_new_and_the_others_sharing_the_system_prompt() -> None:
+    from routerlab.bench.overhead.wrk import MIXED_NEW_EVERY, lua_script
+    assert overhead.body_template(2, "mixed") == overhead.body_template(2, "end")  # what the backends announce
+    script = lua_script(2, "mixed")
+    shared, new = overhead.body_template(2, "end"), overhead.body_template(2, "start")
+    for part in (*shared, *new):
+        assert part.decode() in script
+    assert f"local new_every = {MIXED_NEW_EVERY}" in script and MIXED_NEW_EVERY == 10
+    assert "local new_every = 0" in lua_script(2, "start")

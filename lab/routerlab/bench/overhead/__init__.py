@@ -17,7 +17,8 @@ the router in precise mode: the backends publish KV-cache events announcing the 
 and the router gets the tiny tokenizer, so every request renders, tokenises, hashes and matches
 (``events``; the run checks, per phase, that the requests took the events view).
 ``id_at`` puts each request's id at the start of the system prompt (default: no two requests
-share a prefix) or at the end of the prompt (all share all but their end).
+share a prefix), at the end of the prompt (all share all but their end), or ``mixed``: one request
+in ten all new (``start``), the others sharing the system prompt (``end``).
 
 Everything starts once and keeps running; then ``rounds`` interleaved rounds: round r runs,
 for each config, body size and connection count, every arm for ``phase_s`` seconds, one

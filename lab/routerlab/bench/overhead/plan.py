@@ -39,7 +39,7 @@ class Config(drill.Common):
     floor_shape: str = "aio-uvloop"  # the do-nothing server's shape: aio-uvloop (as serve), aio-asyncio, sync
     http_floor: str = "server"  # its HTTP port (envoy-fast.yaml): the router's server code, or "bare" httptools
     processes: int = 1  # ext_proc server processes per arm, all in the prefix_router cluster
-    id_at: str = "start"  # where each request's own id sits: start of the system prompt, or end of the prompt
+    id_at: str = "start"  # where each request's own id sits: start of the system prompt, end of the prompt, or mixed
 
 
 def connection_levels(cfg: Config) -> tuple[int, ...]:

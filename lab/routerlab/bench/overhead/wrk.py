@@ -18,7 +18,8 @@ from routerlab.bench.microbench import chat_body
 MARKER = "@@REQUEST-ID@@"
 
 
-_LUA = """-- wrk: POST chat-completions bodies of {size} bytes, each with its own id (run-thread-n)
+_LUA = """-- wrk: POST chat-completions bodies of {size} bytes, each with its own id (run-thread-n); with new_every > 0,
+-- every new_every-th request takes the second template (its id starts the system prompt: all new)
 local head = [==[{head}]==]
 local tail = [==[{tail}]==]
 local headers = {{["Content-Type"] = "application/json"}}
@@ -31,9 +32,16 @@ local run, n = "0", 0
 function init(args)
   run = args[1] or "0"
 end
+local new_head = [==[{new_head}]==]
+local new_tail = [==[{new_tail}]==]
+local new_every = {new_every}
 function request()
   n = n + 1
-  return wrk.format("POST", "/v1/chat/completions", headers, head .. run .. "-" .. tid .. "-" .. n .. tail)
+  local id = run .. "-" .. tid .. "-" .. n
+  if new_every > 0 and n % new_every == 0 then
+    return wrk.format("POST", "/v1/chat/completions", headers, new_head .. id .. new_tail)
+  end
+  return wrk.format("POST", "/v1/chat/completions", headers, head .. id .. tail)
 end
 function done(summary, latency, requests)
   local e = summary.errors
@@ -45,7 +53,8 @@ end
 """
 
 
-ID_AT = ("start", "end")
+ID_AT = ("start", "end", "mixed")
+MIXED_NEW_EVERY = 10  # id_at=mixed: one request in this many is all new (id_at=start), the others id_at=end
 
 
 def body_template(size_kb: int, id_at: str = "start") -> tuple[bytes, bytes]:
@@ -54,7 +63,9 @@ def body_template(size_kb: int, id_at: str = "start") -> tuple[bytes, bytes]:
     ``start``: the id starts the system prompt, so no two requests share a prefix (the worst
     case for the router's index); ``end``: it ends the user message, so every request shares
     all but its end with every other (a cached system prompt; every request then has the same
-    hash-mode key)."""
+    hash-mode key). ``mixed`` is two templates (``lua_script``); here it is the shared one, ``end``."""
+    if id_at == "mixed":
+        id_at = "end"
     if id_at == "start":
         body = chat_body(size_kb * 1024, size_kb, marker=MARKER, model="zero")
     elif id_at == "end":
@@ -68,10 +79,14 @@ def body_template(size_kb: int, id_at: str = "start") -> tuple[bytes, bytes]:
 
 
 def lua_script(size_kb: int, id_at: str = "start") -> str:
+    """The wrk script; with ``id_at="mixed"`` one request in ``MIXED_NEW_EVERY`` is all new (the
+    ``start`` template) and the others share the system prompt (``end``)."""
     head, tail = body_template(size_kb, id_at)
-    if b"]==]" in head + tail:
+    new_head, new_tail = body_template(size_kb, "start") if id_at == "mixed" else (b"", b"")
+    if b"]==]" in head + tail + new_head + new_tail:
         raise ValueError("body text would end the Lua long string")
-    return _LUA.format(size=len(head) + len(tail), head=head.decode(), tail=tail.decode())
+    return _LUA.format(size=len(head) + len(tail), head=head.decode(), tail=tail.decode(), new_head=new_head.decode(),
+                       new_tail=new_tail.decode(), new_every=MIXED_NEW_EVERY if id_at == "mixed" else 0)
 
 
 def wrk_argv(binary: str, url: str, script: Path, connections: int, threads: int, seconds: int,
