@@ -294,3 +294,19 @@ def test_repeated_system_prompt_hits_the_cache_and_stays_bounded() -> None:
     assert small.cache_bytes_used <= 2_000 and 0 < small.cache_entries < 50
     off = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=0)
     assert off.encode(system + "<|user|>x") == off.encode_uncached(system + "<|user|>x") and off.cache_entries == 0
+
+
+def test_a_request_asked_for_its_missing_text_then_tokenised_is_rendered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    doc = {"messages": [{"role": "user", "content": "how do I roll back? " * 20}]}
+    other = {"messages": [{"role": "user", "content": "and forward?"}]}
+    reference = mt.encode_uncached(mt.render_chat(doc))
+    renders: list[int] = []
+    render = mt.render_chat
+    monkeypatch.setattr(mt, "render_chat", lambda d: renders.append(1) or render(d))
+    assert mt.request_missing(doc, "chat")  # all new
+    assert mt.token_array(doc, "chat").tolist() == reference and len(renders) == 1
+    mt.request_missing(doc, "chat")  # rendered again (the kept text went to the first token_array)
+    assert len(renders) == 2
+    assert mt.token_array(other, "chat").tolist() == mt.encode_uncached(render(other))  # another body: its own text
+    assert len(renders) == 3

@@ -73,8 +73,7 @@ class PreciseView:
         """The tokenizer for the request and the segments of its text that tokenizer's cache does not
         hold (what ``tokens`` would tokenise); raises NotTokenizable as ``tokens`` does."""
         tokenizer, doc, kind = self._resolve(decision, checking)
-        text = tokenizer.prompt_text(doc, kind)
-        return tokenizer, tokenizer.missing(text) if text else []
+        return tokenizer, tokenizer.request_missing(doc, kind)
 
     def _resolve(self, decision: Decision, checking: bool) -> tuple[ModelTokenizer, Mapping, PathKind]:
         """The request's tokenizer, parsed body and path kind; raises NotTokenizable."""

@@ -135,6 +135,7 @@ class ModelTokenizer:
 
         self.cache_limit = max(0, int(cache_bytes))
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
+        self._rendered: tuple[Mapping[str, Any], str] | None = None  # request_missing's doc and its text
         self.cache_bytes_used = 0
         self.cache_hits = 0
         self.cache_misses = 0
@@ -354,52 +355,62 @@ class ModelTokenizer:
     def token_array(self, doc: Mapping[str, Any], path_kind: PathKind, max_new_chars: int = 0) -> array:
         """``tokens_for`` as an ``array('I')`` (what precise mode hashes); ``max_new_chars``: as
         ``encode_array``'s."""
-        if not isinstance(doc, Mapping):
-            raise NotTokenizable("bad_request", "the body is not a JSON object")
-        if doc.get("truncate_prompt_tokens") is not None:
-            raise NotTokenizable("unsupported", "truncate_prompt_tokens")
+        prompt = self._prompt(doc, path_kind)
+        if isinstance(prompt, array):
+            return prompt
+        add_special = request_bool(doc, "add_special_tokens", path_kind == "completions")  # vLLM's defaults
+        return self.encode_array(prompt, add_special_tokens=add_special, max_new_chars=max_new_chars)
+
+    def request_missing(self, doc: Mapping[str, Any], path_kind: PathKind) -> list[tuple[bool, str]]:
+        """``missing`` of the text ``token_array`` would tokenise for ``doc`` (none for token ids);
+        raises NotTokenizable as it does. The rendered chat text is kept for the next ``token_array``
+        of the same ``doc`` (precise mode asks this, then picks: one render, not two)."""
+        prompt = self._prompt(doc, path_kind)
+        if isinstance(prompt, array):
+            return []
         if path_kind == "chat":
-            text = self.render_chat(doc)
-            return self.encode_array(text, add_special_tokens=request_bool(doc, "add_special_tokens", False),
-                                     max_new_chars=max_new_chars)
-        if path_kind == "completions":
-            return self._completion_tokens(doc, max_new_chars)
-        raise NotTokenizable("bad_request", f"unknown path kind {path_kind!r}")
+            self._rendered = (doc, prompt)
+        return self.missing(prompt)
 
     def render_chat(self, doc: Mapping[str, Any]) -> str:
         """The chat template rendered for a chat completions body, as vLLM renders it."""
         return render_chat(self._template, self.special_tokens, self.content_format, doc)
 
-    def prompt_text(self, doc: Mapping[str, Any], path_kind: PathKind) -> str | None:
-        """The text ``token_array`` tokenises for ``doc`` (None: token ids, or nothing to tokenise);
-        raises NotTokenizable as it does."""
+    def _prompt(self, doc: Mapping[str, Any], path_kind: PathKind) -> str | array:
+        """What the request's ids come from: the text to tokenise (the rendered chat template, or a
+        completions string) or the ids themselves; raises NotTokenizable."""
+        if not isinstance(doc, Mapping):
+            raise NotTokenizable("bad_request", "the body is not a JSON object")
+        if doc.get("truncate_prompt_tokens") is not None:
+            raise NotTokenizable("unsupported", "truncate_prompt_tokens")
         if path_kind == "chat":
-            return self.render_chat(doc)
-        prompt = doc.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        return prompt if isinstance(prompt, str) else None
+            rendered, self._rendered = self._rendered, None
+            return rendered[1] if rendered is not None and rendered[0] is doc else self.render_chat(doc)
+        if path_kind == "completions":
+            return _completion_prompt(doc)
+        raise NotTokenizable("bad_request", f"unknown path kind {path_kind!r}")
 
-    def _completion_tokens(self, doc: Mapping[str, Any], max_new_chars: int = 0) -> array:
-        if doc.get("prompt_embeds") is not None:
-            raise NotTokenizable("unsupported", "prompt_embeds")
-        prompt = doc.get("prompt")
-        add_special = request_bool(doc, "add_special_tokens", True)
+
+def _completion_prompt(doc: Mapping[str, Any]) -> str | array:
+    """A /v1/completions body's one prompt: a string, or token ids; raises NotTokenizable."""
+    if doc.get("prompt_embeds") is not None:
+        raise NotTokenizable("unsupported", "prompt_embeds")
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list):
+        if not prompt:
+            raise NotTokenizable("bad_request", "empty prompt list")
+        if all(_is_token_id(t) for t in prompt):
+            return _ids(prompt)
+        if len(prompt) > 1:
+            raise NotTokenizable("multiple_prompts", f"{len(prompt)} prompts")
+        prompt = prompt[0]
         if isinstance(prompt, list):
-            if not prompt:
-                raise NotTokenizable("bad_request", "empty prompt list")
-            if all(_is_token_id(t) for t in prompt):
+            if prompt and all(_is_token_id(t) for t in prompt):
                 return _ids(prompt)
-            if len(prompt) > 1:
-                raise NotTokenizable("multiple_prompts", f"{len(prompt)} prompts")
-            prompt = prompt[0]
-            if isinstance(prompt, list):
-                if prompt and all(_is_token_id(t) for t in prompt):
-                    return _ids(prompt)
-                raise NotTokenizable("bad_request", "a prompt list that is not token ids")
-        if isinstance(prompt, str):
-            return self.encode_array(prompt, add_special_tokens=add_special, max_new_chars=max_new_chars)
-        raise NotTokenizable("bad_request", "prompt is neither a string nor token ids")
+            raise NotTokenizable("bad_request", "a prompt list that is not token ids")
+    if isinstance(prompt, str):
+        return prompt
+    raise NotTokenizable("bad_request", "prompt is neither a string nor token ids")
 
 
 def _key(first: bool, seg: str) -> tuple[bool, int | str]:
