@@ -36,7 +36,6 @@ def headers_msg(headers: dict[str, str], end_of_stream: bool = False) -> pb.Proc
     return headers_message(headers.items(), end_of_stream)
 
 
-
 def key_set(reply: pb.ProcessingResponse) -> str | None:
     for opt in reply.request_body.response.header_mutation.set_headers:
         if opt.header.key == "x-prefix-key":

@@ -16,8 +16,8 @@ import json
 import random
 import statistics
 import timeit
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 from envoy.service.auth.v3 import external_auth_pb2 as authz_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -236,29 +236,44 @@ class _Live:
     origin = "events"
 
 
+QUESTION_WORDS: Final = "which replica holds my prompt and how long until the first token arrives".split()
+
+
+def questions(system: str, n: int, seed: int = 1) -> list[bytes]:
+    """``n`` chat bodies sharing the system prompt ``system``, each with its own 30-word question."""
+    rng = random.Random(seed)
+    return [json.dumps({"model": "llama", "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": " ".join(rng.choices(QUESTION_WORDS, k=30)) + f" ({i})"}]}).encode()
+        for i in range(n)]
+
+
+def precise_core(tokenizer: ModelTokenizer, replicas: int, held: Sequence[int], block_size: int = 16) -> PickCore:
+    """Pick mode in precise mode over ``replicas`` addresses, all covered by events, the first half
+    holding the full blocks of the token ids ``held``."""
+    index = EventIndex()
+    addresses = [f"10.0.0.{i}:8000" for i in range(replicas)]
+    core = PickCore()
+    core.set_endpoints(addresses)
+    core.precise = PreciseView(index, {"*": tokenizer}, {a: _Live() for a in addresses})
+    full = len(held) // block_size * block_size
+    for i, address in enumerate(addresses[: replicas // 2]):
+        hashes = [(i << 32) + n for n in range(full // block_size)]
+        index.apply(address, [BlockStored(tuple(hashes), None, tuple(held[:full]), block_size)])
+    return core
+
+
 def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[str, Any]:
     """Precise mode (the tiny byte-level tokenizer): decide + the choice for requests that share a
     system prompt already tokenised once (only their new question is tokenised), with half the
     replicas holding the prompt's blocks in the event view; and the cold tokenisation of one."""
     settings = RouteSettings(mode="pick")
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
-    index = EventIndex()
-    addresses = [f"10.0.0.{i}:8000" for i in range(replicas)]
-    core = PickCore()
-    core.set_endpoints(addresses)
-    core.precise = PreciseView(index, {"*": tokenizer}, {a: _Live() for a in addresses})
     system = json.loads(chat_body(size_kb * 1024, 0))["messages"][0]["content"]  # one system prompt for all
-    rng = random.Random(1)
-    words = "which replica holds my prompt and how long until the first token arrives".split()
-    bodies = [json.dumps({"model": "llama", "messages": [
-        {"role": "system", "content": system},
-        {"role": "user", "content": " ".join(rng.choices(words, k=30)) + f" ({seed})"}]}).encode()
-        for seed in range(400)]
+    bodies = questions(system, 400)
     ids = tokenizer.token_array(json.loads(bodies[0]), "chat")  # as precise mode gets them
     full = len(ids) // block_size * block_size
-    for i, address in enumerate(addresses[: replicas // 2]):
-        hashes = [(i << 32) + n for n in range(full // block_size)]
-        index.apply(address, [BlockStored(tuple(hashes), None, tuple(ids[:full].tolist()), block_size)])
+    core = precise_core(tokenizer, replicas, ids.tolist(), block_size)
     requests = iter(bodies * 50)
     docs = [json.loads(b) for b in bodies]
     number = 200 if size_kb <= 4 else 50

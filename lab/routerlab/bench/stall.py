@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import threading
 import time
@@ -26,45 +25,24 @@ from typing import Any
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.kv_events import BlockStored
-from extproc.pick.kv_index import EventIndex
-from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.pick.tokenize_ahead import TokenizeAhead
 from extproc.process import event_loop
 from routerlab.assets import TINY_BYTELEVEL
-from routerlab.bench.microbench import chat_body
+from routerlab.bench.microbench import chat_body, precise_core, questions
 
 PICK = RouteSettings(mode="pick")
-WORDS = "which replica holds my prompt and how long until the first token arrives".split()
-
-
-class _Live:
-    origin = "events"
 
 
 def _fleet(replicas: int, system: str) -> tuple[PickCore, ModelTokenizer]:
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
-    core = PickCore()
-    addresses = [f"10.0.0.{i}:8000" for i in range(replicas)]
-    core.set_endpoints(addresses)
-    index = EventIndex()
-    core.precise = PreciseView(index, {"*": tokenizer}, {a: _Live() for a in addresses})
     ids = tokenizer.token_array({"model": "llama", "messages": [{"role": "system", "content": system}]}, "chat")
-    full = len(ids) // 16 * 16
-    for i, address in enumerate(addresses[: replicas // 2]):
-        index.apply(address, [BlockStored(tuple((i << 32) + n for n in range(full // 16)), None,
-                                          tuple(ids[:full].tolist()), 16)])
-    return core, tokenizer
+    return precise_core(tokenizer, replicas, ids.tolist()), tokenizer
 
 
 def _bodies(n_short: int, n_long: int, size_kb: int, system: str) -> tuple[list[bytes], list[bytes]]:
-    rng = random.Random(3)
-    short = [json.dumps({"model": "llama", "messages": [
-        {"role": "system", "content": system},
-        {"role": "user", "content": " ".join(rng.choices(WORDS, k=30)) + f" ({i})"}]}).encode() for i in range(n_short)]
     long = [chat_body(size_kb * 1024, 1000 + i, marker=f"unseen {i} ") for i in range(n_long)]
-    return short, long
+    return questions(system, n_short, seed=3), long
 
 
 async def _run(core: PickCore, ahead: TokenizeAhead | None, short: Sequence[bytes], long: Sequence[bytes],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,10 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
         mine = [p for p in phases if p["config"] == config and p["arm"] == "router"]
         taken = sum(p["counts"].get("events_covered", 0) for p in mine)
         other = sum(p["counts"].get("not_covered", 0) for p in mine)
-        why: dict[str, float] = {}
+        why: Counter[str] = Counter()
         for p in mine:
-            for key, n in p["counts"].items():
-                if key.startswith(NOT_COVERED) and n:
-                    why[key.removeprefix(NOT_COVERED)] = why.get(key.removeprefix(NOT_COVERED), 0.0) + n
-        reasons = ", ".join(f"{k} {n:.0f}" for k, n in sorted(why.items(), key=lambda kv: -kv[1]))
+            why.update({k.removeprefix(NOT_COVERED): n for k, n in p["counts"].items() if k.startswith(NOT_COVERED) and n})
+        reasons = ", ".join(f"{k} {n:.0f}" for k, n in why.most_common())
         out.append(f"{config}: the router's requests in its phases took the events view (prefix_router_cache_view_total"
                    f"{{view=\"events\",reason=\"covered\"}}) {taken:.0f} times, another view {other:.0f} times"
                    + (f" ({reasons})" if reasons else "")
