@@ -146,6 +146,14 @@ PREDICTED_CACHED = Counter(
     ["replica", "view"],
     registry=REGISTRY,
 )
+PREDICTED_EVICTED = Counter(
+    "prefix_router_predicted_evicted_tokens_total",
+    "Tokens the replica's events said it held for a request sent to it that the eviction forecast "
+    "took off the prediction: the replica will have evicted them before it admits the request "
+    "(the requests queued ahead of it allocate blocks; extproc.pick.eviction_forecast)",
+    ["replica"],
+    registry=REGISTRY,
+)
 PREDICTED_IN_FLIGHT = Counter(
     "prefix_router_predicted_in_flight_tokens_total",
     "Of prefix_router_predicted_cached_tokens_total{view=\"events\"}: the tokens credited because "

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from extproc.pick.chain_cache import ChainCache
 from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from extproc.pick.kv_index import (
-    BYTES_PER_BLOCK, ROOT, EventIndex, block_hashes, request_extra_keys,
+    BYTES_PER_BLOCK, BYTES_PER_TOUCHED, ROOT, EventIndex, block_hashes, request_extra_keys,
 )
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -246,6 +246,19 @@ def test_bytes_per_block_estimate_is_close_to_measured() -> None:
     stats = index.stats()
     assert stats.entries == 50_000
     assert 0.7 * stats.bytes <= used <= 1.3 * stats.bytes, used / stats.entries
+    # every block freed by a request of ours, its hash list (as the chain cache makes it) then dropped
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for address in index.addresses():
+        run = [int.from_bytes(h.to_bytes(8, "little"), "little") for h in index.holds(address)]
+        for end in range(25, len(run) + 1, 25):
+            index.touch(address, run[end - 25:end])
+        del run
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    touched = index.stats().bytes - stats.bytes
+    assert touched == 50_000 * BYTES_PER_TOUCHED
+    assert 0.7 * touched <= used <= 1.3 * touched, used / 50_000
     for address in list(index.addresses()):
         index.remove(address)
     assert (index.stats().entries, index.stats().chunks, index.stats().bytes) == (0, 0, 0)
@@ -353,3 +366,35 @@ def test_the_chain_cache_serves_remembered_chains_exactly_and_stays_in_its_bound
         assert list(cache.hashes(tokens, bs, salt)) == block_hashes(tokens, bs, request_extra_keys(n, salt, None) if salt else None)
         distinct = {id(c): len(c) for c in cache._chains.values()}
         assert cache.held == sum(distinct.values()) and (cache.held <= cache.max_hashes or not cache._chains)
+
+
+# --- the eviction forecast's clock and readings ------------------------------------------
+def test_the_allocation_clock_counts_every_announced_block_and_touches_read_it() -> None:
+    index = EventIndex()
+    tokens = list(range(4 * BS))
+    index.apply(A, [stored([1, 2, 3, 4], tokens)])
+    assert index.allocations(A) == 4 and index.allocations(B) == 0
+    chain = own(tokens)
+    index.touch(A, chain[:3])  # a request over the first three blocks ended
+    index.apply(A, [stored([5], list(range(100, 100 + BS)))])
+    get = index.touched(A)
+    assert [get(h, -1) for h in chain] == [4, 4, 4, -1]  # the clock when freed; block 3 never freed by us
+    index.touch(A, chain[:1])
+    assert get(chain[0], -1) == 5
+    index.apply(A, [BlockRemoved((3,))])  # block 2 evicted: its reading goes with it
+    assert get(chain[2], -1) == -1 and get(chain[1], -1) == 4
+    assert index.allocations(A) == 5  # removals do not move the clock
+    index.apply(A, [AllBlocksCleared()])
+    assert index.touched(A)(chain[0], -1) == -1 and index.allocations(A) == 5  # the clock never goes back
+    assert index.touched(B)(chain[0], -1) == -1  # a replica never heard of
+
+
+def test_readings_of_blocks_the_replica_no_longer_holds_are_pruned() -> None:
+    index = EventIndex()
+    tokens = list(range(2 * BS))
+    index.apply(A, [stored([1, 2], tokens)])
+    index.touch(A, own(tokens))
+    for start in range(0, 40, 2):  # requests whose blocks were never stored (failed before prefill)
+        index.touch(A, list(range(10_000 + start, 10_002 + start)))
+    assert index.stats().bytes <= (2 + 2 * 2 + 2) * BYTES_PER_TOUCHED + 2 * BYTES_PER_BLOCK
+    assert index.touched(A)(own(tokens)[1], -1) == 2  # what it holds keeps its reading

@@ -211,8 +211,12 @@ def test_parse_metrics_reads_the_simulators_real_page() -> None:
     m.running.set(3)
     m.waiting.set(2)
     m.kv_usage.set(0.4)
+    m.request_success("stop")
+    m.request_success("stop")
+    m.request_success("length")
     sample = parse_metrics(m.render().decode())
     assert (sample.running, sample.waiting, sample.kv_usage) == (3, 2, 0.4)
+    assert sample.requests_done == 3  # every finish reason (the eviction forecast's requests)
     assert sample.capacity_tokens == profile.num_blocks * profile.block_size and sample.seen
     two = ('vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_running{engine="1"} 2\n'
            'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.6\n')

@@ -96,6 +96,9 @@ class ServerSettings:
     # so the event loop keeps serving; 0: every request's text on the loop, in its pick.
     tokenize_inline_chars: int = 2048
     tokenize_queue_seconds: float = 0.1  # a request that would wait longer for the worker uses the learned view
+    # Take off a queueing replica's figure the blocks it will have evicted before it admits the request
+    # (extproc.pick.eviction_forecast); off: the events' view of the present as it is.
+    eviction_forecast: bool = True
     # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
     # command lines are visible to every local user).
     tenant_secret_file: str = ""
@@ -252,6 +255,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "tokenizer_check_every": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (requests per check; 0: off)"),
     "tokenize_inline_chars": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (characters; 0: all inline)"),
     "tokenize_queue_seconds": _Spec(_number_in(float, 0.0, 60.0), "seconds in 0..60"),
+    "eviction_forecast": _Spec(_switch, "on or off"),
     "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))

@@ -18,12 +18,13 @@ from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choose import REASONS, Candidate, Choice, choose, prefill_tokens
 from extproc.pick.chunks import chunk_hashes
+from extproc.pick.eviction_forecast import EvictionForecast
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
 from extproc.pick.partial_view import merge
 from extproc.pick.precise import EVENTS, Exact, PreciseView
 from extproc.pick.prompt_tokens import NotTokenizable
-from extproc.pick.state import ReplicaState
+from extproc.pick.state import ReplicaState, Snapshot
 
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
 # hashing would cost more than any cache it could find is worth.
@@ -46,6 +47,7 @@ class PickCore:
         self.load = LoadTracker(prefill_tokens_per_s)
         self.clock = clock
         self.precise: PreciseView | None = None  # precise mode: the events' exact view (Picker sets it)
+        self.forecast: EvictionForecast | None = None  # precise mode: evictions before admission (Picker sets it)
         # precise mode: told of every request it routed (the run-time tokenizer check samples them)
         self.on_precise_pick: Callable[[str, Decision], None] | None = None
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
@@ -62,6 +64,8 @@ class PickCore:
         _, removed = self.load.set_addresses(addresses)
         for address in removed:
             self.index.remove(address)
+            if self.forecast is not None:
+                self.forecast.forget(address)
             for kind in LOAD_KINDS:
                 _forget_series(metrics.REPLICA_LOAD, address, kind)
             _forget_series(metrics.REPLICA_UP, address)
@@ -75,6 +79,8 @@ class PickCore:
             self.index.set_capacity(address, self.chunks_for(sample.capacity_tokens))
         if sample.block_size and self.precise is not None:
             self.precise.block_size_hint = sample.block_size
+        if self.forecast is not None and self.precise is not None:
+            self.forecast.on_sample(address, self.precise.index.allocations(address), sample.requests_done)
         before = self._hits.get(address)
         self._hits[address] = sample.prefix_cache_hits
         if before is not None:
@@ -104,9 +110,9 @@ class PickCore:
         gets the larger of the two views' figures (``extproc.pick.partial_view``). It is matched
         and kept learning only for those, so a fleet fully covered by events pays nothing for it.
         """
-        exact = (self._exact(decision, max_new_chars)
-                 if self.precise is not None and settings.cache_view != "learned" else None)
         snapshot = self.load.snapshot(self.clock())
+        exact = (self._exact(decision, max_new_chars, self._thresholds(snapshot))
+                 if self.precise is not None and settings.cache_view != "learned" else None)
         partial: Sequence[str] = ()
         if exact is None:
             learning = True
@@ -132,12 +138,34 @@ class PickCore:
             chunks = []  # the events will tell where this request's blocks are; nothing to learn
         return choice, chunks, exact
 
-    def _exact(self, decision: Decision, max_new_chars: int) -> Exact | None:
+    def _thresholds(self, snapshot: Snapshot) -> dict[str, float] | None:
+        """Per queueing replica, the eviction forecast's threshold (``EvictionForecast.threshold``):
+        the requests waiting there (scraped, plus ours sent since) and its free blocks (the part of its
+        KV not in use by running requests, from its last scrape)."""
+        forecast, precise = self.forecast, self.precise
+        if forecast is None or precise is None:
+            return None
+        thresholds: dict[str, float] = {}
+        for r in snapshot.replicas:
+            if r.waiting <= 0 or not r.capacity_tokens:  # it admitted everything at its last scrape
+                continue
+            size = precise.index.block_size(r.address) or precise.block_size_hint
+            if not size:
+                continue
+            waiting = max(r.waiting, r.in_flight - r.running)
+            free = (1.0 - r.kv_usage) * r.capacity_tokens / size
+            threshold = forecast.threshold(r.address, precise.index.allocations(r.address), waiting, free)
+            if threshold is not None:
+                thresholds[r.address] = threshold
+        return thresholds
+
+    def _exact(self, decision: Decision, max_new_chars: int,
+               thresholds: Mapping[str, float] | None = None) -> Exact | None:
         """The events' exact match, or None (counted by reason) when the request cannot have one."""
         assert self.precise is not None
         started = time.perf_counter()
         try:
-            exact = self.precise.match(decision, max_new_chars)
+            exact = self.precise.match(decision, max_new_chars, thresholds)
         except NotTokenizable as exc:
             metrics.cache_view_counter("learned", exc.reason).inc()
             return None
@@ -174,6 +202,9 @@ class PickCore:
                 forecast = exact.in_flight.get(choice.address, 0) if exact is not None and chosen.view == EVENTS else 0
                 if forecast:
                     metrics.PREDICTED_IN_FLIGHT.labels(choice.address).inc(forecast)
+            evicting = exact.evicting.get(choice.address, 0) if exact is not None and chosen.view == EVENTS else 0
+            if evicting:
+                metrics.PREDICTED_EVICTED.labels(choice.address).inc(evicting)
         return choice
 
     def release(self, choice: Choice) -> None:
@@ -215,11 +246,14 @@ class PickCore:
 
     def explain(self, decision: Decision, settings: RouteSettings) -> dict[str, Any]:
         """The choice this request would get now, without recording it, with each candidate's view
-        and, in precise mode, where that replica's event view comes from (``/debug/pick``)."""
-        choice, _ = self.evaluate(decision, settings)
+        and, in precise mode, where that replica's event view comes from and the tokens the eviction
+        forecast took off its figure (``/debug/pick``)."""
+        choice, _, exact = self._evaluate(decision, settings)
         origin = self.precise.origin if self.precise is not None else (lambda _a: "none")
+        evicting = exact.evicting if exact is not None else {}
         return {"address": choice.address, "reason": choice.reason, "prompt_tokens": choice.prompt_tokens,
-                "candidates": [{**c._asdict(), "events_origin": origin(c.address)} for c in choice.candidates]}
+                "candidates": [{**c._asdict(), "events_origin": origin(c.address),
+                                "forecast_evicted_tokens": evicting.get(c.address, 0)} for c in choice.candidates]}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> "PickCore":

@@ -25,7 +25,7 @@ A plain data structure: no I/O, no clock, no threads.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
@@ -43,6 +43,9 @@ ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed valu
 # share the holders entry): 131-176 bytes with int engine hashes as dicts fill between
 # resizes, 160-206 with 32-byte bytes hashes. tests/test_kv_index.py checks it stays close.
 BYTES_PER_BLOCK: Final = 180
+# Per block a request of this router freed (the eviction forecast's reading: a dict entry, and the hash
+# as its own int once the request's hash list is gone), measured the same way: 80 bytes.
+BYTES_PER_TOUCHED: Final = 80
 
 _hash: Final = xxhash.xxh3_64_intdigest
 
@@ -82,6 +85,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     return out
 
 
+def _nothing_touched(_hash: int, default: float) -> float:
+    return default
+
+
 def request_extra_keys(n_blocks: int, cache_salt: str | None, lora_name: str | None) -> list[tuple | None]:
     """vLLM's per-block extra keys for a text-only request: LoRA on every block, salt on block 0.
 
@@ -113,6 +120,8 @@ class _Replica:
     extra: dict[int, int] = field(default_factory=dict)  # own hash -> copies beyond the first
     blocks: int = 0  # resident copies
     block_size: int | None = None
+    allocated: int = 0  # blocks its BlockStored events announced so far: its allocation clock
+    touched: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when a request of ours freed it
 
 
 class EventIndex:
@@ -151,6 +160,31 @@ class EventIndex:
     def addresses(self) -> list[str]:
         return list(self._replicas)
 
+    def allocations(self, address: str) -> int:
+        """``address``'s allocation clock: the blocks its BlockStored events announced so far, each one
+        a block vLLM took from the head of its free queue (never goes back)."""
+        replica = self._replicas.get(address)
+        return replica.allocated if replica else 0
+
+    def touched(self, address: str) -> Callable[[int, float], float]:
+        """``get`` of own hash -> the allocation clock when a request of this router last freed that
+        block on ``address`` (``extproc.pick.eviction_forecast``)."""
+        replica = self._replicas.get(address)
+        return replica.touched.get if replica else _nothing_touched
+
+    def touch(self, address: str, run: Sequence[int]) -> None:
+        """A request of this router that used ``run``'s blocks on ``address`` ended: vLLM freed them now,
+        at the free queue's tail. Entries for blocks the replica no longer holds are pruned once they
+        outnumber its blocks, so the map stays within the replica's share."""
+        replica = self._replicas.get(address)
+        if replica is None or not run:
+            return
+        touched = replica.touched
+        touched.update(dict.fromkeys(run, replica.allocated))
+        if len(touched) > 2 * replica.blocks + len(run):
+            bit, get = replica.bit, self._owners.get
+            replica.touched = {h: t for h, t in touched.items() if get(h, 0) & bit}
+
     def holds(self, address: str) -> list[int]:
         """``address``'s own hashes, in the order first stored (``/debug/state``)."""
         replica = self._replicas.get(address)
@@ -167,14 +201,15 @@ class EventIndex:
         """entries: resident block copies; chunks: distinct own hashes; bytes: an estimate."""
         blocks = sum(r.blocks for r in self._replicas.values())
         mapped = sum(len(r.engine) for r in self._replicas.values())
-        return IndexStats(blocks, len(self._owners), mapped * BYTES_PER_BLOCK)
+        touched = sum(len(r.touched) for r in self._replicas.values())
+        return IndexStats(blocks, len(self._owners), mapped * BYTES_PER_BLOCK + touched * BYTES_PER_TOUCHED)
 
     # --- writes ------------------------------------------------------------------------
     def apply(self, address: str, events: Iterable[Event]) -> ApplyResult:
         """Apply one replica's events in order (BlockStored, BlockRemoved, AllBlocksCleared)."""
         replica = self._replica(address)
         owners, bit = self._owners, replica.bit
-        engine, extra = replica.engine, replica.extra
+        engine, extra, touched = replica.engine, replica.extra, replica.touched
         stored = removed = duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
         share = self.share()
         changed = self._memo.log.append if self._memo.active() else None  # holders changed, for the memo
@@ -182,6 +217,7 @@ class EventIndex:
             if type(event) is BlockStored:
                 hashes, bs = event.block_hashes, event.block_size
                 n = len(hashes)
+                replica.allocated += n
                 keys = event.extra_keys
                 if keys is None and event.lora_name:  # publishers without extra_keys
                     keys = request_extra_keys(n, None, event.lora_name)
@@ -240,6 +276,8 @@ class EventIndex:
                             del extra[h]
                     else:
                         del engine[e]
+                        if touched:
+                            touched.pop(h, None)
                         left = held & ~bit
                         if left:
                             owners[h] = left
@@ -273,6 +311,7 @@ class EventIndex:
                     del owners[h]
         replica.engine.clear()  # clear() frees the table (and apply's local names stay valid)
         replica.extra.clear()
+        replica.touched.clear()
         replica.blocks = 0
 
     def remove(self, address: str) -> None:

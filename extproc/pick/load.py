@@ -40,6 +40,7 @@ class Sample:
     seen: bool = True  # the page had vLLM's load gauges
     prefix_cache_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens, all engines): what it really reused
     block_size: int = 0  # vllm:cache_config_info's block_size (0 when missing)
+    requests_done: float = 0.0  # vllm:request_success_total (all engines and finish reasons)
 
 
 @dataclass(slots=True)

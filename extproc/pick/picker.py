@@ -15,6 +15,7 @@ from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings, ServerSettings, SettingError, flag, tokenizer_dirs
 from extproc.pick.core import PickCore
 from extproc.pick.endpoints import EndpointWatcher
+from extproc.pick.eviction_forecast import EvictionForecast
 from extproc.pick.kv_index import EventIndex
 from extproc.pick.kv_subscriber import KvEventSubscriber
 from extproc.pick.precise import PreciseView
@@ -55,6 +56,8 @@ class Picker(PickCore):
             self.tokenizer_check = TokenizerCheck(self.precise, cfg.tokenizer_check_every,
                                                   ahead=lambda decision: ahead.prepare(decision, checking=True))
             self.on_precise_pick = self.tokenizer_check.offer
+            if cfg.eviction_forecast:
+                self.forecast = EvictionForecast()
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
 

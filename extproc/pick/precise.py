@@ -16,6 +16,7 @@ from typing import Final, NamedTuple, Protocol
 
 from extproc.core.decide import Decision, parsed_object
 from extproc.pick.chain_cache import ChainCache
+from extproc.pick.eviction_forecast import surviving
 from extproc.pick.kv_index import EventIndex
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable, PathKind
 
@@ -38,6 +39,9 @@ class Exact(NamedTuple):
     # there add to what its events say it holds (absent when none): a forecast, not yet in its cache
     in_flight: Mapping[str, int] = MappingProxyType({})
     partial: tuple[str, ...] = ()  # covered replicas whose events miss part of their cache (origin partial)
+    # covered replica -> the tokens its events say it holds that it will have evicted before it admits
+    # the request (absent when none): already taken off ``cached``
+    evicting: Mapping[str, int] = MappingProxyType({})
 
 
 class PreciseView:
@@ -94,10 +98,13 @@ class PreciseView:
             return tokenizer, doc, "completions"
         raise NotTokenizable("bad_request", "neither messages nor prompt")
 
-    def match(self, decision: Decision, max_new_chars: int = 0) -> Exact:
+    def match(self, decision: Decision, max_new_chars: int = 0,
+              thresholds: Mapping[str, float] | None = None) -> Exact:
         """Exact cached tokens on every covered replica (what its events say it holds, continued by
-        the blocks this router's requests in flight there are computing); raises NotTokenizable,
-        also for more than ``max_new_chars`` new characters to tokenise (0: no limit)."""
+        the blocks this router's requests in flight there are computing, less the blocks the replica
+        will have evicted before it admits the request: ``thresholds``, per replica, from
+        ``EvictionForecast.threshold``); raises NotTokenizable, also for more than ``max_new_chars``
+        new characters to tokenise (0: no limit)."""
         ids = self.tokens(decision, max_new_chars=max_new_chars)
         doc = decision.document or {}
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
@@ -110,18 +117,27 @@ class PreciseView:
             held[size] = self.index.match(hashes[size]) if blocks else {}
         cached = dict.fromkeys(covered, 0)
         in_flight: dict[str, int] = {}
+        evicting: dict[str, int] = {}
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             pending = self.pending.get(address)
+            kept = 0  # leading blocks requests of ours in flight there use: they stay
             if pending:
                 held_blocks = n
-                n = max(n, *(_shared(run, other) for other in pending))
+                kept = max(_shared(run, other) for other in pending)
+                n = max(n, kept)
                 while n < len(run) and self.index.holds_block(address, run[n]):
                     n += 1
                 if n > held_blocks:
                     in_flight[address] = (n - held_blocks) * size
+            threshold = thresholds.get(address) if thresholds else None
+            if threshold is not None and n > kept:
+                left = surviving(run, n, kept, self.index.touched(address), threshold)
+                if left < n:
+                    evicting[address] = (n - left) * size
+                    n = left
             cached[address] = n * size
-        return Exact(len(ids), cached, hashes, sizes, in_flight, partial)
+        return Exact(len(ids), cached, hashes, sizes, in_flight, partial, evicting)
 
     def _coverage(self) -> tuple[list[str], tuple[str, ...], dict[str, int]]:
         """The covered replicas, those of them whose view is partial, and their block sizes (the
@@ -150,7 +166,9 @@ class PreciseView:
         return run
 
     def unpend(self, address: str, run: Sequence[int]) -> None:
-        """The request ended: its blocks are in the events by now, or were never stored."""
+        """The request ended: its blocks are in the events by now, or were never stored; the replica
+        freed them just now (the eviction forecast's recency)."""
+        self.index.touch(address, run)
         runs = self.pending.get(address)
         if runs is not None and run:
             for i, other in enumerate(runs):

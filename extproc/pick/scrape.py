@@ -1,6 +1,6 @@
 """Scrape each replica's vLLM /metrics in the background (never on the request path).
 
-Only four families matter here, so the text is scanned line by line for them instead of
+Only a few families matter here, so the text is scanned line by line for them instead of
 parsed whole: a vLLM /metrics page is tens of kilobytes of histograms, and a full parse
 per replica per interval would take event-loop time from the requests.
 """
@@ -25,6 +25,7 @@ WAITING: Final = "vllm:num_requests_waiting"
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 CACHE_INFO: Final = "vllm:cache_config_info"
 CACHE_HITS: Final = "vllm:prefix_cache_hits_total"
+SUCCESS: Final = "vllm:request_success_total"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -36,11 +37,11 @@ def _value(line: str) -> float:
 
 
 def parse_metrics(text: str) -> Sample:
-    """Sum over engines of the load gauges and cache hits; KV usage is the mean; capacity from
+    """Sum over engines of the load gauges, cache hits and finished requests; KV usage is the mean; capacity from
     cache_config_info.
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
-    running = waiting = usage = hits = 0.0
+    running = waiting = usage = hits = done = 0.0
     engines = capacity = block_size = 0
     seen = False
     for line in text.splitlines():
@@ -54,6 +55,8 @@ def parse_metrics(text: str) -> Sample:
             waiting += _value(line)
         elif name == CACHE_HITS:
             hits += _value(line)
+        elif name == SUCCESS:
+            done += _value(line)
         elif name == KV_USAGE:
             usage += _value(line)
             engines += 1
@@ -64,7 +67,7 @@ def parse_metrics(text: str) -> Sample:
                 capacity += int(labels.get("num_gpu_blocks", "0")) * block_size
             except ValueError:
                 pass
-    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits, block_size)
+    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits, block_size, done)
 
 
 class Scraper:

@@ -114,7 +114,8 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
 
     Precise mode's prediction has two parts: what the events said the replica held when the
     router chose, and a forecast (``in_flight``): blocks this router's requests in flight there
-    are computing. The simulator also counts what its cache held of each request's prompt when it
+    are computing; the eviction forecast's tokens (``evicted``) were taken off it (blocks the events
+    said were there that the replica would evict before admitting the request). The simulator also counts what its cache held of each request's prompt when it
     arrived (``sim:prefix_cache_hits_at_arrival_total``), which splits the error: the held part
     against the cache at arrival (``held_at_arrival_accuracy``: the view's own error, event lag
     included), and what the cache still held when the request was admitted against what it held at
@@ -123,7 +124,7 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     actual = sum(r.hits for r in fleet.per_replica)
     at_arrival = sum(r.hits_at_arrival for r in fleet.per_replica)
     views = {v: predicted[v] for v in ("events", "learned") if predicted.get(v)}
-    in_flight = predicted.get("in_flight", 0.0)
+    in_flight, evicted = predicted.get("in_flight", 0.0), predicted.get("evicted", 0.0)
     out: dict[str, Any] = {
         "predicted_tokens": {v: int(t) for v, t in views.items()},
         "actual_hit_tokens": int(actual),
@@ -133,9 +134,11 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     }
     if in_flight:
         out["in_flight_tokens"] = int(in_flight)
+    if evicted:
+        out["forecast_evicted_tokens"] = int(evicted)
     if at_arrival:
         out["held_at_arrival_tokens"] = int(at_arrival)
-        out["held_at_arrival_accuracy"] = round((sum(views.values()) - in_flight) / at_arrival, 4)
+        out["held_at_arrival_accuracy"] = round((sum(views.values()) - in_flight + evicted) / at_arrival, 4)
         out["kept_while_waiting"] = round(actual / at_arrival, 4)
     return out
 
@@ -253,12 +256,14 @@ def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
         return ""
-    lines = ["| arm | predicted (events) | of which in flight | predicted (learned) | replicas' hits | accuracy "
-             "| held at arrival (sim) | held part / held at arrival | kept while waiting | choices by view |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| arm | predicted (events) | of which in flight | forecast evicted (not in it) | predicted (learned) "
+             "| replicas' hits | accuracy | held at arrival (sim) | held part / held at arrival | kept while waiting "
+             "| choices by view |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, p in rows:
         views = ", ".join(f"{v} {n}" for v, n in p["choices_by_view"].items()) or "learned (no events configured)"
         lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p.get('in_flight_tokens', 0)} "
+                     f"| {p.get('forecast_evicted_tokens', 0)} "
                      f"| {p['predicted_tokens'].get('learned', 0)} | {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} "
                      f"| {p.get('held_at_arrival_tokens', '')} | {_fmt(p.get('held_at_arrival_accuracy'), 3)} "
                      f"| {_fmt(p.get('kept_while_waiting'), 3)} | {views} |")

@@ -309,6 +309,8 @@ def _predictions(metrics_ports: Sequence[int]) -> dict[str, float]:
                 out[s.labels["view"]] = out.get(s.labels["view"], 0.0) + s.value
             elif s.name == "prefix_router_predicted_in_flight_tokens_total":
                 out["in_flight"] = out.get("in_flight", 0.0) + s.value
+            elif s.name == "prefix_router_predicted_evicted_tokens_total":
+                out["evicted"] = out.get("evicted", 0.0) + s.value
             elif s.name == "prefix_router_cache_view_total":
                 key = f"requests_{s.labels['view']}"
                 out[key] = out.get(key, 0.0) + s.value

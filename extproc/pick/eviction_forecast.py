@@ -1,0 +1,94 @@
+"""Which blocks a replica will still hold when it admits a request sent to it now (pure).
+
+The event view says what a replica holds now; a request that waits in its queue finds what
+is left when it is admitted (vLLM counts prefix-cache hits then). Meanwhile the requests
+admitted ahead of it allocate blocks, each from the head of vLLM's free queue, evicting what
+that block held; a request's blocks go back to the queue's tail when it ends. So:
+
+- the allocation clock: blocks the replica has allocated so far, as its BlockStored events
+  count them (``EventIndex.allocations``);
+- each block's reading of that clock when a request of this router that used it ended
+  (``EventIndex.touch``: vLLM freed it then, to the tail);
+- the replica's free queue now, ``free`` blocks (its KV not used by running requests,
+  scraped): about ``clock - t`` blocks were freed after a block freed at ``t`` (what is
+  allocated is freed again), and vLLM frees a request's blocks tail first, so block ``i`` of a
+  chain went in ``i`` places behind the chain's tail: about ``free - (clock - t) - 1 - i``
+  blocks are ahead of it;
+- the allocations to come before admission: the replica's blocks allocated per finished
+  request (its events against its ``vllm:request_success_total``), times the requests that
+  finish before it admits this one (those waiting ahead, and one for a slot to free).
+
+Block ``i`` survives if at least as many blocks are ahead of it as will be allocated first:
+``touched - i > clock + ahead - free``. Along a request's chain the readings never rise (every
+request that freed block i freed the blocks before it too), so ``touched - i`` falls and the
+blocks that survive are a prefix, found by binary search. A block this router never saw freed (a request another router
+sent, or one before it started) has no reading and is taken to survive: the forecast only
+lowers what the events say, and only where it has evidence.
+
+No I/O, no clock: counters in, a threshold and a count of blocks out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+DECAY: Final = 0.8  # each scrape keeps this much of the blocks-per-request history (~5 scrapes)
+_SURVIVES: Final = float("inf")
+
+
+@dataclass(slots=True)
+class _Rate:
+    allocated: int  # the replica's allocation clock at the last scrape
+    done: float  # its vllm:request_success_total at the last scrape
+    allocated_sum: float = 0.0  # decayed allocations since the first scrape
+    done_sum: float = 0.0  # decayed finished requests over the same scrapes
+
+
+class EvictionForecast:
+    """Per replica, the blocks each finished request allocates (from scrapes and the event clock)."""
+
+    def __init__(self) -> None:
+        self._rates: dict[str, _Rate] = {}
+
+    def on_sample(self, address: str, allocated: int, done: float) -> None:
+        """A scrape: ``allocated`` is the replica's allocation clock now, ``done`` its finished requests."""
+        rate = self._rates.get(address)
+        if rate is None or done < rate.done or allocated < rate.allocated:  # first sight, or a restart
+            self._rates[address] = _Rate(allocated, done)
+            return
+        rate.allocated_sum = rate.allocated_sum * DECAY + (allocated - rate.allocated)
+        rate.done_sum = rate.done_sum * DECAY + (done - rate.done)
+        rate.allocated, rate.done = allocated, done
+
+    def per_request(self, address: str) -> float:
+        """Blocks the replica allocates per request it finishes, lately (0 before two scrapes)."""
+        rate = self._rates.get(address)
+        return rate.allocated_sum / rate.done_sum if rate is not None and rate.done_sum > 0 else 0.0
+
+    def forget(self, address: str) -> None:
+        self._rates.pop(address, None)
+
+    def threshold(self, address: str, clock: int, waiting: float, free_blocks: float) -> float | None:
+        """Blocks last freed at or below this reading of the allocation clock are gone by the time the
+        replica admits a request sent now (None: it is not queueing, or its rate is not known yet)."""
+        per_request = self.per_request(address)
+        if waiting <= 0 or per_request <= 0:
+            return None
+        return clock + per_request * (waiting + 1) - free_blocks
+
+
+def surviving(run: Sequence[int], held: int, floor: int, touched: Callable[[int, float], float],
+              threshold: float) -> int:
+    """How many leading blocks of ``run`` (the first ``held`` held, the first ``floor`` kept by
+    requests in flight) are still there: block i if its last-freed reading less i is above
+    ``threshold``."""
+    lo, hi = floor, held  # the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if touched(run[mid], _SURVIVES) - mid > threshold:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

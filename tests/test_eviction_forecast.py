@@ -1,0 +1,185 @@
+"""The eviction forecast: what a queueing replica will have evicted before it admits a request (pure).
+
+Checked against a small model of vLLM's block pool (a free queue, least recently freed evicted
+first, a request's blocks freed tail first), driven through the real EventIndex and PreciseView.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc import metrics
+from extproc.core.decide import decide
+from extproc.core.settings import RouteSettings
+from extproc.pick.core import PickCore
+from extproc.pick.eviction_forecast import EvictionForecast, surviving
+from extproc.pick.kv_events import BlockRemoved, BlockStored
+from extproc.pick.kv_index import EventIndex, block_hashes
+from extproc.pick.load import Sample
+from extproc.pick.precise import PreciseView
+from extproc.pick.prompt_tokens import ModelTokenizer
+from routerlab.assets import TINY_BYTELEVEL
+
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+BS = 4
+
+
+class Live:
+    origin = "events"
+
+
+def test_blocks_per_finished_request_come_from_the_clock_and_the_success_counter() -> None:
+    f = EvictionForecast()
+    f.on_sample(A, allocated=100, done=10)
+    assert f.per_request(A) == 0.0 and f.threshold(A, 100, waiting=3, free_blocks=50) is None  # one scrape: no rate
+    f.on_sample(A, allocated=160, done=13)  # 60 blocks over 3 requests
+    assert f.per_request(A) == 20.0
+    assert f.threshold(A, 160, waiting=3, free_blocks=50) == 160 + 20 * 4 - 50
+    assert f.threshold(A, 160, waiting=0, free_blocks=50) is None  # nothing queued: admitted at once
+    f.on_sample(A, allocated=160, done=15)  # two more finished, nothing allocated: the rate falls
+    assert 0 < f.per_request(A) < 20.0
+    f.on_sample(A, allocated=160, done=2)  # the counter went back: a new process, start again
+    assert f.per_request(A) == 0.0
+    f.forget(A)
+    assert f.per_request(A) == 0.0
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=40), st.integers(-5, 60), st.data())
+@settings(max_examples=200, deadline=None)
+def test_surviving_is_the_prefix_of_blocks_with_enough_ahead_of_them(readings: list[int], threshold: int,
+                                                                     data: st.DataObject) -> None:
+    readings.sort(reverse=True)  # along a chain, readings never rise
+    run = list(range(1000, 1000 + len(readings)))
+    held = data.draw(st.integers(0, len(run)))
+    floor = data.draw(st.integers(0, held))
+    touched = dict(zip(run, readings))
+    expected = floor
+    while expected < held and touched[run[expected]] - expected > threshold:
+        expected += 1
+    assert surviving(run, held, floor, touched.get, threshold) == max(expected, floor)
+
+
+def test_a_block_never_seen_freed_survives() -> None:
+    assert surviving([1, 2, 3], 3, 0, {}.get, threshold=10**9) == 3
+
+
+class Pool:
+    """vLLM's block pool in miniature: a free queue (oldest first), evicting for each allocation."""
+
+    def __init__(self, blocks: int) -> None:
+        self.free: OrderedDict[int, None] = OrderedDict((-i - 1, None) for i in range(blocks))  # empty blocks first
+        self.pinned: dict[int, int] = {}
+
+    def run(self, chain: list[int]) -> tuple[list[int], list[int]]:
+        """Admit a request over ``chain`` (own hashes): its hits, then allocations; returns (stored, evicted)."""
+        stored, evicted = [], []
+        for h in chain:
+            if h in self.pinned:
+                self.pinned[h] += 1
+            elif h in self.free:
+                del self.free[h]
+                self.pinned[h] = 1
+            else:
+                victim, _ = self.free.popitem(last=False)
+                if victim >= 0:
+                    evicted.append(victim)
+                self.pinned[h] = 1
+                stored.append(h)
+        return stored, evicted
+
+    def finish(self, chain: list[int]) -> None:
+        for h in reversed(chain):  # vLLM frees a request's blocks tail first
+            self.pinned[h] -= 1
+            if not self.pinned[h]:
+                del self.pinned[h]
+                self.free[h] = None
+
+    def holds(self, chain: list[int]) -> int:
+        n = 0
+        while n < len(chain) and (chain[n] in self.free or chain[n] in self.pinned):
+            n += 1
+        return n
+
+
+def _conversation(c: int, blocks: int) -> tuple[list[int], list[int]]:
+    """A prompt of ``blocks`` full blocks of its own tokens, and its own chain hashes."""
+    ids = [c * 1000 + i for i in range(blocks * BS)]
+    return ids, block_hashes(ids, BS)
+
+
+def _run(pool: Pool, index: EventIndex, ids: list[int], chain: list[int]) -> None:
+    """One request through the pool, announced as vLLM would (the engine hash being the own hash),
+    ended, and its blocks touched as the router does when the request's stream ends."""
+    stored, evicted = pool.run(chain)
+    events: list = [BlockRemoved(tuple(evicted))] if evicted else []
+    if stored:
+        k = chain.index(stored[0])
+        events.append(BlockStored(tuple(chain[k:]), chain[k - 1] if k else None, tuple(ids[k * BS:]), BS))
+    index.apply(A, events)
+    pool.finish(chain)
+    index.touch(A, chain)
+
+
+@given(st.integers(4, 12), st.integers(0, 8), st.integers(2, 6))
+@settings(max_examples=60, deadline=None)
+def test_the_forecast_finds_what_a_full_pool_keeps_of_a_conversation_after_the_queue_ahead(
+        warm: int, ahead: int, blocks: int) -> None:
+    """Conversations of ``blocks`` blocks through a 40-block pool: after ``warm`` of them, what the
+    forecast says the pool will still hold of the first one once ``ahead`` more have run is what the
+    pool then holds."""
+    pool, index = Pool(40), EventIndex()
+    convs = [_conversation(c, blocks) for c in range(warm + ahead)]
+    for ids, chain in convs[:warm]:
+        _run(pool, index, ids, chain)
+    target = convs[warm - 1 if warm * blocks > 40 else 0][1]  # a conversation the pool still holds whole
+    present = index.match(target).get(A, 0)
+    assert present == pool.holds(target) == blocks
+    free = 40  # nothing running: the whole pool is the free queue
+    threshold = index.allocations(A) + blocks * ahead - free  # ahead requests of ``blocks`` new blocks each
+    forecast = surviving(target, present, 0, index.touched(A), threshold)
+    for ids, chain in convs[warm:]:
+        _run(pool, index, ids, chain)
+    truth = pool.holds(target)
+    assert forecast == truth
+    assert index.match(target).get(A, 0) == truth  # the events caught up with the pool
+
+
+def test_a_queueing_replica_loses_what_it_will_evict_and_an_idle_one_keeps_it() -> None:
+    """Through PickCore: replicas A and B hold the whole prompt; A is queueing (4 waiting, 50 blocks
+    allocated per finished request, its KV all in use), B is idle. With the forecast A's figure drops
+    to nothing (shown by explain, counted when picked); B's stays; without the forecast both keep it."""
+    tokenizer = ModelTokenizer(TINY_BYTELEVEL)
+    route = RouteSettings(mode="pick")
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + b"tell me about blocks " * 20 + b'"}]}'
+    decision = decide(body, {}, route)
+    ids = tokenizer.tokens_for(decision.document, "chat")
+    own = block_hashes(ids, 16)
+    whole = (len(ids) - 1) // 16 * 16
+    core, index = PickCore(), EventIndex()
+    core.set_endpoints([A, B])
+    core.precise = PreciseView(index, {"*": tokenizer}, {A: Live(), B: Live()})
+    for address in (A, B):
+        index.apply(address, [BlockStored(tuple(range(1, len(own) + 1)), None, tuple(ids[:len(own) * 16]), 16)])
+        index.touch(address, own)
+    busy = Sample(running=8, waiting=4, kv_usage=0.99, capacity_tokens=100 * 16, block_size=16)
+    idle = Sample(running=0, waiting=0, kv_usage=0.1, capacity_tokens=100 * 16, block_size=16)
+    core.load.scraped(A, busy, 0)
+    core.load.scraped(B, idle, 0)
+    assert {c["address"]: c["cached_tokens"] for c in core.explain(decision, route)["candidates"]} == {A: whole, B: whole}
+    core.forecast = EvictionForecast()
+    for done in (0.0, 1.0):  # two scrapes of A, 50 blocks allocated between them
+        core.on_sample(A, dataclasses.replace(busy, requests_done=done))
+        index.apply(A, [BlockStored((900 + i,), None, tuple(range(16)), 16) for i in range(50)])
+    by = {c["address"]: c for c in core.explain(decision, route)["candidates"]}
+    assert (by[A]["cached_tokens"], by[A]["forecast_evicted_tokens"]) == (0, whole)
+    assert (by[B]["cached_tokens"], by[B]["forecast_evicted_tokens"]) == (whole, 0)
+    before = metrics.PREDICTED_EVICTED.labels(A)._value.get()
+    core.load.scraped(B, busy, 0)  # B as busy as A but not allocating: its blocks stay, so it is chosen
+    assert core.pick(decision, route).address == B
+    core.load.scraped(B, Sample(running=30, waiting=30, kv_usage=0.99, capacity_tokens=100 * 16), 0)
+    assert core.pick(decision, route).address == A  # far busier B: A despite its empty figure
+    assert metrics.PREDICTED_EVICTED.labels(A)._value.get() - before == whole
