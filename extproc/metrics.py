@@ -141,8 +141,9 @@ ENDPOINTS = Gauge("prefix_router_endpoints", "Replicas pick mode chooses among",
 # --- the cache view and how well it predicts ------------------------------------------------
 PREDICTED_CACHED = Counter(
     "prefix_router_predicted_cached_tokens_total",
-    "Prompt tokens the router expected the chosen replica to have cached, by replica and by the "
-    "view that said so (events, learned); compare with prefix_router_replica_cache_hit_tokens_total",
+    "Prompt tokens the router expected the chosen replica to serve from its cache, by replica and by "
+    "the view that said so (events: less what the eviction forecast expects it to evict before it "
+    "admits the request; learned); compare with prefix_router_replica_cache_hit_tokens_total",
     ["replica", "view"],
     registry=REGISTRY,
 )

@@ -197,14 +197,15 @@ class PickCore:
             if self.on_precise_pick is not None and settings.cache_view != "learned":
                 self.on_precise_pick(choice.address, decision)
             chosen = _chosen(choice)
-            if chosen.cached_tokens:
-                metrics.PREDICTED_CACHED.labels(choice.address, chosen.view).inc(chosen.cached_tokens)
-                forecast = exact.in_flight.get(choice.address, 0) if exact is not None and chosen.view == EVENTS else 0
-                if forecast:
+            events = exact if exact is not None and chosen.view == EVENTS else None
+            evicting = events.evicting.get(choice.address, 0) if events is not None else 0
+            if chosen.cached_tokens > evicting:
+                metrics.PREDICTED_CACHED.labels(choice.address, chosen.view).inc(chosen.cached_tokens - evicting)
+            if events is not None:
+                if forecast := events.in_flight.get(choice.address, 0):
                     metrics.PREDICTED_IN_FLIGHT.labels(choice.address).inc(forecast)
-            evicting = exact.evicting.get(choice.address, 0) if exact is not None and chosen.view == EVENTS else 0
-            if evicting:
-                metrics.PREDICTED_EVICTED.labels(choice.address).inc(evicting)
+                if evicting:
+                    metrics.PREDICTED_EVICTED.labels(choice.address).inc(evicting)
         return choice
 
     def release(self, choice: Choice) -> None:

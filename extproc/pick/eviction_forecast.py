@@ -7,8 +7,9 @@ that block held; a request's blocks go back to the queue's tail when it ends. So
 
 - the allocation clock: blocks the replica has allocated so far, as its BlockStored events
   count them (``EventIndex.allocations``);
-- each block's reading of that clock when a request of this router that used it ended
-  (``EventIndex.touch``: vLLM freed it then, to the tail);
+- when each block was last in use, as a reading of that clock: when a request of this router
+  that used it ended (``EventIndex.touch``: vLLM freed it then, to the queue's tail), and,
+  from the events every router sees alike, when a BlockStored stored it last or chained onto it;
 - the replica's free queue now, ``free`` blocks (its KV not used by running requests,
   scraped): about ``clock - t`` blocks were freed after a block freed at ``t`` (what is
   allocated is freed again), and vLLM frees a request's blocks tail first, so block ``i`` of a
@@ -19,23 +20,24 @@ that block held; a request's blocks go back to the queue's tail when it ends. So
   finish before it admits this one (those waiting ahead, and one for a slot to free).
 
 Block ``i`` survives if at least as many blocks are ahead of it as will be allocated first:
-``touched - i > clock + ahead - free``. Along a request's chain the readings never rise (every
-request that freed block i freed the blocks before it too), so ``touched - i`` falls and the
-blocks that survive are a prefix, found by binary search. A block this router never saw freed (a request another router
-sent, or one before it started) has no reading and is taken to survive: the forecast only
-lowers what the events say, and only where it has evidence.
+``reading - i > clock + ahead - free``. A request that used block j used every block before it,
+so along a request's chain block i reads the latest reading at or after it, which never rises:
+the blocks that survive are a prefix. Readings from the events keep router replicas in
+agreement: each router sees only its own requests end, but every router sees every
+BlockStored. A chain with no reading at all (blocks replayed before this router saw them used)
+is taken to survive: the forecast only lowers what the events say, and only on evidence.
 
 No I/O, no clock: counters in, a threshold and a count of blocks out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 DECAY: Final = 0.8  # each scrape keeps this much of the blocks-per-request history (~5 scrapes)
-_SURVIVES: Final = float("inf")
 
 
 @dataclass(slots=True)
@@ -79,16 +81,23 @@ class EvictionForecast:
         return clock + per_request * (waiting + 1) - free_blocks
 
 
-def surviving(run: Sequence[int], held: int, floor: int, touched: Callable[[int, float], float],
+def surviving(run: Sequence[int], held: int, floor: int, touched: Callable[[int, None], int | None],
               threshold: float) -> int:
     """How many leading blocks of ``run`` (the first ``held`` held, the first ``floor`` kept by
-    requests in flight) are still there: block i if its last-freed reading less i is above
-    ``threshold``."""
-    lo, hi = floor, held  # the answer is in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if touched(run[mid], _SURVIVES) - mid > threshold:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    requests in flight) are still there: block i if its reading less i is above ``threshold``.
+
+    Readings are sparse (``EventIndex.touched``): block i reads the largest reading at or after it
+    on the run, and blocks after the run's last reading read that one (they were stored or freed
+    with it). Scanned from the tail, so the cost is the blocks lost."""
+    best: int | None = None
+    for i in range(held - 1, floor - 1, -1):
+        t = touched(run[i], None)
+        if t is not None and (best is None or t > best):
+            if best is None:  # the run's last reading: the blocks after it read it too
+                last = math.ceil(t - threshold) - 1  # the last block k with t - k > threshold
+                if last > i:
+                    return min(held, last + 1)
+            best = t
+        if best is not None and best - i > threshold:
+            return i + 1
+    return held if best is None else floor

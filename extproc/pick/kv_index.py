@@ -85,7 +85,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     return out
 
 
-def _nothing_touched(_hash: int, default: float) -> float:
+def _nothing_touched(_hash: int, default: None) -> None:
     return default
 
 
@@ -135,8 +135,10 @@ class EventIndex:
     subscriber seeing ``refused`` should not read those as a gap.
     """
 
-    def __init__(self, max_blocks: int = 2_000_000, match_span: int = SPAN) -> None:  # ~360 MB at BYTES_PER_BLOCK
-        self.max_blocks = max_blocks
+    def __init__(self, max_blocks: int = 2_000_000, match_span: int = SPAN, stamp_events: bool = False) -> None:
+        self.max_blocks = max_blocks  # ~360 MB at BYTES_PER_BLOCK
+        # the eviction forecast's readings from the events too: each BlockStored's last block and parent
+        self.stamp_events = stamp_events
         self._replicas: dict[str, _Replica] = {}
         self._name: dict[int, str] = {}  # bit -> address
         self._owners: dict[int, int] = {}  # own hash -> bit mask of replicas holding it
@@ -166,9 +168,11 @@ class EventIndex:
         replica = self._replicas.get(address)
         return replica.allocated if replica else 0
 
-    def touched(self, address: str) -> Callable[[int, float], float]:
-        """``get`` of own hash -> the allocation clock when a request of this router last freed that
-        block on ``address`` (``extproc.pick.eviction_forecast``)."""
+    def touched(self, address: str) -> Callable[[int, None], int | None]:
+        """``get`` of own hash -> the allocation clock when ``address`` last used the chain up to that
+        block, as far as this router knows: a request of its own that used it ended (``touch``) or,
+        with ``stamp_events``, a BlockStored stored it last or chained onto it
+        (``extproc.pick.eviction_forecast``). Sparse: most blocks have no entry."""
         replica = self._replicas.get(address)
         return replica.touched.get if replica else _nothing_touched
 
@@ -238,6 +242,11 @@ class EventIndex:
                     malformed += 1
                     continue
                 replica.block_size = bs
+                if self.stamp_events and n:  # the chain up to its last block is in use now (eviction forecast)
+                    clock = replica.allocated
+                    touched[own[n - 1]] = clock
+                    if parent != ROOT:
+                        touched[parent] = clock
                 room = share - replica.blocks
                 if room < n:
                     refused += n - max(room, 0)

@@ -46,7 +46,7 @@ class Picker(PickCore):
         self.tokenizer_check: TokenizerCheck | None = None
         self.ahead: TokenizeAhead | None = None
         if cfg.kv_events:
-            events = EventIndex(cfg.index_max_blocks)
+            events = EventIndex(cfg.index_max_blocks, stamp_events=cfg.eviction_forecast)
             self.subscriber = KvEventSubscriber(events, cfg.kv_events_port, cfg.kv_replay_port or None,
                                                 cfg.kv_events_topic, cfg.kv_dp_ranks,
                                                 ports_relative=cfg.kv_ports_relative)

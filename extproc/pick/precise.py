@@ -39,8 +39,9 @@ class Exact(NamedTuple):
     # there add to what its events say it holds (absent when none): a forecast, not yet in its cache
     in_flight: Mapping[str, int] = MappingProxyType({})
     partial: tuple[str, ...] = ()  # covered replicas whose events miss part of their cache (origin partial)
-    # covered replica -> the tokens its events say it holds that it will have evicted before it admits
-    # the request (absent when none): already taken off ``cached``
+    # covered replica -> of ``cached``, the tokens it will have evicted before it admits the request (the
+    # eviction forecast; absent when none). The choice ranks by ``cached``, what each replica holds now,
+    # which every router replica sees alike; the forecast is what the router expects the hit to be.
     evicting: Mapping[str, int] = MappingProxyType({})
 
 
@@ -101,8 +102,8 @@ class PreciseView:
     def match(self, decision: Decision, max_new_chars: int = 0,
               thresholds: Mapping[str, float] | None = None) -> Exact:
         """Exact cached tokens on every covered replica (what its events say it holds, continued by
-        the blocks this router's requests in flight there are computing, less the blocks the replica
-        will have evicted before it admits the request: ``thresholds``, per replica, from
+        the blocks this router's requests in flight there are computing), and of them the blocks a
+        replica will have evicted before it admits the request (``thresholds``, per replica, from
         ``EvictionForecast.threshold``); raises NotTokenizable, also for more than ``max_new_chars``
         new characters to tokenise (0: no limit)."""
         ids = self.tokens(decision, max_new_chars=max_new_chars)
@@ -135,7 +136,6 @@ class PreciseView:
                 left = surviving(run, n, kept, self.index.touched(address), threshold)
                 if left < n:
                     evicting[address] = (n - left) * size
-                    n = left
             cached[address] = n * size
         return Exact(len(ids), cached, hashes, sizes, in_flight, partial, evicting)
 

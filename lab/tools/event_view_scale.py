@@ -30,8 +30,10 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=84_000, help="blocks per replica")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--run", type=int, default=16, help="blocks per BlockStored event (one batch each)")
+    p.add_argument("--eviction-forecast", choices=("on", "off"), default="on",
+                   help="keep the eviction forecast's readings from the events, as the router does by default")
     a = p.parse_args()
-    index = EventIndex(max_blocks=a.replicas * a.blocks + 1)
+    index = EventIndex(max_blocks=a.replicas * a.blocks + 1, stamp_events=a.eviction_forecast == "on")
     base, busy = rss_mb(), 0.0
     for r in range(a.replicas):
         address, parent = f"10.1.{r // 250}.{r % 250}:8000", None
