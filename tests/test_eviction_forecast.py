@@ -22,6 +22,7 @@ from extproc.pick.kv_index import EventIndex, block_hashes
 from extproc.pick.load import Sample
 from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.process.explain import render_pick
 from routerlab.assets import TINY_BYTELEVEL
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -191,8 +192,10 @@ def test_a_queueing_replicas_prediction_loses_what_it_will_evict_and_the_choice_
         core.forecast = EvictionForecast()
         core.forecast.on_sample(A, 0, 0.0)
         core.forecast.on_sample(A, 50, 1.0)
-        by = {c["address"]: c for c in core.explain(decision, route)["candidates"]}
+        info = core.explain(decision, route)
+        by = {c["address"]: c for c in info["candidates"]}
         assert (by[A]["cached_tokens"], by[A]["forecast_evicted_tokens"]) == (whole, whole)
+        assert render_pick(info).count("(forecast: 0 by admission)") == 1
         assert (by[B]["cached_tokens"], by[B]["forecast_evicted_tokens"]) == (whole, 0)
         predicted = {a: metrics.PREDICTED_CACHED.labels(a, "events")._value.get() for a in (A, B)}
         evicted = metrics.PREDICTED_EVICTED.labels(A)._value.get()

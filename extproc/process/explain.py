@@ -117,8 +117,10 @@ def render_pick(info: dict[str, object]) -> str:
         origin = c.get("events_origin", "none")
         shown = c.get("view") == "events" or origin == "partial"  # partial: the larger of events and learned
         view = c.get("view", "learned") + (f" ({origin})" if shown else "")
+        evicting = c.get("forecast_evicted_tokens", 0)  # the eviction forecast: gone before admission
+        forecast = f" (forecast: {c['cached_tokens'] - evicting} by admission)" if evicting else ""
         lines.append(f"  {c['address']:24s} {c['cached_tokens']:>13d} {view:>16s} {c['backlog_tokens']:>14d} "
-                     f"{c['in_flight']:>9d} {c['cost']:>9d}{mark}")
+                     f"{c['in_flight']:>9d} {c['cost']:>9d}{mark}{forecast}")
     return "\n".join(lines)
 
 
