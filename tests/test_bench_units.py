@@ -241,3 +241,16 @@ def test_the_restart_scenario_can_keep_the_replica_down_before_it_restarts() -> 
     assert [(e.at_s, e.action) for e in sc.events(sc.params)] == [(30.0, "restart")]
     down = {**sc.params, "restart_down_s": 20.0}
     assert [(e.at_s, e.action, e.replica) for e in sc.events(down)] == [(30.0, "down", 0), (50.0, "restart", 0)]
+
+
+def test_a_replica_restarted_mid_run_keeps_what_it_counted_before_the_restart() -> None:
+    """A restarted replica's counters start again from 0: the run's totals add what they said just
+    before each restart (the restart scenario's hits were a quarter short before this)."""
+    from routerlab.bench.replica_metrics import delta
+
+    before = [ReplicaCounters(queries=100, hits=50), ReplicaCounters(queries=10, hits=5)]
+    at_restart = ReplicaCounters(queries=400, hits=300)  # replica 0, just before it restarted
+    after = [ReplicaCounters(queries=200, hits=120), ReplicaCounters(queries=110, hits=55)]
+    fleet = delta(before, after, [(0, at_restart)])
+    assert [(r.queries, r.hits) for r in fleet.per_replica] == [(300 + 200, 250 + 120), (100, 50)]
+    assert delta(before, after).per_replica[0].hits == 70  # counted as if it had not restarted: short

@@ -161,7 +161,8 @@ def test_a_replica_that_goes_down_crashes_and_stays_away_until_it_restarts(c: Cl
     assert c.post("/v1/completions", body)[0] == 200
     assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     restarts = c.get_json("/sim/state")["restarts"]
-    apply_event(None, [c.url], FleetEvent(0.0, "down", 0))  # type: ignore[arg-type]
+    reset = apply_event(None, [c.url], FleetEvent(0.0, "down", 0))  # type: ignore[arg-type]
+    assert reset is not None and reset["replica_reset"] == 0 and reset["counters"].requests >= 2  # counted before
     with pytest.raises((ConnectionError, http.client.HTTPException)):
         c.post("/v1/completions", body)  # dropped without an answer
     with pytest.raises((ConnectionError, http.client.HTTPException)):

@@ -36,6 +36,9 @@ class ReplicaCounters:
     def __sub__(self, other: "ReplicaCounters") -> "ReplicaCounters":
         return ReplicaCounters(*(a - b for a, b in zip(self._values(), other._values())))
 
+    def __add__(self, other: "ReplicaCounters") -> "ReplicaCounters":
+        return ReplicaCounters(*(a + b for a, b in zip(self._values(), other._values())))
+
     def _values(self) -> tuple[float, ...]:
         return (self.queries, self.hits, self.requests, self.prompt_tokens, self.generation_tokens,
                 self.cross_tenant_hits, self.hits_at_arrival)
@@ -78,5 +81,11 @@ class FleetDelta:
         return [int(r.requests) for r in self.per_replica]
 
 
-def delta(before: Sequence[ReplicaCounters], after: Sequence[ReplicaCounters]) -> FleetDelta:
-    return FleetDelta([a - b for a, b in zip(after, before)])
+def delta(before: Sequence[ReplicaCounters], after: Sequence[ReplicaCounters],
+          resets: Sequence[tuple[int, ReplicaCounters]] = ()) -> FleetDelta:
+    """What each replica counted from ``before`` to ``after``; ``resets``: (replica, its counters just
+    before it restarted as a new process, counting from 0 again), in time order."""
+    total = [a - b for a, b in zip(after, before)]
+    for i, last in resets:  # after - before + each reset's last: the segments between them, summed
+        total[i] = total[i] + last
+    return FleetDelta(total)

@@ -192,19 +192,22 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
     """A replica joins (passes health checks, enters pick mode's endpoints), leaves (the reverse),
     goes down (crashes: empty cache, fails health checks, drops connections, stays listed) or
     restarts (empty cache, same port, up again); or a router restarts, and then what its metrics and the
-    replicas' counters said just before is returned (its counters start again from 0)."""
+    replicas' counters said just before is returned (its counters start again from 0). A replica that
+    goes down or restarts is a new process whose counters start again from 0 too: what they said just
+    before is returned (``{"replica_reset": index, "counters": ...}``, for ``replica_metrics.delta``)."""
     if event.action == "router-restart":
         snapshot = {"at_s": event.at_s, "predicted": _predictions(running.metrics_ports), "replicas": _scrape(urls)}
         started = time.monotonic()
         running.restart_router(event.replica)
         snapshot["restart_s"] = round(time.monotonic() - started, 3)
         return snapshot
-    if event.action == "down":  # crashed: its requests fail, its cache and event sequence are gone
-        sim_control(urls[event.replica], restart=True, healthy=False, drop_connections=True)
-        return None
-    if event.action == "restart":  # and up again, if it was down
-        sim_control(urls[event.replica], restart=True, healthy=True, drop_connections=False)
-        return None
+    if event.action in ("down", "restart"):
+        counters = _scrape([urls[event.replica]])
+        if event.action == "down":  # crashed: its requests fail, its cache and event sequence are gone
+            sim_control(urls[event.replica], restart=True, healthy=False, drop_connections=True)
+        else:  # and up again, if it was down
+            sim_control(urls[event.replica], restart=True, healthy=True, drop_connections=False)
+        return {"replica_reset": event.replica, "counters": counters[0]} if counters else None
     joins = event.action == "join"
     set_health(urls[event.replica], joins)
     others = [i for i in running.endpoints if i != event.replica]
@@ -233,7 +236,7 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
             applying.clear()
             if snapshot is not None and snapshots is not None:
                 snapshots.append(snapshot)
-            took = f" (ready again after {snapshot['restart_s']:.1f} s)" if snapshot else ""
+            took = f" (ready again after {snapshot['restart_s']:.1f} s)" if snapshot and "restart_s" in snapshot else ""
             note(f"t={e.at_s:.0f}s: {_event_label(e)}{took}")
 
     task = asyncio.create_task(drive())
@@ -274,7 +277,9 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             predicted = _predictions(running.metrics_ports)
     finally:
         backend.stop()
-    fleet = replica_metrics.delta(before, after) if before and after else None
+    resets = [(s["replica_reset"], s["counters"]) for s in snapshots if "replica_reset" in s]
+    snapshots = [s for s in snapshots if "replica_reset" not in s]
+    fleet = replica_metrics.delta(before, after, resets) if before and after else None
     summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
                                    backend_urls=backend.urls, cpu=cpu, envoy=envoy)
     if predicted and fleet is not None:
