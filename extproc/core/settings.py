@@ -96,8 +96,8 @@ class ServerSettings:
     # so the event loop keeps serving; 0: every request's text on the loop, in its pick.
     tokenize_inline_chars: int = 2048
     tokenize_queue_seconds: float = 0.1  # a request that would wait longer for the worker uses the learned view
-    # Take off a queueing replica's figure the blocks it will have evicted before it admits the request
-    # (extproc.pick.eviction_forecast); off: the events' view of the present as it is.
+    # Predict for a queueing replica only the blocks it will not have evicted before it admits the request
+    # (extproc.pick.eviction_forecast; the choice still ranks by what replicas hold now); off: predict those too.
     eviction_forecast: bool = True
     # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
     # command lines are visible to every local user).

@@ -121,7 +121,7 @@ class _Replica:
     blocks: int = 0  # resident copies
     block_size: int | None = None
     allocated: int = 0  # blocks its BlockStored events announced so far: its allocation clock
-    touched: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when a request of ours freed it
+    touched: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when its chain was last in use
 
 
 class EventIndex:
