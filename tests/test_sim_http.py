@@ -175,6 +175,22 @@ def test_a_replica_that_goes_down_crashes_and_stays_away_until_it_restarts(c: Cl
     assert c.get_json("/sim/state")["restarts"] == restarts + 2
 
 
+def test_a_replica_whose_prefix_cache_is_reset_goes_on_with_an_empty_cache(c: Client) -> None:
+    """The bench's ``reset_cache`` event (the restart scenario's ``restart_kind=reset_cache``)."""
+    from routerlab.bench.runner import apply_event
+    from routerlab.bench.scenarios import FleetEvent
+
+    prompt = unique_text("reset", 800)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    assert c.post("/v1/completions", body)[0] == 200
+    assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    restarts = c.get_json("/sim/state")["restarts"]
+    assert apply_event(None, [c.url], FleetEvent(0.0, "reset_cache", 0)) is None  # type: ignore[arg-type]
+    status, answer = c.post("/v1/completions", body)
+    assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert c.get_json("/sim/state")["restarts"] == restarts  # the same process
+
+
 # ---- completions -------------------------------------------------------------------------
 
 def test_completion_non_streaming_and_cached_tokens(c: Client) -> None:

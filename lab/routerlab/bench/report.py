@@ -115,8 +115,8 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     Precise mode's prediction has two parts: what the events said the replica held when the
     router chose, and a forecast (``in_flight``): blocks this router's requests in flight there
     are computing; the eviction forecast's tokens (``evicted``) were taken off it (blocks the events
-    said were there that the replica would evict before admitting the request). The simulator also counts what its cache held of each request's prompt when it
-    arrived (``sim:prefix_cache_hits_at_arrival_total``), which splits the error: the held part
+    said were there that the replica would evict before admitting the request). The simulator also
+    counts what its cache held of each request's prompt when it arrived (``sim:prefix_cache_hits_at_arrival_total``), which splits the error: the held part
     against the cache at arrival (``held_at_arrival_accuracy``: the view's own error, event lag
     included), and what the cache still held when the request was admitted against what it held at
     arrival (``kept_while_waiting``: evictions, and blocks in flight stored, while requests queue;

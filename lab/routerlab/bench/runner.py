@@ -201,6 +201,9 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
         running.restart_router(event.replica)
         snapshot["restart_s"] = round(time.monotonic() - started, 3)
         return snapshot
+    if event.action == "reset_cache":  # the process goes on, its prefix cache emptied (AllBlocksCleared)
+        sim_control(urls[event.replica], reset_cache=True)
+        return None
     if event.action in ("down", "restart"):
         counters = _scrape([urls[event.replica]])
         if event.action == "down":  # crashed: its requests fail, its cache and event sequence are gone

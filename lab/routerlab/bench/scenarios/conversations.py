@@ -160,7 +160,13 @@ KV_PRESSURE = Scenario(
 
 def _restart_events(p: Params) -> tuple[FleetEvent, ...]:
     """Replica 0 restarts at once, or after ``restart_down_s`` seconds down (a vLLM process takes
-    tens of seconds to load its model again; meanwhile its conversations go elsewhere)."""
+    tens of seconds to load its model again; meanwhile its conversations go elsewhere); with
+    ``restart_kind=reset_cache`` its prefix cache is emptied instead, the process going on (vLLM's
+    ``POST /reset_prefix_cache``: its counters continue, its events say AllBlocksCleared)."""
+    if p["restart_kind"] not in ("restart", "reset_cache"):
+        raise ValueError(f"restart_kind {p['restart_kind']!r}: must be restart or reset_cache")
+    if p["restart_kind"] == "reset_cache":
+        return (FleetEvent(p["restart_at_s"], "reset_cache", 0),)
     down = p["restart_down_s"]
     if down > 0:
         return FleetEvent(p["restart_at_s"], "down", 0), FleetEvent(p["restart_at_s"] + down, "restart", 0)
@@ -171,7 +177,8 @@ RESTART = Scenario(
     name="restart",
     summary="zipf-chat, and replica 0 restarts mid-run (empty cache, same port): hit rate and TTFT "
             "before and after, and how fast each router stops crediting what the replica lost",
-    params={**ZIPF_CHAT.params, "conversations": 400, "restart_at_s": 30.0, "restart_down_s": 0.0},
+    params={**ZIPF_CHAT.params, "conversations": 400, "restart_at_s": 30.0, "restart_down_s": 0.0,
+            "restart_kind": "restart"},
     generate=_zipf_chat,
     fleet=_zipf_chat_fleet,
     load=LoadSpec(concurrency=48, rate=20.0, duration_s=70.0),

@@ -64,7 +64,7 @@ class FleetEvent:
     """
 
     at_s: float
-    action: str  # "join", "leave", "down", "restart" or "router-restart"
+    action: str  # "join", "leave", "down", "restart", "reset_cache" or "router-restart"
     replica: int  # the replica's index; for router-restart, the router's
 
 
