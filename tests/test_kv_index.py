@@ -246,19 +246,19 @@ def test_bytes_per_block_estimate_is_close_to_measured() -> None:
     stats = index.stats()
     assert stats.entries == 50_000
     assert 0.7 * stats.bytes <= used <= 1.3 * stats.bytes, used / stats.entries
-    # every block freed by a request of ours, its hash list (as the chain cache makes it) then dropped
+    # the same events with the eviction forecast's readings kept: one per batch here (its last block)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    for address in index.addresses():
-        run = [int.from_bytes(h.to_bytes(8, "little"), "little") for h in index.holds(address)]
-        for end in range(25, len(run) + 1, 25):
-            index.touch(address, run[end - 25:end])
-        del run
+    stamped = EventIndex(stamp_events=True)
+    for address, batches in payloads.items():
+        for p in batches:
+            stamped.apply(address, decode_batch(p).batch.events)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    touched = index.stats().bytes - stats.bytes
-    assert touched == 50_000 * BYTES_PER_TOUCHED
-    assert 0.7 * touched <= used <= 1.3 * touched, used / 50_000
+    readings = stamped.stats().bytes - stats.bytes
+    assert readings == 2_000 * BYTES_PER_TOUCHED  # 4 x 500 batches
+    assert used <= 1.3 * stamped.stats().bytes, used / stats.entries
+    del stamped
     for address in list(index.addresses()):
         index.remove(address)
     assert (index.stats().entries, index.stats().chunks, index.stats().bytes) == (0, 0, 0)
@@ -369,32 +369,22 @@ def test_the_chain_cache_serves_remembered_chains_exactly_and_stays_in_its_bound
 
 
 # --- the eviction forecast's clock and readings ------------------------------------------
-def test_the_allocation_clock_counts_every_announced_block_and_touches_read_it() -> None:
-    index = EventIndex()
+def test_the_allocation_clock_counts_every_announced_block_and_events_leave_readings() -> None:
+    index = EventIndex(stamp_events=True)
     tokens = list(range(4 * BS))
-    index.apply(A, [stored([1, 2, 3, 4], tokens)])
+    index.apply(A, [stored([1, 2, 3, 4], tokens)])  # a prompt: its last block read at clock 4
     assert index.allocations(A) == 4 and index.allocations(B) == 0
-    chain = own(tokens)
-    index.touch(A, chain[:3])  # a request over the first three blocks ended
-    index.apply(A, [stored([5], list(range(100, 100 + BS)))])
+    chain = own(tokens + list(range(100, 100 + 2 * BS)))
     get = index.touched(A)
-    assert [get(h, -1) for h in chain] == [4, 4, 4, -1]  # the clock when freed; block 3 never freed by us
-    index.touch(A, chain[:1])
-    assert get(chain[0], -1) == 5
-    index.apply(A, [BlockRemoved((3,))])  # block 2 evicted: its reading goes with it
-    assert get(chain[2], -1) == -1 and get(chain[1], -1) == 4
+    assert [get(h, -1) for h in chain[:4]] == [-1, -1, -1, 4]
+    index.apply(A, [stored([5], list(range(100, 100 + BS)), parent=4)])  # a block chained onto it
+    assert [get(h, -1) for h in chain[:5]] == [-1, -1, -1, 5, 5]  # the parent and the new block, at 5
+    index.apply(A, [BlockRemoved((5,))])  # evicted: its reading goes with it
+    assert get(chain[4], -1) == -1 and get(chain[3], -1) == 5
     assert index.allocations(A) == 5  # removals do not move the clock
     index.apply(A, [AllBlocksCleared()])
-    assert index.touched(A)(chain[0], -1) == -1 and index.allocations(A) == 5  # the clock never goes back
+    assert index.touched(A)(chain[3], -1) == -1 and index.allocations(A) == 5  # the clock never goes back
     assert index.touched(B)(chain[0], -1) == -1  # a replica never heard of
-
-
-def test_readings_of_blocks_the_replica_no_longer_holds_are_pruned() -> None:
-    index = EventIndex()
-    tokens = list(range(2 * BS))
-    index.apply(A, [stored([1, 2], tokens)])
-    index.touch(A, own(tokens))
-    for start in range(0, 40, 2):  # requests whose blocks were never stored (failed before prefill)
-        index.touch(A, list(range(10_000 + start, 10_002 + start)))
-    assert index.stats().bytes <= (2 + 2 * 2 + 2) * BYTES_PER_TOUCHED + 2 * BYTES_PER_BLOCK
-    assert index.touched(A)(own(tokens)[1], -1) == 2  # what it holds keeps its reading
+    plain = EventIndex()  # --eviction-forecast off: no readings
+    plain.apply(A, [stored([1, 2, 3, 4], tokens)])
+    assert plain.touched(A)(chain[3], -1) == -1 and plain.allocations(A) == 4

@@ -7,9 +7,11 @@ that block held; a request's blocks go back to the queue's tail when it ends. So
 
 - the allocation clock: blocks the replica has allocated so far, as its BlockStored events
   count them (``EventIndex.allocations``);
-- when each block was last in use, as a reading of that clock: when a request of this router
-  that used it ended (``EventIndex.touch``: vLLM freed it then, to the queue's tail), and,
-  from the events every router sees alike, when a BlockStored stored it last or chained onto it;
+- when each chain was last in use, as a reading of that clock: when a BlockStored stored its
+  last block or chained onto it (a request was using it then; vLLM frees a request's blocks to
+  the queue's tail when it ends). Every router sees the same events, so router replicas read
+  the same; the ends of this router's own requests, read too in a first version, made no
+  measured difference to the prediction and cost a dict update per block of every request;
 - the replica's free queue now, ``free`` blocks (its KV not used by running requests,
   scraped): about ``clock - t`` blocks were freed after a block freed at ``t`` (what is
   allocated is freed again), and vLLM frees a request's blocks tail first, so block ``i`` of a
@@ -22,10 +24,9 @@ that block held; a request's blocks go back to the queue's tail when it ends. So
 Block ``i`` survives if at least as many blocks are ahead of it as will be allocated first:
 ``reading - i > clock + ahead - free``. A request that used block j used every block before it,
 so along a request's chain block i reads the latest reading at or after it, which never rises:
-the blocks that survive are a prefix. Readings from the events keep router replicas in
-agreement: each router sees only its own requests end, but every router sees every
-BlockStored. A chain with no reading at all (blocks replayed before this router saw them used)
-is taken to survive: the forecast only lowers what the events say, and only on evidence.
+the blocks that survive are a prefix. Blocks that a request of this router in flight there
+shares stay too (it uses them before admission). A chain with no reading at all is taken to
+survive: the forecast only lowers what the events say, and only on evidence.
 
 No I/O, no clock: counters in, a threshold and a count of blocks out.
 """

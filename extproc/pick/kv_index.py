@@ -43,8 +43,8 @@ ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed valu
 # share the holders entry): 131-176 bytes with int engine hashes as dicts fill between
 # resizes, 160-206 with 32-byte bytes hashes. tests/test_kv_index.py checks it stays close.
 BYTES_PER_BLOCK: Final = 180
-# Per block a request of this router freed (the eviction forecast's reading: a dict entry, and the hash
-# as its own int once the request's hash list is gone), measured the same way: 80 bytes.
+# Per eviction forecast reading (a dict entry keyed by an own hash the engine map holds too), measured
+# the same way: 80 bytes is an upper bound (the key's int is its own object where nothing else holds it).
 BYTES_PER_TOUCHED: Final = 80
 
 _hash: Final = xxhash.xxh3_64_intdigest
@@ -137,7 +137,7 @@ class EventIndex:
 
     def __init__(self, max_blocks: int = 2_000_000, match_span: int = SPAN, stamp_events: bool = False) -> None:
         self.max_blocks = max_blocks  # ~360 MB at BYTES_PER_BLOCK
-        # the eviction forecast's readings from the events too: each BlockStored's last block and parent
+        # keep the eviction forecast's readings: each BlockStored's last block and parent
         self.stamp_events = stamp_events
         self._replicas: dict[str, _Replica] = {}
         self._name: dict[int, str] = {}  # bit -> address
@@ -170,24 +170,10 @@ class EventIndex:
 
     def touched(self, address: str) -> Callable[[int, None], int | None]:
         """``get`` of own hash -> the allocation clock when ``address`` last used the chain up to that
-        block, as far as this router knows: a request of its own that used it ended (``touch``) or,
-        with ``stamp_events``, a BlockStored stored it last or chained onto it
-        (``extproc.pick.eviction_forecast``). Sparse: most blocks have no entry."""
+        block, as its events tell (with ``stamp_events``): a BlockStored stored it as its last block
+        or chained onto it (``extproc.pick.eviction_forecast``). Sparse: most blocks have no entry."""
         replica = self._replicas.get(address)
         return replica.touched.get if replica else _nothing_touched
-
-    def touch(self, address: str, run: Sequence[int]) -> None:
-        """A request of this router that used ``run``'s blocks on ``address`` ended: vLLM freed them now,
-        at the free queue's tail. Entries for blocks the replica no longer holds are pruned once they
-        outnumber its blocks, so the map stays within the replica's share."""
-        replica = self._replicas.get(address)
-        if replica is None or not run:
-            return
-        touched = replica.touched
-        touched.update(dict.fromkeys(run, replica.allocated))
-        if len(touched) > 2 * replica.blocks + len(run):
-            bit, get = replica.bit, self._owners.get
-            replica.touched = {h: t for h, t in touched.items() if get(h, 0) & bit}
 
     def holds(self, address: str) -> list[int]:
         """``address``'s own hashes, in the order first stored (``/debug/state``)."""

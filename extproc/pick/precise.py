@@ -166,9 +166,7 @@ class PreciseView:
         return run
 
     def unpend(self, address: str, run: Sequence[int]) -> None:
-        """The request ended: its blocks are in the events by now, or were never stored; the replica
-        freed them just now (the eviction forecast's recency)."""
-        self.index.touch(address, run)
+        """The request ended: its blocks are in the events by now, or were never stored."""
         runs = self.pending.get(address)
         if runs is not None and run:
             for i, other in enumerate(runs):
