@@ -151,24 +151,33 @@ def test_health_503_after_control(c: Client) -> None:
     assert c.request("GET", "/health")[0] == 200
 
 
-def test_a_replica_that_goes_down_crashes_and_stays_away_until_it_restarts(c: Client) -> None:
-    """The bench's ``down`` then ``restart`` events (the restart scenario's ``restart_down_s``)."""
+def _cached_prompt(c: Client, tag: str) -> tuple[dict, int]:
+    """A completions body the replica now holds in its cache, and its restart count."""
+    body = {"model": MODEL, "prompt": unique_text(tag, 800), "max_tokens": 1}
+    assert c.post("/v1/completions", body)[0] == 200
+    assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    return body, c.get_json("/sim/state")["restarts"]
+
+
+def _event(c: Client, action: str) -> dict | None:
+    """The bench's fleet event ``action`` on this replica, as the restart scenario applies it."""
     from routerlab.bench.runner import apply_event
     from routerlab.bench.scenarios import FleetEvent
 
-    prompt = unique_text("down", 800)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-    assert c.post("/v1/completions", body)[0] == 200
-    assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    restarts = c.get_json("/sim/state")["restarts"]
-    reset = apply_event(None, [c.url], FleetEvent(0.0, "down", 0))  # type: ignore[arg-type]
+    return apply_event(None, [c.url], FleetEvent(0.0, action, 0))  # type: ignore[arg-type]
+
+
+def test_a_replica_that_goes_down_crashes_and_stays_away_until_it_restarts(c: Client) -> None:
+    """The bench's ``down`` then ``restart`` events (the restart scenario's ``restart_down_s``)."""
+    body, restarts = _cached_prompt(c, "down")
+    reset = _event(c, "down")
     assert reset is not None and reset["replica_reset"] == 0 and reset["counters"].requests >= 2  # counted before
     with pytest.raises((ConnectionError, http.client.HTTPException)):
         c.post("/v1/completions", body)  # dropped without an answer
     with pytest.raises((ConnectionError, http.client.HTTPException)):
         c.request("GET", "/health")
     assert c.get_json("/sim/state")["restarts"] == restarts + 1  # it crashed: its cache is gone
-    apply_event(None, [c.url], FleetEvent(5.0, "restart", 0))  # type: ignore[arg-type]
+    _event(c, "restart")
     assert c.request("GET", "/health")[0] == 200
     status, answer = c.post("/v1/completions", body)
     assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -177,15 +186,8 @@ def test_a_replica_that_goes_down_crashes_and_stays_away_until_it_restarts(c: Cl
 
 def test_a_replica_whose_prefix_cache_is_reset_goes_on_with_an_empty_cache(c: Client) -> None:
     """The bench's ``reset_cache`` event (the restart scenario's ``restart_kind=reset_cache``)."""
-    from routerlab.bench.runner import apply_event
-    from routerlab.bench.scenarios import FleetEvent
-
-    prompt = unique_text("reset", 800)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-    assert c.post("/v1/completions", body)[0] == 200
-    assert c.post("/v1/completions", body)[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    restarts = c.get_json("/sim/state")["restarts"]
-    assert apply_event(None, [c.url], FleetEvent(0.0, "reset_cache", 0)) is None  # type: ignore[arg-type]
+    body, restarts = _cached_prompt(c, "reset")
+    assert _event(c, "reset_cache") is None
     status, answer = c.post("/v1/completions", body)
     assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert c.get_json("/sim/state")["restarts"] == restarts  # the same process
