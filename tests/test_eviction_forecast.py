@@ -56,19 +56,19 @@ def test_surviving_is_the_prefix_of_blocks_with_enough_ahead_of_them(readings: l
     run = list(range(1000, 1000 + len(readings)))
     held = data.draw(st.integers(0, len(run)))
     floor = data.draw(st.integers(0, held))
-    touched = {h: t for h, t in zip(run, readings) if t is not None}
-    seen = [touched[h] for h in run[floor:held] if h in touched]
+    last_use = {h: t for h, t in zip(run, readings) if t is not None}
+    seen = [last_use[h] for h in run[floor:held] if h in last_use]
     if not seen:
         expected = held  # no evidence: all kept
     else:
-        last = max(i for i in range(floor, held) if run[i] in touched)
+        last = max(i for i in range(floor, held) if run[i] in last_use)
 
         def reading(i: int) -> int:  # the latest reading at or after i; after the last one, that one
-            return max(touched[h] for h in run[i:held] if h in touched) if i <= last else touched[run[last]]
+            return max(last_use[h] for h in run[i:held] if h in last_use) if i <= last else last_use[run[last]]
         expected = floor
         while expected < held and reading(expected) - expected > threshold:
             expected += 1
-    assert surviving(run, held, floor, touched.get, threshold) == expected
+    assert surviving(run, held, floor, last_use.get, threshold) == expected
 
 
 def test_a_chain_with_no_reading_survives() -> None:
@@ -146,7 +146,7 @@ def test_the_forecast_finds_what_a_full_pool_keeps_of_a_conversation_after_the_q
     assert present == pool.holds(target) == blocks
     free = 40  # nothing running: the whole pool is the free queue
     threshold = index.allocations(A) + blocks * ahead - free  # ahead requests of ``blocks`` new blocks each
-    forecast = surviving(target, present, 0, index.touched(A), threshold)
+    forecast = surviving(target, present, 0, index.last_use(A), threshold)
     for ids, chain in convs[warm:]:
         _run(pool, index, ids, chain)
     truth = pool.holds(target)

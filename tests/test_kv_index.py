@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from extproc.pick.chain_cache import ChainCache
 from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from extproc.pick.kv_index import (
-    BYTES_PER_BLOCK, BYTES_PER_TOUCHED, ROOT, EventIndex, block_hashes, request_extra_keys,
+    BYTES_PER_BLOCK, BYTES_PER_READING, ROOT, EventIndex, block_hashes, request_extra_keys,
 )
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -256,7 +256,7 @@ def test_bytes_per_block_estimate_is_close_to_measured() -> None:
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     readings = stamped.stats().bytes - stats.bytes
-    assert readings == 2_000 * BYTES_PER_TOUCHED  # 4 x 500 batches
+    assert readings == 2_000 * BYTES_PER_READING  # 4 x 500 batches
     assert used <= 1.3 * stamped.stats().bytes, used / stats.entries
     del stamped
     for address in list(index.addresses()):
@@ -375,7 +375,7 @@ def test_the_allocation_clock_counts_every_announced_block_and_events_leave_read
     index.apply(A, [stored([1, 2, 3, 4], tokens)])  # a prompt: its last block read at clock 4
     assert index.allocations(A) == 4 and index.allocations(B) == 0
     chain = own(tokens + list(range(100, 100 + 2 * BS)))
-    get = index.touched(A)
+    get = index.last_use(A)
     assert [get(h, -1) for h in chain[:4]] == [-1, -1, -1, 4]
     index.apply(A, [stored([5], list(range(100, 100 + BS)), parent=4)])  # a block chained onto it
     assert [get(h, -1) for h in chain[:5]] == [-1, -1, -1, 5, 5]  # the parent and the new block, at 5
@@ -383,8 +383,19 @@ def test_the_allocation_clock_counts_every_announced_block_and_events_leave_read
     assert get(chain[4], -1) == -1 and get(chain[3], -1) == 5
     assert index.allocations(A) == 5  # removals do not move the clock
     index.apply(A, [AllBlocksCleared()])
-    assert index.touched(A)(chain[3], -1) == -1 and index.allocations(A) == 5  # the clock never goes back
-    assert index.touched(B)(chain[0], -1) == -1  # a replica never heard of
+    assert index.last_use(A)(chain[3], -1) == -1 and index.allocations(A) == 5  # the clock never goes back
+    assert index.last_use(B)(chain[0], -1) == -1  # a replica never heard of
     plain = EventIndex()  # --eviction-forecast off: no readings
     plain.apply(A, [stored([1, 2, 3, 4], tokens)])
-    assert plain.touched(A)(chain[3], -1) == -1 and plain.allocations(A) == 4
+    assert plain.last_use(A)(chain[3], -1) == -1 and plain.allocations(A) == 4
+
+
+def test_a_block_refused_for_room_leaves_no_reading() -> None:
+    """Past its share a replica's new blocks are not indexed, so no BlockRemoved would ever clear a
+    reading of them: only the blocks it holds are read."""
+    index = EventIndex(max_blocks=2, stamp_events=True)
+    tokens = list(range(4 * BS))
+    result = index.apply(A, [stored([1, 2, 3, 4], tokens)])
+    chain = own(tokens)
+    assert result.refused == 2
+    assert [index.last_use(A)(h, -1) for h in chain] == [-1, 4, -1, -1]  # the last block held, not block 3

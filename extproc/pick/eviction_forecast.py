@@ -10,8 +10,7 @@ that block held; a request's blocks go back to the queue's tail when it ends. So
 - when each chain was last in use, as a reading of that clock: when a BlockStored stored its
   last block or chained onto it (a request was using it then; vLLM frees a request's blocks to
   the queue's tail when it ends). Every router sees the same events, so router replicas read
-  the same; the ends of this router's own requests, read too in a first version, made no
-  measured difference to the prediction and cost a dict update per block of every request;
+  the same;
 - the replica's free queue now, ``free`` blocks (its KV not used by running requests,
   scraped): about ``clock - t`` blocks were freed after a block freed at ``t`` (what is
   allocated is freed again), and vLLM frees a request's blocks tail first, so block ``i`` of a
@@ -82,17 +81,17 @@ class EvictionForecast:
         return clock + per_request * (waiting + 1) - free_blocks
 
 
-def surviving(run: Sequence[int], held: int, floor: int, touched: Callable[[int, None], int | None],
+def surviving(run: Sequence[int], held: int, floor: int, last_use: Callable[[int, None], int | None],
               threshold: float) -> int:
     """How many leading blocks of ``run`` (the first ``held`` held, the first ``floor`` kept by
     requests in flight) are still there: block i if its reading less i is above ``threshold``.
 
-    Readings are sparse (``EventIndex.touched``): block i reads the largest reading at or after it
+    Readings are sparse (``EventIndex.last_use``): block i reads the largest reading at or after it
     on the run, and blocks after the run's last reading read that one (they were stored or freed
     with it). Scanned from the tail, so the cost is the blocks lost."""
     best: int | None = None
     for i in range(held - 1, floor - 1, -1):
-        t = touched(run[i], None)
+        t = last_use(run[i], None)
         if t is not None and (best is None or t > best):
             if best is None:  # the run's last reading: the blocks after it read it too
                 last = math.ceil(t - threshold) - 1  # the last block k with t - k > threshold

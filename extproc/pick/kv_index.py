@@ -45,7 +45,7 @@ ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed valu
 BYTES_PER_BLOCK: Final = 180
 # Per eviction forecast reading (a dict entry keyed by an own hash the engine map holds too), measured
 # the same way: 80 bytes is an upper bound (the key's int is its own object where nothing else holds it).
-BYTES_PER_TOUCHED: Final = 80
+BYTES_PER_READING: Final = 80
 
 _hash: Final = xxhash.xxh3_64_intdigest
 
@@ -85,7 +85,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     return out
 
 
-def _nothing_touched(_hash: int, default: None) -> None:
+def _no_reading(_hash: int, default: None) -> None:
     return default
 
 
@@ -121,7 +121,7 @@ class _Replica:
     blocks: int = 0  # resident copies
     block_size: int | None = None
     allocated: int = 0  # blocks its BlockStored events announced so far: its allocation clock
-    touched: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when its chain was last in use
+    last_use: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when its chain was last in use
 
 
 class EventIndex:
@@ -168,12 +168,12 @@ class EventIndex:
         replica = self._replicas.get(address)
         return replica.allocated if replica else 0
 
-    def touched(self, address: str) -> Callable[[int, None], int | None]:
+    def last_use(self, address: str) -> Callable[[int, None], int | None]:
         """``get`` of own hash -> the allocation clock when ``address`` last used the chain up to that
         block, as its events tell (with ``stamp_events``): a BlockStored stored it as its last block
         or chained onto it (``extproc.pick.eviction_forecast``). Sparse: most blocks have no entry."""
         replica = self._replicas.get(address)
-        return replica.touched.get if replica else _nothing_touched
+        return replica.last_use.get if replica else _no_reading
 
     def holds(self, address: str) -> list[int]:
         """``address``'s own hashes, in the order first stored (``/debug/state``)."""
@@ -191,15 +191,15 @@ class EventIndex:
         """entries: resident block copies; chunks: distinct own hashes; bytes: an estimate."""
         blocks = sum(r.blocks for r in self._replicas.values())
         mapped = sum(len(r.engine) for r in self._replicas.values())
-        touched = sum(len(r.touched) for r in self._replicas.values())
-        return IndexStats(blocks, len(self._owners), mapped * BYTES_PER_BLOCK + touched * BYTES_PER_TOUCHED)
+        readings = sum(len(r.last_use) for r in self._replicas.values())
+        return IndexStats(blocks, len(self._owners), mapped * BYTES_PER_BLOCK + readings * BYTES_PER_READING)
 
     # --- writes ------------------------------------------------------------------------
     def apply(self, address: str, events: Iterable[Event]) -> ApplyResult:
         """Apply one replica's events in order (BlockStored, BlockRemoved, AllBlocksCleared)."""
         replica = self._replica(address)
         owners, bit = self._owners, replica.bit
-        engine, extra, touched = replica.engine, replica.extra, replica.touched
+        engine, extra, last_use = replica.engine, replica.extra, replica.last_use
         stored = removed = duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
         share = self.share()
         changed = self._memo.log.append if self._memo.active() else None  # holders changed, for the memo
@@ -228,15 +228,14 @@ class EventIndex:
                     malformed += 1
                     continue
                 replica.block_size = bs
-                if self.stamp_events and n:  # the chain up to its last block is in use now (eviction forecast)
-                    clock = replica.allocated
-                    touched[own[n - 1]] = clock
-                    if parent != ROOT:
-                        touched[parent] = clock
                 room = share - replica.blocks
                 if room < n:
                     refused += n - max(room, 0)
                     n = max(room, 0)
+                if self.stamp_events and n:  # the chain up to its last block is in use now (eviction forecast)
+                    last_use[own[n - 1]] = replica.allocated
+                    if parent != ROOT:
+                        last_use[parent] = replica.allocated
                 for i in range(n):
                     e = hashes[i]
                     h = engine.get(e)
@@ -271,8 +270,8 @@ class EventIndex:
                             del extra[h]
                     else:
                         del engine[e]
-                        if touched:
-                            touched.pop(h, None)
+                        if last_use:
+                            last_use.pop(h, None)
                         left = held & ~bit
                         if left:
                             owners[h] = left
@@ -306,7 +305,7 @@ class EventIndex:
                     del owners[h]
         replica.engine.clear()  # clear() frees the table (and apply's local names stay valid)
         replica.extra.clear()
-        replica.touched.clear()
+        replica.last_use.clear()
         replica.blocks = 0
 
     def remove(self, address: str) -> None:

@@ -133,7 +133,7 @@ class PreciseView:
                     in_flight[address] = (n - held_blocks) * size
             threshold = thresholds.get(address) if thresholds else None
             if threshold is not None and n > kept:
-                left = surviving(run, n, kept, self.index.touched(address), threshold)
+                left = surviving(run, n, kept, self.index.last_use(address), threshold)
                 if left < n:
                     evicting[address] = (n - left) * size
             cached[address] = n * size

@@ -37,8 +37,8 @@ def _value(line: str) -> float:
 
 
 def parse_metrics(text: str) -> Sample:
-    """Sum over engines of the load gauges, cache hits and finished requests; KV usage is the mean; capacity from
-    cache_config_info.
+    """Sum over engines of the load gauges, cache hits and finished requests; KV usage is the mean;
+    capacity from cache_config_info.
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
     running = waiting = usage = hits = done = 0.0
