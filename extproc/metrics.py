@@ -151,8 +151,17 @@ PREDICTED_EVICTED = Counter(
     "prefix_router_predicted_evicted_tokens_total",
     "Tokens the replica's events said it held for a request sent to it that the eviction forecast "
     "took off the prediction: the replica will have evicted them before it admits the request "
-    "(the requests queued ahead of it allocate blocks; extproc.pick.eviction_forecast)",
+    "(the requests queued ahead of it allocate blocks; extproc.pick.eviction_forecast), scaled by "
+    "the share of its recent forecasts there that came true",
     ["replica"],
+    registry=REGISTRY,
+)
+EVICTION_FORECAST_CHECKED = Counter(
+    "prefix_router_eviction_forecast_blocks_total",
+    "Blocks the eviction forecast said a request would find evicted at the replica it was sent to, by "
+    "what happened while the request was in flight: evicted (they left the replica) or kept. The "
+    "share evicted scales what the forecast takes off (prefix_router_predicted_evicted_tokens_total)",
+    ["replica", "outcome"],
     registry=REGISTRY,
 )
 PREDICTED_IN_FLIGHT = Counter(

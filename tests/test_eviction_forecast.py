@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc import metrics
-from extproc.core.decide import decide
+from extproc.core.decide import Decision, decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.eviction_forecast import EvictionForecast, surviving
@@ -27,6 +28,7 @@ from routerlab.assets import TINY_BYTELEVEL
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 BS = 4
+BUSY = Sample(running=8, waiting=4, kv_usage=0.99, capacity_tokens=100 * 16, block_size=16)  # queueing, KV full
 
 
 class Live:
@@ -154,12 +156,11 @@ def test_the_forecast_finds_what_a_full_pool_keeps_of_a_conversation_after_the_q
     assert index.match(target).get(A, 0) == truth  # the events caught up with the pool
 
 
-def test_a_queueing_replicas_prediction_loses_what_it_will_evict_and_the_choice_does_not_change() -> None:
-    """Through PickCore: replicas A and B hold the whole prompt; A is queueing (4 waiting, 50 blocks
-    allocated per finished request, its KV all in use), B is not allocating. The forecast expects A
-    to have evicted the prompt before admitting it (explain shows it; a pick of A predicts no hit and
-    counts the loss), B to keep it; the choice itself ranks by what each replica holds now, so it is
-    the same with and without the forecast (router replicas with different readings still agree)."""
+def _queueing_fleet() -> tuple[PickCore, EventIndex, Decision, int, BlockStored]:
+    """Replicas A and B each hold a prompt's blocks (engine hashes 1..n, stored in one run), both
+    with 8 running, 4 waiting and their KV all in use; A allocated 50 blocks between two scrapes.
+    Returns the core (no forecast yet), the index, the request's decision, its whole blocks' tokens
+    and the event that stored them."""
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
     route = RouteSettings(mode="pick")
     body = b'{"model":"m","messages":[{"role":"user","content":"' + b"tell me about blocks " * 20 + b'"}]}'
@@ -170,22 +171,38 @@ def test_a_queueing_replicas_prediction_loses_what_it_will_evict_and_the_choice_
     core, index = PickCore(), EventIndex(stamp_events=True)
     core.set_endpoints([A, B])
     core.precise = PreciseView(index, {"*": tokenizer}, {A: Live(), B: Live()})
+    prompt = BlockStored(tuple(range(1, len(own) + 1)), None, tuple(ids[:len(own) * 16]), 16)
     for address in (A, B):  # the prompt's blocks, stored in one run: read at the clock then
-        index.apply(address, [BlockStored(tuple(range(1, len(own) + 1)), None, tuple(ids[:len(own) * 16]), 16)])
-    busy = Sample(running=8, waiting=4, kv_usage=0.99, capacity_tokens=100 * 16, block_size=16)
-    core.load.scraped(A, busy, 0)
-    core.load.scraped(B, busy, 0)
+        index.apply(address, [prompt])
+    core.load.scraped(A, BUSY, 0)
+    core.load.scraped(B, BUSY, 0)
     for done in (0.0, 1.0):  # two scrapes of A, 50 blocks allocated between them
-        core.on_sample(A, dataclasses.replace(busy, requests_done=done))
+        core.on_sample(A, dataclasses.replace(BUSY, requests_done=done))
         index.apply(A, [BlockStored((900 + i,), None, tuple(range(16)), 16) for i in range(50)])
-    for loads in ((busy, busy), (busy, Sample(running=30, waiting=30, kv_usage=0.99, capacity_tokens=1600))):
+    return core, index, decision, whole, prompt
+
+
+def _forecast_of_50_blocks_a_request() -> EvictionForecast:
+    forecast = EvictionForecast()
+    forecast.on_sample(A, 0, 0.0)
+    forecast.on_sample(A, 50, 1.0)
+    return forecast
+
+
+def test_a_queueing_replicas_prediction_loses_what_it_will_evict_and_the_choice_does_not_change() -> None:
+    """Through PickCore: replicas A and B hold the whole prompt; A is queueing (4 waiting, 50 blocks
+    allocated per finished request, its KV all in use), B is not allocating. The forecast expects A
+    to have evicted the prompt before admitting it (explain shows it; a pick of A predicts no hit and
+    counts the loss), B to keep it; the choice itself ranks by what each replica holds now, so it is
+    the same with and without the forecast (router replicas with different readings still agree)."""
+    core, index, decision, whole, _ = _queueing_fleet()
+    route = RouteSettings(mode="pick")
+    for loads in ((BUSY, BUSY), (BUSY, Sample(running=30, waiting=30, kv_usage=0.99, capacity_tokens=1600))):
         core.load.scraped(A, loads[0], 0)
         core.load.scraped(B, loads[1], 0)
         core.forecast = None
         without = core.evaluate(decision, route)[0].address
-        core.forecast = EvictionForecast()
-        core.forecast.on_sample(A, 0, 0.0)
-        core.forecast.on_sample(A, 50, 1.0)
+        core.forecast = _forecast_of_50_blocks_a_request()
         info = core.explain(decision, route)
         by = {c["address"]: c for c in info["candidates"]}
         assert (by[A]["cached_tokens"], by[A]["forecast_evicted_tokens"]) == (whole, whole)
@@ -207,3 +224,58 @@ def test_a_queueing_replicas_prediction_loses_what_it_will_evict_and_the_choice_
     assert in_flight.address == A
     assert {c["address"]: c["forecast_evicted_tokens"] for c in core.explain(decision, route)["candidates"]}[A] == 0
 
+
+
+def test_the_forecast_is_scaled_by_the_share_of_its_recent_forecasts_that_came_true() -> None:
+    f = EvictionForecast()
+    assert f.credence(A) == 1.0  # nothing checked: taken at its word
+    f.on_outcome(A, forecast=10, evicted=0)
+    assert f.credence(A) == 1.0  # fewer blocks checked than MIN_CHECKED
+    for _ in range(10):
+        f.on_outcome(A, forecast=10, evicted=3)
+    assert 0.2 < f.credence(A) < 0.3
+    for _ in range(200):  # the recent outcomes outweigh the old ones
+        f.on_outcome(A, forecast=10, evicted=9)
+    assert 0.89 < f.credence(A) < 0.91
+    assert f.credence(B) == 1.0  # per replica
+    f.forget(A)
+    assert f.credence(A) == 1.0
+
+
+@pytest.mark.parametrize("came_true", [False, True])
+def test_a_forecast_checks_itself_against_the_removals_while_the_request_is_in_flight(came_true: bool) -> None:
+    """Through PickCore: each pick of the queueing replica A forecasts the whole prompt evicted. If
+    the replica then removes those blocks before the request ends (and stores them again as it
+    recomputes them), the forecast stands; if it keeps them (what another router's requests queued
+    there would cause), what the forecast takes off falls to nothing, and the outcomes are counted."""
+    core, index, decision, whole, prompt = _queueing_fleet()
+    route = RouteSettings(mode="pick")
+    core.forecast = _forecast_of_50_blocks_a_request()
+    core.load.scraped(B, Sample(running=30, waiting=30, kv_usage=0.99, capacity_tokens=1600), 0)  # far busier
+    n = len(prompt.block_hashes)
+
+    def counted(outcome: str) -> float:
+        return metrics.EVICTION_FORECAST_CHECKED.labels(A, outcome)._value.get()
+
+    before = {o: counted(o) for o in ("evicted", "kept")}
+    taken_off, forecast = [], whole // 16
+    for _ in range(20):
+        taken_off.append(_evicted_at(core, decision, route))
+        choice = core.pick(decision, route)
+        assert choice.address == A
+        if came_true:  # the replica evicts the prompt's blocks before admitting it, then recomputes them
+            index.apply(A, [BlockRemoved(prompt.block_hashes), prompt])
+        core.release(choice)
+    evicted, kept = (counted(o) - before[o] for o in ("evicted", "kept"))
+    if came_true:
+        assert set(taken_off) == {whole}
+        assert (evicted, kept) == (20 * forecast, 0)
+    else:
+        assert taken_off[0] == whole and taken_off[-1] == 0 and taken_off == sorted(taken_off, reverse=True)
+        assert (evicted, kept) == (0, 20 * forecast)
+    assert not index._replicas[A].watched  # every watch ended
+
+
+def _evicted_at(core: PickCore, decision: Decision, route: RouteSettings) -> int:
+    """What the forecast takes off A's figure for ``decision`` now (explain)."""
+    return {c["address"]: c["forecast_evicted_tokens"] for c in core.explain(decision, route)["candidates"]}[A]

@@ -399,3 +399,28 @@ def test_a_block_refused_for_room_leaves_no_reading() -> None:
     chain = own(tokens)
     assert result.refused == 2
     assert [index.last_use(A)(h, -1) for h in chain] == [-1, 4, -1, -1]  # the last block held, not block 3
+
+
+def test_a_watch_counts_which_blocks_left_the_replica_meanwhile() -> None:
+    """The eviction forecast's check: a watched block counts as gone when its last copy is removed or
+    the replica's view is reset, once per watch however often; watches overlap; unwatching frees them."""
+    index = EventIndex()
+    chain = own(TOKENS)
+    index.apply(A, [stored([1, 2, 3, 4], TOKENS[:16]), stored([1], TOKENS[:4], medium="CPU")])
+    first = index.watch(A, chain[:4])
+    index.apply(A, [BlockRemoved((1,)), BlockRemoved((3,))])  # block 0 keeps its CPU copy
+    second = index.watch(A, chain[:4])  # a later request: block 2's removal came before it
+    index.apply(A, [BlockRemoved((4,)), stored([9], TOKENS[12:16], parent=2), BlockRemoved((9,))])
+    assert index.unwatch(A, chain[:4], first) == 2  # blocks 2 and 3 (3 left twice: counted once)
+    assert index.unwatch(A, chain[:4], second) == 1  # block 3 only
+    assert index._replicas[A].watched == {}
+    third = index.watch(A, chain[:2])
+    index.apply(A, [AllBlocksCleared()])
+    assert index.unwatch(A, chain[:2], third) == 2
+    fourth = index.watch(A, chain[:2])
+    index.remove(A)
+    assert index.unwatch(A, chain[:2], fourth) is None  # the replica left: no outcome
+    fifth = index.watch(B, chain[:2])
+    index.remove(B)
+    index.apply(B, [stored([1, 2], TOKENS[:8])])  # back, its view started empty: the blocks left
+    assert index.unwatch(B, chain[:2], fifth) == 2

@@ -22,7 +22,7 @@ from extproc.pick.eviction_forecast import EvictionForecast
 from extproc.pick.index import LearnedIndex, PrefixIndex
 from extproc.pick.load import LoadTracker, Sample
 from extproc.pick.partial_view import merge
-from extproc.pick.precise import EVENTS, Exact, PreciseView
+from extproc.pick.precise import EVENTS, Exact, Pended, PreciseView
 from extproc.pick.prompt_tokens import NotTokenizable
 from extproc.pick.state import ReplicaState, Snapshot
 
@@ -51,7 +51,7 @@ class PickCore:
         # precise mode: told of every request it routed (the run-time tokenizer check samples them)
         self.on_precise_pick: Callable[[str, Decision], None] | None = None
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
-        self._pended: dict[int, tuple[str, Sequence[int]]] = {}  # id(choice) -> its blocks pending on a replica
+        self._pended: dict[int, tuple[str, Pended]] = {}  # id(choice) -> its blocks pending on a replica
 
     def chunks_for(self, tokens: int) -> int:
         return int(tokens // self.chunk_tokens) if tokens else 0
@@ -198,7 +198,7 @@ class PickCore:
                 self.on_precise_pick(choice.address, decision)
             chosen = _chosen(choice)
             events = exact if exact is not None and chosen.view == EVENTS else None
-            evicting = events.evicting.get(choice.address, 0) if events is not None else 0
+            evicting = self._taken_off(choice.address, events) if events is not None else 0
             if chosen.cached_tokens > evicting:
                 metrics.PREDICTED_CACHED.labels(choice.address, chosen.view).inc(chosen.cached_tokens - evicting)
             if events is not None:
@@ -214,7 +214,21 @@ class PickCore:
             self.load.release(choice.address, _prefill(choice))
             pended = self._pended.pop(id(choice), None)
             if pended is not None and self.precise is not None:
-                self.precise.unpend(*pended)
+                outcome = self.precise.unpend(*pended)
+                if outcome is not None and self.forecast is not None:
+                    forecast, evicted = outcome
+                    self.forecast.on_outcome(choice.address, forecast, evicted)
+                    metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "evicted").inc(evicted)
+                    metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "kept").inc(forecast - evicted)
+
+    def _taken_off(self, address: str, exact: Exact) -> int:
+        """Tokens the eviction forecast takes off ``address``'s events figure: what it forecast,
+        scaled by the share of its recent forecasts there that came true (``credence``)."""
+        tokens = exact.evicting.get(address, 0)
+        if not tokens or self.forecast is None:
+            return tokens
+        size = exact.sizes[address]
+        return round(tokens / size * self.forecast.credence(address)) * size
 
     # --- observation -------------------------------------------------------------------
     def publish_metrics(self) -> None:
@@ -251,10 +265,10 @@ class PickCore:
         forecast took off its figure (``/debug/pick``)."""
         choice, _, exact = self._evaluate(decision, settings)
         origin = self.precise.origin if self.precise is not None else (lambda _a: "none")
-        evicting = exact.evicting if exact is not None else {}
         return {"address": choice.address, "reason": choice.reason, "prompt_tokens": choice.prompt_tokens,
                 "candidates": [{**c._asdict(), "events_origin": origin(c.address),
-                                "forecast_evicted_tokens": evicting.get(c.address, 0)} for c in choice.candidates]}
+                                "forecast_evicted_tokens": self._taken_off(c.address, exact) if exact else 0}
+                               for c in choice.candidates]}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> "PickCore":

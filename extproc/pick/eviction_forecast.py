@@ -27,6 +27,13 @@ the blocks that survive are a prefix. Blocks that a request of this router in fl
 shares stay too (it uses them before admission). A chain with no reading at all is taken to
 survive: the forecast only lowers what the events say, and only on evidence.
 
+The forecast checks itself against the same events: of the blocks it said a request would find
+evicted, the share that did leave the replica before the request ended (``credence``). A block
+still there at admission is in use until the request ends, so it cannot leave in between. What
+the forecast cannot see makes it take off too much: the requests another router replica has
+queued there use their blocks before this one is admitted. So what it takes off a prediction is
+scaled by that share, per replica, from the recent requests' outcomes.
+
 No I/O, no clock: counters in, a threshold and a count of blocks out.
 """
 
@@ -38,6 +45,8 @@ from dataclasses import dataclass
 from typing import Final
 
 DECAY: Final = 0.8  # each scrape keeps this much of the blocks-per-request history (~5 scrapes)
+CHECK_DECAY: Final = 0.98  # each checked request keeps this much of the forecast's record (~50 requests)
+MIN_CHECKED: Final = 32.0  # blocks checked before the record replaces taking the forecast at its word
 
 
 @dataclass(slots=True)
@@ -48,11 +57,19 @@ class _Rate:
     done_sum: float = 0.0  # decayed finished requests over the same scrapes
 
 
+@dataclass(slots=True)
+class _Record:
+    forecast: float = 0.0  # decayed blocks the forecast said would be evicted
+    evicted: float = 0.0  # of them, decayed blocks that were
+
+
 class EvictionForecast:
-    """Per replica, the blocks each finished request allocates (from scrapes and the event clock)."""
+    """Per replica, the blocks each finished request allocates (from scrapes and the event clock),
+    and how much of what the forecast took off was evicted."""
 
     def __init__(self) -> None:
         self._rates: dict[str, _Rate] = {}
+        self._records: dict[str, _Record] = {}
 
     def on_sample(self, address: str, allocated: int, done: float) -> None:
         """A scrape: ``allocated`` is the replica's allocation clock now, ``done`` its finished requests."""
@@ -71,6 +88,24 @@ class EvictionForecast:
 
     def forget(self, address: str) -> None:
         self._rates.pop(address, None)
+        self._records.pop(address, None)
+
+    def on_outcome(self, address: str, forecast: int, evicted: int) -> None:
+        """A request ended: of the ``forecast`` blocks said to be evicted before its admission,
+        ``evicted`` left the replica while it was in flight."""
+        record = self._records.get(address)
+        if record is None:
+            record = self._records[address] = _Record()
+        record.forecast = record.forecast * CHECK_DECAY + forecast
+        record.evicted = record.evicted * CHECK_DECAY + min(evicted, forecast)
+
+    def credence(self, address: str) -> float:
+        """The share of the blocks forecast evicted at ``address`` that were, lately (1.0 until
+        ``MIN_CHECKED`` blocks were checked): what to scale its forecast by."""
+        record = self._records.get(address)
+        if record is None or record.forecast < MIN_CHECKED:
+            return 1.0
+        return record.evicted / record.forecast
 
     def threshold(self, address: str, clock: int, waiting: float, free_blocks: float) -> float | None:
         """Blocks last freed at or below this reading of the allocation clock are gone by the time the

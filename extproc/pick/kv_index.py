@@ -122,6 +122,8 @@ class _Replica:
     block_size: int | None = None
     allocated: int = 0  # blocks its BlockStored events announced so far: its allocation clock
     last_use: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when its chain was last in use
+    # own hash -> [requests watching it, times it left the replica since]: the eviction forecast's check
+    watched: dict[int, list[int]] = field(default_factory=dict)
 
 
 class EventIndex:
@@ -175,6 +177,37 @@ class EventIndex:
         replica = self._replicas.get(address)
         return replica.last_use.get if replica else _no_reading
 
+    def watch(self, address: str, own_hashes: Sequence[int]) -> list[int]:
+        """Start counting when each of ``own_hashes`` leaves ``address`` (its last copy removed, or
+        the replica's view reset); returns the counts now, for ``unwatch``. For the eviction
+        forecast's check of the blocks it said a request would find evicted."""
+        watched = self._replica(address).watched
+        counts = []
+        for h in own_hashes:
+            entry = watched.get(h)
+            if entry is None:
+                entry = watched[h] = [0, 0]
+            entry[0] += 1
+            counts.append(entry[1])
+        return counts
+
+    def unwatch(self, address: str, own_hashes: Sequence[int], counts: Sequence[int]) -> int | None:
+        """Stop ``watch``; how many of ``own_hashes`` left ``address`` since (None: the replica left)."""
+        replica = self._replicas.get(address)
+        if replica is None:
+            return None
+        watched, left = replica.watched, 0
+        for h, count in zip(own_hashes, counts, strict=True):
+            entry = watched.get(h)
+            if entry is None:  # the replica left and came back since: its view started empty
+                left += 1
+                continue
+            left += entry[1] > count
+            entry[0] -= 1
+            if not entry[0]:
+                del watched[h]
+        return left
+
     def holds(self, address: str) -> list[int]:
         """``address``'s own hashes, in the order first stored (``/debug/state``)."""
         replica = self._replicas.get(address)
@@ -199,7 +232,7 @@ class EventIndex:
         """Apply one replica's events in order (BlockStored, BlockRemoved, AllBlocksCleared)."""
         replica = self._replica(address)
         owners, bit = self._owners, replica.bit
-        engine, extra, last_use = replica.engine, replica.extra, replica.last_use
+        engine, extra, last_use, watched = replica.engine, replica.extra, replica.last_use, replica.watched
         stored = removed = duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
         share = self.share()
         changed = self._memo.log.append if self._memo.active() else None  # holders changed, for the memo
@@ -272,6 +305,8 @@ class EventIndex:
                         del engine[e]
                         if last_use:
                             last_use.pop(h, None)
+                        if watched and (entry := watched.get(h)) is not None:
+                            entry[1] += 1
                         left = held & ~bit
                         if left:
                             owners[h] = left
@@ -306,6 +341,8 @@ class EventIndex:
         replica.engine.clear()  # clear() frees the table (and apply's local names stay valid)
         replica.extra.clear()
         replica.last_use.clear()
+        for entry in replica.watched.values():
+            entry[1] += 1
         replica.blocks = 0
 
     def remove(self, address: str) -> None:

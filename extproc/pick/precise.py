@@ -157,16 +157,25 @@ class PreciseView:
                     sizes[address] = size
         return covered, tuple(partial), sizes
 
-    def pend(self, address: str, exact: Exact) -> Sequence[int]:
-        """The request goes to ``address``: its blocks count as there until ``unpend``."""
+    def pend(self, address: str, exact: Exact) -> "Pended":
+        """The request goes to ``address``: its blocks count as there until ``unpend``; the blocks the
+        eviction forecast said it would find evicted there are watched until then."""
         size = exact.sizes.get(address)
         run = exact.hashes.get(size, []) if size else []
         if run:
             self.pending.setdefault(address, []).append(run)
-        return run
+        evicting = exact.evicting.get(address, 0) // size if size else 0
+        if not evicting:
+            return Pended(run)
+        held = exact.cached.get(address, 0) // size  # type: ignore[operator]  # size is set
+        forecast = run[held - evicting: held]
+        return Pended(run, forecast, self.index.watch(address, forecast))
 
-    def unpend(self, address: str, run: Sequence[int]) -> None:
-        """The request ended: its blocks are in the events by now, or were never stored."""
+    def unpend(self, address: str, pended: "Pended") -> tuple[int, int] | None:
+        """The request ended: its blocks are in the events by now, or were never stored. Returns the
+        forecast's outcome there, (blocks it said would be evicted, of them blocks that left the
+        replica meanwhile), or None when it said none (or the replica left)."""
+        run = pended.run
         runs = self.pending.get(address)
         if runs is not None and run:
             for i, other in enumerate(runs):
@@ -175,6 +184,18 @@ class PreciseView:
                     break
             if not runs:
                 del self.pending[address]
+        if not pended.forecast:
+            return None
+        left = self.index.unwatch(address, pended.forecast, pended.counts)
+        return None if left is None else (len(pended.forecast), left)
+
+
+class Pended(NamedTuple):
+    """A request in flight at a replica, for ``PreciseView.unpend``."""
+
+    run: Sequence[int]  # its block hashes
+    forecast: Sequence[int] = ()  # the held ones the eviction forecast said it would find evicted
+    counts: Sequence[int] = ()  # ``EventIndex.watch``'s counts for them
 
 
 def _shared(run: Sequence[int], other: Sequence[int]) -> int:
