@@ -158,9 +158,11 @@ PREDICTED_EVICTED = Counter(
 )
 EVICTION_FORECAST_CHECKED = Counter(
     "prefix_router_eviction_forecast_blocks_total",
-    "Blocks the eviction forecast said a request would find evicted at the replica it was sent to, by "
-    "what happened while the request was in flight: evicted (they left the replica) or kept. The "
-    "share evicted scales what the forecast takes off (prefix_router_predicted_evicted_tokens_total)",
+    "Blocks the eviction forecast checked for a request at the replica it was sent to, by what happened "
+    "while the request was in flight: of those it said would be evicted, evicted (they left the "
+    "replica) or kept; of as many before them, which it said would stay, missed (they left). "
+    "(evicted + missed) / (evicted + kept) scales what the forecast takes off "
+    "(prefix_router_predicted_evicted_tokens_total)",
     ["replica", "outcome"],
     registry=REGISTRY,
 )

@@ -232,6 +232,11 @@ def test_prediction_splits_the_view_s_error_from_what_the_cache_lost_while_reque
     assert p["in_flight_tokens"] == 100  # of the 1100, a forecast for blocks in flight
     assert p["held_at_arrival_accuracy"] == 1.0 and p["kept_while_waiting"] == 0.8  # the view was exact
     assert p["choices_by_view"] == {"events": 9}
+    assert "forecast_came_true" not in p  # no forecast checked
+    checked = prediction({"events": 1100.0, "evicted": 160.0, "forecast_evicted": 30.0, "forecast_kept": 10.0,
+                          "forecast_missed": 4.0}, fleet)
+    assert (checked["forecast_came_true"], checked["forecast_missed"]) == (0.75, 0.1)
+    assert checked["forecast_evicted_tokens"] == 160
     vllm = prediction({"events": 800.0}, FleetDelta([ReplicaCounters(hits=800)]))
     assert "held_at_arrival_accuracy" not in vllm and vllm["accuracy"] == 1.0  # real vLLM has no such counter
 

@@ -21,7 +21,7 @@ from extproc.pick.eviction_forecast import EvictionForecast, surviving
 from extproc.pick.kv_events import BlockRemoved, BlockStored
 from extproc.pick.kv_index import EventIndex, block_hashes
 from extproc.pick.load import Sample
-from extproc.pick.precise import PreciseView
+from extproc.pick.precise import Exact, PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.process.explain import render_pick
 from routerlab.assets import TINY_BYTELEVEL
@@ -226,20 +226,25 @@ def test_a_queueing_replicas_prediction_loses_what_it_will_evict_and_the_choice_
 
 
 
-def test_the_forecast_is_scaled_by_the_share_of_its_recent_forecasts_that_came_true() -> None:
+def test_the_forecast_is_scaled_by_how_its_recent_forecasts_came_out() -> None:
     f = EvictionForecast()
-    assert f.credence(A) == 1.0  # nothing checked: taken at its word
+    assert f.scale(A) == 1.0  # nothing checked: taken at its word
     f.on_outcome(A, forecast=10, evicted=0)
-    assert f.credence(A) == 1.0  # fewer blocks checked than MIN_CHECKED
+    assert f.scale(A) == 1.0  # fewer blocks checked than MIN_CHECKED
     for _ in range(10):
         f.on_outcome(A, forecast=10, evicted=3)
-    assert 0.2 < f.credence(A) < 0.3
+    assert 0.2 < f.scale(A) < 0.3  # most of what it said would go stayed
     for _ in range(200):  # the recent outcomes outweigh the old ones
         f.on_outcome(A, forecast=10, evicted=9)
-    assert 0.89 < f.credence(A) < 0.91
-    assert f.credence(B) == 1.0  # per replica
+    assert 0.89 < f.scale(A) < 0.91
+    for _ in range(200):
+        f.on_outcome(A, forecast=10, evicted=10, missed=5)  # and blocks it said would stay went too
+    assert 1.48 < f.scale(A) <= 1.5
+    f.on_outcome(A, forecast=10, evicted=99, missed=99)  # counts past the blocks watched are capped
+    assert f.scale(A) <= 2.0
+    assert f.scale(B) == 1.0  # per replica
     f.forget(A)
-    assert f.credence(A) == 1.0
+    assert f.scale(A) == 1.0
 
 
 @pytest.mark.parametrize("came_true", [False, True])
@@ -257,7 +262,7 @@ def test_a_forecast_checks_itself_against_the_removals_while_the_request_is_in_f
     def counted(outcome: str) -> float:
         return metrics.EVICTION_FORECAST_CHECKED.labels(A, outcome)._value.get()
 
-    before = {o: counted(o) for o in ("evicted", "kept")}
+    before = {o: counted(o) for o in ("evicted", "kept", "missed")}
     taken_off, forecast = [], whole // 16
     for _ in range(20):
         taken_off.append(_evicted_at(core, decision, route))
@@ -266,7 +271,8 @@ def test_a_forecast_checks_itself_against_the_removals_while_the_request_is_in_f
         if came_true:  # the replica evicts the prompt's blocks before admitting it, then recomputes them
             index.apply(A, [BlockRemoved(prompt.block_hashes), prompt])
         core.release(choice)
-    evicted, kept = (counted(o) - before[o] for o in ("evicted", "kept"))
+    evicted, kept, missed = (counted(o) - before[o] for o in ("evicted", "kept", "missed"))
+    assert missed == 0  # the forecast took the whole prompt: nothing below it to miss
     if came_true:
         assert set(taken_off) == {whole}
         assert (evicted, kept) == (20 * forecast, 0)
@@ -279,3 +285,22 @@ def test_a_forecast_checks_itself_against_the_removals_while_the_request_is_in_f
 def _evicted_at(core: PickCore, decision: Decision, route: RouteSettings) -> int:
     """What the forecast takes off A's figure for ``decision`` now (explain)."""
     return {c["address"]: c["forecast_evicted_tokens"] for c in core.explain(decision, route)["candidates"]}[A]
+
+
+def test_a_pending_request_watches_its_forecast_and_as_many_blocks_below_it() -> None:
+    """PreciseView.pend/unpend: of 8 held blocks the forecast takes the last 2; blocks 4-5 are watched
+    as the ones it said would stay. Blocks 5 and 6 leave while the request is in flight: one came
+    true, one below it was missed; block 1 leaving is not the forecast's business."""
+    index = EventIndex()
+    tokens = list(range(8 * BS))
+    index.apply(A, [BlockStored(tuple(range(1, 9)), None, tuple(tokens), BS)])
+    run = block_hashes(tokens, BS)
+    view = PreciseView(index, {}, {A: Live()})
+    exact = Exact(8 * BS + 1, {A: 8 * BS}, {BS: run}, {A: BS}, evicting={A: 2 * BS})
+    pended = view.pend(A, exact)
+    assert (list(pended.forecast), list(pended.below)) == (run[6:8], run[4:6])
+    index.apply(A, [BlockRemoved((6, 7, 2))])
+    assert view.unpend(A, pended) == (2, 1, 1)
+    assert not index._replicas[A].watched and not view.pending
+    quiet = view.pend(A, exact._replace(evicting={}))
+    assert not quiet.forecast and view.unpend(A, quiet) is None  # no forecast, nothing to check

@@ -52,10 +52,11 @@ def test_long_new_text_is_tokenised_on_the_worker_while_the_loop_serves_then_the
     threads: list[int] = []
     loop_ran = threading.Event()
 
-    def on_worker(segments):  # type: ignore[no-untyped-def]
+    def on_worker(segments, words=True):  # type: ignore[no-untyped-def]
+        assert not words  # the word cache's Python loop would hold the GIL the event loop needs
         threads.append(threading.get_ident())
         assert loop_ran.wait(10), "the event loop did not run while the worker tokenised"
-        return encode(segments)
+        return encode(segments, words)
 
     tokenizer.encode_segments = on_worker  # type: ignore[method-assign]
     done = metrics.TOKENIZE_AHEAD.labels("done")._value.get()
@@ -86,7 +87,7 @@ def test_short_new_text_is_left_to_the_pick() -> None:
     core, tokenizer, ahead = setup(inline_chars=200)
     tokenizer.encode(tokenizer.render_chat(json.loads(chat("warm"))))  # the system prompt is known now
     calls: list[int] = []
-    tokenizer.encode_segments = lambda s: calls.append(1)  # type: ignore[method-assign, assignment, return-value]
+    tokenizer.encode_segments = lambda s, words=True: calls.append(1)  # type: ignore[method-assign, assignment, return-value]
     try:
         assert asyncio.run(ahead.prepare(decide(chat("A short new question?"), {}, PICK))) == 0
         assert asyncio.run(ahead.prepare(decide(b'{"model": "m", "prompt": [1, 2, 3]}', {}, PICK))) == 0

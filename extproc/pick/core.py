@@ -216,19 +216,20 @@ class PickCore:
             if pended is not None and self.precise is not None:
                 outcome = self.precise.unpend(*pended)
                 if outcome is not None and self.forecast is not None:
-                    forecast, evicted = outcome
-                    self.forecast.on_outcome(choice.address, forecast, evicted)
+                    forecast, evicted, missed = outcome
+                    self.forecast.on_outcome(choice.address, forecast, evicted, missed)
                     metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "evicted").inc(evicted)
                     metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "kept").inc(forecast - evicted)
+                    metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "missed").inc(missed)
 
     def _taken_off(self, address: str, exact: Exact) -> int:
         """Tokens the eviction forecast takes off ``address``'s events figure: what it forecast,
-        scaled by the share of its recent forecasts there that came true (``credence``)."""
+        scaled by how its recent forecasts there came out (``EvictionForecast.scale``), at most all."""
         tokens = exact.evicting.get(address, 0)
         if not tokens or self.forecast is None:
             return tokens
         size = exact.sizes[address]
-        return round(tokens / size * self.forecast.credence(address)) * size
+        return min(round(tokens / size * self.forecast.scale(address)) * size, exact.cached[address])
 
     # --- observation -------------------------------------------------------------------
     def publish_metrics(self) -> None:

@@ -27,12 +27,13 @@ the blocks that survive are a prefix. Blocks that a request of this router in fl
 shares stay too (it uses them before admission). A chain with no reading at all is taken to
 survive: the forecast only lowers what the events say, and only on evidence.
 
-The forecast checks itself against the same events: of the blocks it said a request would find
-evicted, the share that did leave the replica before the request ended (``credence``). A block
-still there at admission is in use until the request ends, so it cannot leave in between. What
-the forecast cannot see makes it take off too much: the requests another router replica has
-queued there use their blocks before this one is admitted. So what it takes off a prediction is
-scaled by that share, per replica, from the recent requests' outcomes.
+The forecast checks itself against the same events: the blocks it said a request would find
+evicted, and as many held blocks before them, are watched until the request ends (a block still
+there at admission is in use until then, so it cannot leave in between); the blocks of both that
+did leave, against the blocks it said would, is its ``scale``. What the forecast cannot see makes
+it take off too much (the requests another router replica has queued there use their blocks
+before this one is admitted) or too little (blocks below its boundary that went too). So what it
+takes off a prediction is scaled by that, per replica, from the recent requests' outcomes.
 
 No I/O, no clock: counters in, a threshold and a count of blocks out.
 """
@@ -60,7 +61,7 @@ class _Rate:
 @dataclass(slots=True)
 class _Record:
     forecast: float = 0.0  # decayed blocks the forecast said would be evicted
-    evicted: float = 0.0  # of them, decayed blocks that were
+    evicted: float = 0.0  # decayed blocks that were, of them and as many below them
 
 
 class EvictionForecast:
@@ -90,18 +91,18 @@ class EvictionForecast:
         self._rates.pop(address, None)
         self._records.pop(address, None)
 
-    def on_outcome(self, address: str, forecast: int, evicted: int) -> None:
+    def on_outcome(self, address: str, forecast: int, evicted: int, missed: int = 0) -> None:
         """A request ended: of the ``forecast`` blocks said to be evicted before its admission,
-        ``evicted`` left the replica while it was in flight."""
+        ``evicted`` left the replica while it was in flight, and ``missed`` of as many before them."""
         record = self._records.get(address)
         if record is None:
             record = self._records[address] = _Record()
         record.forecast = record.forecast * CHECK_DECAY + forecast
-        record.evicted = record.evicted * CHECK_DECAY + min(evicted, forecast)
+        record.evicted = record.evicted * CHECK_DECAY + min(evicted, forecast) + min(missed, forecast)
 
-    def credence(self, address: str) -> float:
-        """The share of the blocks forecast evicted at ``address`` that were, lately (1.0 until
-        ``MIN_CHECKED`` blocks were checked): what to scale its forecast by."""
+    def scale(self, address: str) -> float:
+        """Blocks that left ``address`` of those its forecasts watched, per block forecast evicted,
+        lately (0 to 2; 1.0 until ``MIN_CHECKED`` blocks were checked): what to scale its forecast by."""
         record = self._records.get(address)
         if record is None or record.forecast < MIN_CHECKED:
             return 1.0

@@ -169,12 +169,14 @@ class PreciseView:
             return Pended(run)
         held = exact.cached.get(address, 0) // size  # type: ignore[operator]  # size is set
         forecast = run[held - evicting: held]
-        return Pended(run, forecast, self.index.watch(address, forecast))
+        below = run[max(0, held - 2 * evicting): held - evicting]  # as many blocks again, said to stay
+        return Pended(run, forecast, self.index.watch(address, forecast), below, self.index.watch(address, below))
 
-    def unpend(self, address: str, pended: "Pended") -> tuple[int, int] | None:
+    def unpend(self, address: str, pended: "Pended") -> tuple[int, int, int] | None:
         """The request ended: its blocks are in the events by now, or were never stored. Returns the
         forecast's outcome there, (blocks it said would be evicted, of them blocks that left the
-        replica meanwhile), or None when it said none (or the replica left)."""
+        replica meanwhile, blocks that left of as many below them it said would stay), or None when
+        it said none (or the replica left)."""
         run = pended.run
         runs = self.pending.get(address)
         if runs is not None and run:
@@ -187,7 +189,8 @@ class PreciseView:
         if not pended.forecast:
             return None
         left = self.index.unwatch(address, pended.forecast, pended.counts)
-        return None if left is None else (len(pended.forecast), left)
+        missed = self.index.unwatch(address, pended.below, pended.below_counts)
+        return None if left is None or missed is None else (len(pended.forecast), left, missed)
 
 
 class Pended(NamedTuple):
@@ -196,6 +199,8 @@ class Pended(NamedTuple):
     run: Sequence[int]  # its block hashes
     forecast: Sequence[int] = ()  # the held ones the eviction forecast said it would find evicted
     counts: Sequence[int] = ()  # ``EventIndex.watch``'s counts for them
+    below: Sequence[int] = ()  # as many held blocks before those, which it said would stay
+    below_counts: Sequence[int] = ()
 
 
 def _shared(run: Sequence[int], other: Sequence[int]) -> int:

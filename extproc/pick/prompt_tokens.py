@@ -46,6 +46,7 @@ from extproc.pick.added_split import AddedTokenSplit
 from extproc.pick.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
 from extproc.pick.not_tokenizable import REASONS, NotTokenizable
+from extproc.pick.word_tokens import WordTokens
 
 __all__ = ["REASONS", "ModelTokenizer", "NotTokenizable", "PathKind", "TokenizerError"]
 
@@ -132,6 +133,7 @@ class ModelTokenizer:
 
         self._setup_split()
         self._setup_post_processor()
+        self._words = WordTokens.for_tokenizer(self._tok) if self.cache_enabled else None
 
         self.cache_limit = max(0, int(cache_bytes))
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
@@ -279,22 +281,30 @@ class ModelTokenizer:
             return []
         return [(first, seg) for _, first, seg in self._plan(text, count=False)[1]]
 
-    def encode_segments(self, segments: list[tuple[bool, str]]) -> list[list[int]] | None:
+    def encode_segments(self, segments: list[tuple[bool, str]], words: bool = True) -> list[list[int]] | None:
         """Each segment's ids as it tokenises in its text (None if the split assumption fails, which a
-        split-before tokenizer never does). Touches only the Hugging Face tokenizer, which releases
-        the GIL while it works: safe to run on a worker thread beside the event loop."""
-        inputs = [seg if first else self._sep + seg for first, seg in segments]  # type: ignore[operator]
-        # encode_batch_fast even for one text: no offsets computed (a third of a short text's cost)
-        encoded = self._tok.encode_batch_fast(inputs, add_special_tokens=False)
-        out: list[list[int]] = []
-        for (first, _), enc in zip(segments, encoded, strict=True):
-            ids = enc.ids
-            if not first:
-                if not ids or ids[0] != self._sep_id:
-                    return None
-                ids = ids[1:]
-            out.append(ids)
-        return out
+        split-before tokenizer never does). ``words``: serve what the word cache can (byte-level BPE,
+        plain text: extproc.pick.word_tokens; a pre-token's ids do not depend on where it stands);
+        a worker thread passes False: the Hugging Face tokenizer releases the GIL while it works, so
+        it is safe beside the event loop, and the word cache's Python loop is not."""
+        out: list[list[int] | None] = [None] * len(segments)
+        rest: list[int] = []
+        for i, (_, seg) in enumerate(segments):
+            if words and self._words is not None:
+                out[i] = self._words.encode(seg)
+            if out[i] is None:
+                rest.append(i)
+        if rest:
+            inputs = [seg if first else self._sep + seg for first, seg in (segments[i] for i in rest)]  # type: ignore[operator]
+            # encode_batch_fast even for one text: no offsets computed (a third of a short text's cost)
+            for i, enc in zip(rest, self._tok.encode_batch_fast(inputs, add_special_tokens=False), strict=True):
+                ids = enc.ids
+                if not segments[i][0]:
+                    if not ids or ids[0] != self._sep_id:
+                        return None
+                    ids = ids[1:]
+                out[i] = ids
+        return out  # type: ignore[return-value]  # every slot filled
 
     def store_segments(self, segments: list[tuple[bool, str]], encoded: list[list[int]]) -> list[array]:
         """Cache ``encode_segments``' result (on the loop's thread: the cache is not thread-safe)."""
@@ -343,6 +353,8 @@ class ModelTokenizer:
     def clear_cache(self) -> None:
         self._cache.clear()
         self.cache_bytes_used = 0
+        if self._words is not None:
+            self._words.clear()
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -94,5 +94,5 @@ class TokenizeAhead:
 def _timed(tokenizer: ModelTokenizer, segments: list[tuple[bool, str]]) -> tuple[list[list[int]] | None, float]:
     """On the worker: the segments' ids, and the seconds the tokenizer took (its speed, not the queue's)."""
     started = time.perf_counter()
-    encoded = tokenizer.encode_segments(segments)
+    encoded = tokenizer.encode_segments(segments, words=False)
     return encoded, time.perf_counter() - started

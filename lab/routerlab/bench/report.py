@@ -115,7 +115,10 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     Precise mode's prediction has two parts: what the events said the replica held when the
     router chose, and a forecast (``in_flight``): blocks this router's requests in flight there
     are computing; the eviction forecast's tokens (``evicted``) were taken off it (blocks the events
-    said were there that the replica would evict before admitting the request). The simulator also
+    said were there that the replica would evict before admitting the request), scaled by how its
+    checked forecasts came out: of the blocks it said a request would find evicted, the share that
+    left the replica while the request was in flight (``forecast_came_true``), and of as many blocks
+    before them, said to stay, those that left too, per block forecast (``forecast_missed``). The simulator also
     counts what its cache held of each request's prompt when it arrived (``sim:prefix_cache_hits_at_arrival_total``), which splits the error: the held part
     against the cache at arrival (``held_at_arrival_accuracy``: the view's own error, event lag
     included), and what the cache still held when the request was admitted against what it held at
@@ -136,6 +139,10 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
         out["in_flight_tokens"] = int(in_flight)
     if evicted:
         out["forecast_evicted_tokens"] = int(evicted)
+    checked = predicted.get("forecast_evicted", 0.0) + predicted.get("forecast_kept", 0.0)
+    if checked:
+        out["forecast_came_true"] = round(predicted.get("forecast_evicted", 0.0) / checked, 4)
+        out["forecast_missed"] = round(predicted.get("forecast_missed", 0.0) / checked, 4)
     if at_arrival:
         out["held_at_arrival_tokens"] = int(at_arrival)
         out["held_at_arrival_accuracy"] = round((sum(views.values()) - in_flight + evicted) / at_arrival, 4)
@@ -256,14 +263,15 @@ def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
         return ""
-    lines = ["| arm | predicted (events) | of which in flight | forecast evicted (not in it) | predicted (learned) "
-             "| replicas' hits | accuracy | held at arrival (sim) | held part / held at arrival | kept while waiting "
-             "| choices by view |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| arm | predicted (events) | of which in flight | forecast evicted (not in it) | forecast came true / missed "
+             "| predicted (learned) | replicas' hits | accuracy | held at arrival (sim) | held part / held at arrival "
+             "| kept while waiting | choices by view |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, p in rows:
         views = ", ".join(f"{v} {n}" for v, n in p["choices_by_view"].items()) or "learned (no events configured)"
         lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p.get('in_flight_tokens', 0)} "
                      f"| {p.get('forecast_evicted_tokens', 0)} "
+                     f"| {_fmt(p.get('forecast_came_true'), 2)} / {_fmt(p.get('forecast_missed'), 2)} "
                      f"| {p['predicted_tokens'].get('learned', 0)} | {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} "
                      f"| {p.get('held_at_arrival_tokens', '')} | {_fmt(p.get('held_at_arrival_accuracy'), 3)} "
                      f"| {_fmt(p.get('kept_while_waiting'), 3)} | {views} |")

@@ -319,6 +319,9 @@ def _predictions(metrics_ports: Sequence[int]) -> dict[str, float]:
                 out["in_flight"] = out.get("in_flight", 0.0) + s.value
             elif s.name == "prefix_router_predicted_evicted_tokens_total":
                 out["evicted"] = out.get("evicted", 0.0) + s.value
+            elif s.name == "prefix_router_eviction_forecast_blocks_total":
+                key = f"forecast_{s.labels['outcome']}"  # forecast_evicted, forecast_kept
+                out[key] = out.get(key, 0.0) + s.value
             elif s.name == "prefix_router_cache_view_total":
                 key = f"requests_{s.labels['view']}"
                 out[key] = out.get(key, 0.0) + s.value

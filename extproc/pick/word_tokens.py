@@ -1,0 +1,146 @@
+"""Byte-level BPE tokenisation of short new text, word by word from a cache (exact).
+
+Precise mode tokenises each request's new text (the latest user turn) on the request path, and
+the Hugging Face tokenizer spends most of that on its regex pre-tokenizer (~40 us for 200
+characters), not on BPE. A byte-level BPE tokenizer cuts the text into pre-tokens with one regex
+and runs BPE on each pre-token alone, so a pre-token's ids depend on its text only: split with
+the same regex here, serve each pre-token's ids from a dict, and ask the tokenizer's BPE model
+only for pre-tokens not seen before.
+
+Only where that holds exactly: no normaliser; a pre-tokenizer that is ByteLevel with its GPT-2
+regex, or a regex Split (``Isolated``) then ByteLevel without one (Llama 3, Qwen 2); neither
+adding a prefix space; a BPE model without dropout. Other tokenizers (Metaspace, normalisers)
+get None from ``for_tokenizer`` and keep the tokenizer's own path. Only printable ASCII text
+with tabs and newlines takes this path: there the regex classes (``\\s``, ``\\p{L}``,
+``\\p{N}``) mean the same in Python's ``regex`` and the tokenizer's Oniguruma; other text
+returns None. ``for_tokenizer`` checks the two against each other on probe texts before use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from typing import Any, Final
+
+import regex
+
+log = logging.getLogger(__name__)
+
+GPT2_PATTERN: Final = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+MAX_WORDS: Final = 200_000  # pre-tokens remembered; past it the cache starts again (a few tens of MB)
+_PLAIN: Final = re.compile(r"[\t\n\r\x20-\x7e]*")  # the text this path takes
+PROBES: Final = (
+    "Hello world", "  two  spaces\tand a tab\n\nnew lines  \n", "It's we'll they've I'm you'd don't",
+    "numbers 1 12 123 1234 12345, 3.14159 and -42", "punctuation!!! (parens) [brackets] {braces} <tags> ...",
+    "MiXeD CaSe WORDS and snake_case and camelCase", "trailing spaces   ", "   leading spaces",
+    "a\r\nwindows line\r\n", "emails a@b.co, urls https://x.org/a?b=c#d, paths /usr/local/bin",
+    "'quoted' \"double\" `back` ~tilde^caret|pipe\\back", "", " ", "\n", "x",
+)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> character table (what ByteLevel maps each UTF-8 byte to)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+_BYTE_CHARS: Final = _byte_chars()
+_ASCII_MAP: Final = {i: _BYTE_CHARS[i] for i in range(128)}  # ASCII text only: one byte per character
+
+
+class WordTokens:
+    """Pre-token -> ids, for short printable ASCII text of a byte-level BPE tokenizer."""
+
+    def __init__(self, pattern: str, bpe: Callable[[str], list[Any]]) -> None:
+        self._pattern = regex.compile(pattern)
+        self._whole = self._pattern.groups == 0  # findall returns whole matches
+        self._bpe = bpe  # the tokenizer's model.tokenize: byte-mapped pre-token -> tokens
+        self._ids: dict[str, list[int]] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> "WordTokens | None":
+        """The word path for a ``tokenizers.Tokenizer``, or None where it would not be exact."""
+        pattern = _pattern(json.loads(tokenizer.to_str()))
+        if pattern is None:
+            return None
+        try:
+            words = cls(pattern, tokenizer.model.tokenize)
+        except regex.error as e:
+            log.info("word cache off: the pre-tokenizer's regex does not compile here: %s", e)
+            return None
+        for probe in PROBES:
+            if words.encode(probe) != tokenizer.encode(probe, add_special_tokens=False).ids:
+                log.warning("word cache off: it disagrees with the tokenizer on %r", probe)
+                return None
+        words.clear()
+        return words
+
+    def encode(self, text: str) -> list[int] | None:
+        """``text``'s ids as the tokenizer gives them, or None for text this path does not take."""
+        if not _PLAIN.fullmatch(text):
+            return None
+        ids = self._ids
+        if len(ids) > MAX_WORDS:
+            ids.clear()
+        pieces = self._pattern.findall(text) if self._whole else []
+        if sum(map(len, pieces)) != len(text):  # capture groups, or text the regex leaves between matches
+            pieces = _isolated(self._pattern, text)
+        out: list[int] = []
+        for piece in pieces:
+            got = ids.get(piece)
+            if got is None:
+                got = ids[piece] = [t.id for t in self._bpe(piece.translate(_ASCII_MAP))]
+            out += got
+        return out
+
+    def clear(self) -> None:
+        self._ids.clear()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def _isolated(pattern: regex.Pattern[str], text: str) -> list[str]:
+    """The tokenizer's Split with behaviour Isolated: every match, and the text between matches, in order."""
+    pieces, pos = [], 0
+    for m in pattern.finditer(text):
+        if m.start() > pos:
+            pieces.append(text[pos:m.start()])
+        if m.end() > m.start():
+            pieces.append(m.group())
+        pos = m.end()
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
+
+
+def _pattern(config: dict[str, Any]) -> str | None:
+    """The one regex that cuts text into pre-tokens, if the pipeline is a byte-level BPE this
+    module reproduces exactly (see the module docstring); else None."""
+    model = config.get("model") or {}
+    if config.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
+        return None
+    pre = config.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+
+    def bytelevel(step: dict[str, Any], use_regex: bool) -> bool:
+        return (step.get("type") == "ByteLevel" and not step.get("add_prefix_space", False)
+                and bool(step.get("use_regex", True)) == use_regex)
+
+    if len(steps) == 1 and bytelevel(steps[0], True):
+        return GPT2_PATTERN
+    if len(steps) == 2 and bytelevel(steps[1], False):
+        split = steps[0]
+        found = (split.get("pattern") or {}).get("Regex")
+        if (split.get("type") == "Split" and isinstance(found, str) and split.get("behavior") == "Isolated"
+                and not split.get("invert")):
+            return found
+    return None

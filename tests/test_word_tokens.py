@@ -1,0 +1,125 @@
+"""extproc.pick.word_tokens: byte-level BPE word by word from a cache gives the tokenizer's own ids.
+
+Three byte-level tokenizers: the tiny model's (ByteLevel with the GPT-2 regex), one built here with
+Llama 3's Split regex before a regex-less ByteLevel, and one whose Split regex leaves text between
+its matches; and the pipelines the word path must refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.word_tokens import MAX_WORDS, WordTokens
+
+ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+WORDS = ["the", "The", "cat", "sat", "on", "mat", "hello", "world", "it's", "we'll", "DON'T", "snake_case",
+         "camelCase", "1", "42", "2024", "3.14159", "-7", "(x)", "[y]", "a@b.co", "https://x.org/p?q=1",
+         "!!!", "...", "\"q\"", "`c`", "~", "|", "\\", "é", "日本", "🙂"]
+SPACES = [" ", "  ", "\t", "\n", "\n\n", "\r\n", " \n ", "   "]
+plain = st.lists(st.one_of(st.sampled_from(WORDS[:-3]), st.sampled_from(SPACES),
+                           st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=5)),
+                 max_size=30).map("".join)
+
+
+def _corpus(n: int = 400) -> list[str]:
+    rng = random.Random(3)
+    return [" ".join(rng.choice(WORDS) for _ in range(12)) + rng.choice(SPACES) for _ in range(n)]
+
+
+def _trained(pre: pre_tokenizers.PreTokenizer, normalizer: normalizers.Normalizer | None = None) -> Tokenizer:
+    """A small byte-level BPE trained here on the words above."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    return tok
+
+
+LLAMA3_STYLE = _trained(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+GAPPY = _trained(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{L}+|(\p{N})"), "isolated"),
+                                          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+TINY = Tokenizer.from_file(str(ASSETS / "tiny-bytelevel" / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("tokenizer", [TINY, LLAMA3_STYLE, GAPPY], ids=["gpt2-regex", "llama3-split", "gappy-split"])
+@settings(max_examples=300, deadline=None)
+@given(text=plain)
+def test_word_by_word_gives_the_tokenizers_ids(tokenizer: Tokenizer, text: str) -> None:
+    words = WordTokens.for_tokenizer(tokenizer)
+    assert words is not None
+    want = tokenizer.encode(text, add_special_tokens=False).ids
+    assert words.encode(text) == want
+    assert words.encode(text) == want  # the second time from the cache
+
+
+def test_text_beyond_plain_ascii_is_left_to_the_tokenizer() -> None:
+    words = WordTokens.for_tokenizer(TINY)
+    assert words is not None
+    for text in ("caf\u00e9", "日本語", "🙂", "non\u00a0breaking", "form\x0cfeed", "nul\x00", "unit\x1fsep"):
+        assert words.encode(text) is None
+    assert len(words) == 0
+
+
+def test_the_cache_starts_again_past_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    words = WordTokens.for_tokenizer(TINY)
+    assert words is not None
+    monkeypatch.setattr("extproc.pick.word_tokens.MAX_WORDS", 3)
+    words.encode("one two three four five")
+    assert len(words) == 5 > 3
+    assert words.encode("six") == TINY.encode("six", add_special_tokens=False).ids
+    assert len(words) == 1 and MAX_WORDS > 3
+
+
+def _with(tokenizer: Tokenizer, **changes: object) -> Tokenizer:
+    config = json.loads(tokenizer.to_str())
+    for path, value in changes.items():
+        node = config
+        *parents, last = path.split("__")
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[last] = value
+    return Tokenizer.from_str(json.dumps(config))
+
+
+@pytest.mark.parametrize("tokenizer", [
+    Tokenizer.from_file(str(ASSETS / "tiny-metaspace" / "tokenizer.json")),  # Metaspace: not byte-level
+    _with(TINY, pre_tokenizer__add_prefix_space=True),  # a space before the first word only
+    _with(TINY, normalizer={"type": "Lowercase"}),
+    _with(TINY, model__dropout=0.1),
+    _with(LLAMA3_STYLE, pre_tokenizer__pretokenizers__0__behavior="Removed"),
+    _with(LLAMA3_STYLE, pre_tokenizer__pretokenizers__0__invert=True),
+], ids=["metaspace", "prefix-space", "normalizer", "dropout", "split-removed", "split-inverted"])
+def test_pipelines_it_cannot_reproduce_get_none(tokenizer: Tokenizer) -> None:
+    assert WordTokens.for_tokenizer(tokenizer) is None
+
+
+def test_a_word_path_that_disagrees_on_the_probes_or_does_not_compile_is_not_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("extproc.pick.word_tokens._pattern", lambda config: r"\S+\s*|\s+")  # not the tokenizer's
+    assert WordTokens.for_tokenizer(TINY) is None
+    monkeypatch.setattr("extproc.pick.word_tokens._pattern", lambda config: r"(\p{L}")
+    assert WordTokens.for_tokenizer(TINY) is None
+
+
+def test_model_tokenizer_serves_new_text_from_the_word_cache_and_stays_exact() -> None:
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    assert mt._words is not None
+    text = "<|begin_of_text|>plain words here<|eot_id|> and more after it"
+    assert mt.encode(text) == mt.encode_uncached(text)
+    assert len(mt._words) > 0  # the plain segments went word by word
+    assert ModelTokenizer(ASSETS / "tiny-metaspace")._words is None
