@@ -118,8 +118,8 @@ def test_a_word_path_that_disagrees_on_the_probes_or_does_not_compile_is_not_use
 
 def test_model_tokenizer_serves_new_text_from_the_word_cache_and_stays_exact() -> None:
     mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
-    assert mt._words is not None
+    assert mt.words is not None
     text = "<|begin_of_text|>plain words here<|eot_id|> and more after it"
     assert mt.encode(text) == mt.encode_uncached(text)
-    assert len(mt._words) > 0  # the plain segments went word by word
-    assert ModelTokenizer(ASSETS / "tiny-metaspace")._words is None
+    assert len(mt.words) > 0  # the plain segments went word by word
+    assert ModelTokenizer(ASSETS / "tiny-metaspace").words is None

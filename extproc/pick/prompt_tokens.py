@@ -133,7 +133,8 @@ class ModelTokenizer:
 
         self._setup_split()
         self._setup_post_processor()
-        self._words = WordTokens.for_tokenizer(self._tok) if self.cache_enabled else None
+        # byte-level BPE: plain new text word by word from a dict (None: the tokenizer's own path)
+        self.words = WordTokens.for_tokenizer(self._tok) if self.cache_enabled else None
 
         self.cache_limit = max(0, int(cache_bytes))
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
@@ -290,8 +291,8 @@ class ModelTokenizer:
         out: list[list[int] | None] = [None] * len(segments)
         rest: list[int] = []
         for i, (_, seg) in enumerate(segments):
-            if words and self._words is not None:
-                out[i] = self._words.encode(seg)
+            if words and self.words is not None:
+                out[i] = self.words.encode(seg)
             if out[i] is None:
                 rest.append(i)
         if rest:
@@ -353,8 +354,8 @@ class ModelTokenizer:
     def clear_cache(self) -> None:
         self._cache.clear()
         self.cache_bytes_used = 0
-        if self._words is not None:
-            self._words.clear()
+        if self.words is not None:
+            self.words.clear()
 
     # -- requests ---------------------------------------------------------------------------------
 
