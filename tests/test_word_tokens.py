@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from extproc.pick.prompt_tokens import ModelTokenizer
-from extproc.pick.word_tokens import MAX_WORDS, WordTokens
+from extproc.pick.word_tokens import BYTES_PER_WORD, MAX_WORDS, WordTokens
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -83,6 +84,24 @@ def test_the_cache_starts_again_past_its_bound(monkeypatch: pytest.MonkeyPatch) 
     assert len(words) == 5 > 3
     assert words.encode("six") == TINY.encode("six", add_special_tokens=False).ids
     assert len(words) == 1 and MAX_WORDS > 3
+
+
+def test_bytes_per_word_estimate_is_close_to_measured() -> None:
+    words = WordTokens.for_tokenizer(TINY)
+    assert words is not None
+    rng = random.Random(5)
+    texts = [" ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 10))) for _ in range(50))
+             for _ in range(200)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for text in texts:
+            words.encode(text)
+        per_word = (tracemalloc.get_traced_memory()[0] - before) / len(words)
+    finally:
+        tracemalloc.stop()
+    assert len(words) > 5000
+    assert 0.6 * BYTES_PER_WORD < per_word <= BYTES_PER_WORD, per_word
 
 
 def _with(tokenizer: Tokenizer, **changes: object) -> Tokenizer:

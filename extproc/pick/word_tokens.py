@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenisation of short new text, word by word from a cache (exact).
+"""Byte-level BPE tokenisation of new text, word by word from a cache (exact).
 
 Precise mode tokenises each request's new text (the latest user turn) on the request path, and
 the Hugging Face tokenizer spends most of that on its regex pre-tokenizer (~40 us for 200
@@ -11,7 +11,7 @@ Only where that holds exactly: no normaliser; a pre-tokenizer that is ByteLevel 
 regex, or a regex Split (``Isolated``) then ByteLevel without one (Llama 3, Qwen 2); neither
 adding a prefix space; a BPE model without dropout. Other tokenizers (Metaspace, normalisers)
 get None from ``for_tokenizer`` and keep the tokenizer's own path. Only printable ASCII text
-with tabs and newlines takes this path: there the regex classes (``\\s``, ``\\p{L}``,
+with tabs and line breaks takes this path: there the regex classes (``\\s``, ``\\p{L}``,
 ``\\p{N}``) mean the same in Python's ``regex`` and the tokenizer's Oniguruma; other text
 returns None. ``for_tokenizer`` checks the two against each other on probe texts before use.
 """
@@ -29,7 +29,8 @@ import regex
 log = logging.getLogger(__name__)
 
 GPT2_PATTERN: Final = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-MAX_WORDS: Final = 200_000  # pre-tokens remembered; past it the cache starts again (a few tens of MB)
+MAX_WORDS: Final = 100_000  # pre-tokens remembered; past it the cache starts again
+BYTES_PER_WORD: Final = 260  # a pre-token and its ids (tracemalloc: ~240 for 3-10 letter words), ~26 MB at the bound
 _PLAIN: Final = re.compile(r"[\t\n\r\x20-\x7e]*")  # the text this path takes
 PROBES: Final = (
     "Hello world", "  two  spaces\tand a tab\n\nnew lines  \n", "It's we'll they've I'm you'd don't",
@@ -57,7 +58,7 @@ _ASCII_MAP: Final = {i: _BYTE_CHARS[i] for i in range(128)}  # ASCII text only: 
 
 
 class WordTokens:
-    """Pre-token -> ids, for short printable ASCII text of a byte-level BPE tokenizer."""
+    """Pre-token -> ids, for printable ASCII text of a byte-level BPE tokenizer."""
 
     def __init__(self, pattern: str, bpe: Callable[[str], list[Any]]) -> None:
         self._pattern = regex.compile(pattern)
