@@ -241,6 +241,14 @@ def test_prediction_splits_the_view_s_error_from_what_the_cache_lost_while_reque
     assert "held_at_arrival_accuracy" not in vllm and vllm["accuracy"] == 1.0  # real vLLM has no such counter
 
 
+def test_kv_pressure_restarts_a_replica_only_when_asked() -> None:
+    sc = scenarios.get("kv-pressure")
+    assert sc.events(sc.params) == ()
+    assert [(e.at_s, e.action, e.replica) for e in sc.events({**sc.params, "restart_at_s": 60.0})] == [(60.0, "restart", 0)]
+    reset = {**sc.params, "restart_at_s": 60.0, "restart_kind": "reset_cache"}
+    assert [(e.at_s, e.action) for e in sc.events(reset)] == [(60.0, "reset_cache")]
+
+
 def test_the_restart_scenario_can_keep_the_replica_down_before_it_restarts() -> None:
     sc = scenarios.get("restart")
     assert [(e.at_s, e.action) for e in sc.events(sc.params)] == [(30.0, "restart")]

@@ -146,12 +146,15 @@ KV_PRESSURE = Scenario(
             "conversations of 1-8 turns with 16-384-token answers, 48 in flight on 4 replicas",
     params=dict(conversations=300, systems=24, system_tokens=2000, zipf=0.8, tenants=16, max_turns=8,
                 user_min=32, user_max=192, output_min=16, output_max=384, replicas=4, time_scale=1.0,
-                max_num_seqs=8, in_flight=48, pressure=1.75),
+                max_num_seqs=8, in_flight=48, pressure=1.75,
+                # 0: no restart; else replica 0 restarts (or is reset) then, as in the restart scenario
+                restart_at_s=0.0, restart_down_s=0.0, restart_kind="restart"),
     generate=_kv_pressure,
     fleet=_kv_pressure_fleet,
     load=LoadSpec(concurrency=48, rate=20.0),
     arms=("round-robin", "prefix-bounded", "prefix-pick", "prefix-pick-2routers", "prefix-precise",
           "prefix-precise-2routers"),
+    events=lambda p: _restart_events(p) if p["restart_at_s"] > 0 else (),
     quick=dict(conversations=40, systems=6, system_tokens=1100, max_turns=4, replicas=3, time_scale=20.0,
                output_min=4, output_max=24, in_flight=12),
 )
