@@ -27,15 +27,13 @@ the blocks that survive are a prefix. Blocks that a request of this router in fl
 shares stay too (it uses them before admission). A chain with no reading at all is taken to
 survive: the forecast only lowers what the events say, and only on evidence.
 
-The forecast checks itself against the same events: for a request sent to a replica it looked
-at, the blocks it said the request would find evicted, and as many held blocks before them (at
-least ``MIN_WATCH``, also where it forecast none), are watched until the request ends (a block
-still there at admission is in use until then, so it cannot leave in between); the blocks that did
-leave, against the blocks it said would, is its ``scale``. What the forecast cannot see makes it
-take off too much (the requests another router replica has queued there use their blocks before
-this one is admitted) or too little (blocks below its boundary that went too). So what it takes
-off a prediction is scaled by that, per replica, from the recent requests' outcomes: over them,
-what it takes off adds up to what left.
+The forecast checks itself against the same events: the blocks it said a request would find
+evicted, and as many held blocks before them, are watched until the request ends (a block still
+there at admission is in use until then, so it cannot leave in between); the blocks of both that
+did leave, against the blocks it said would, is its ``scale``. What the forecast cannot see makes
+it take off too much (the requests another router replica has queued there use their blocks
+before this one is admitted) or too little (blocks below its boundary that went too). So what it
+takes off a prediction is scaled by that, per replica, from the recent requests' outcomes.
 
 No I/O, no clock: counters in, a threshold and a count of blocks out.
 """
@@ -49,8 +47,7 @@ from typing import Final
 
 DECAY: Final = 0.8  # each scrape keeps this much of the blocks-per-request history (~5 scrapes)
 CHECK_DECAY: Final = 0.98  # each checked request keeps this much of the forecast's record (~50 requests)
-MIN_CHECKED: Final = 32.0  # blocks forecast before the record replaces taking the forecast at its word
-MAX_SCALE: Final = 4.0  # at most this many blocks taken off per block forecast
+MIN_CHECKED: Final = 32.0  # blocks checked before the record replaces taking the forecast at its word
 
 
 @dataclass(slots=True)
@@ -101,16 +98,15 @@ class EvictionForecast:
         if record is None:
             record = self._records[address] = _Record()
         record.forecast = record.forecast * CHECK_DECAY + forecast
-        record.evicted = record.evicted * CHECK_DECAY + min(evicted, forecast) + missed
+        record.evicted = record.evicted * CHECK_DECAY + min(evicted, forecast) + min(missed, forecast)
 
     def scale(self, address: str) -> float:
-        """Blocks that left ``address`` of those its checks watched, per block forecast evicted, lately
-        (0 to ``MAX_SCALE``; 1.0 until ``MIN_CHECKED`` blocks were forecast): what to scale its
-        forecast by, so that what it takes off adds up to what left."""
+        """Blocks that left ``address`` of those its forecasts watched, per block forecast evicted,
+        lately (0 to 2; 1.0 until ``MIN_CHECKED`` blocks were checked): what to scale its forecast by."""
         record = self._records.get(address)
         if record is None or record.forecast < MIN_CHECKED:
             return 1.0
-        return min(record.evicted / record.forecast, MAX_SCALE)
+        return record.evicted / record.forecast
 
     def threshold(self, address: str, clock: int, waiting: float, free_blocks: float) -> float | None:
         """Blocks last freed at or below this reading of the allocation clock are gone by the time the

@@ -24,9 +24,6 @@ EVENTS: Final = "events"
 PARTIAL: Final = "partial"  # a replica origin: events that miss part of its cache (extproc.pick.partial_view)
 COVERED: Final = frozenset({"events", "replayed", PARTIAL})  # origins whose view comes from events
 ANY_MODEL: Final = "*"
-# Held blocks the eviction forecast's check watches below its boundary even where it forecast none:
-# a chain loses its tail first, so misses show there.
-MIN_WATCH: Final = 16
 
 
 class Origin(Protocol):
@@ -46,7 +43,6 @@ class Exact(NamedTuple):
     # eviction forecast; absent when none). The choice ranks by ``cached``, what each replica holds now,
     # which every router replica sees alike; the forecast is what the router expects the hit to be.
     evicting: Mapping[str, int] = MappingProxyType({})
-    forecast_at: frozenset[str] = frozenset()  # covered replicas the eviction forecast looked at (queueing)
 
 
 class PreciseView:
@@ -141,8 +137,7 @@ class PreciseView:
                 if left < n:
                     evicting[address] = (n - left) * size
             cached[address] = n * size
-        forecast_at = frozenset(a for a in sizes if a in thresholds) if thresholds else frozenset()
-        return Exact(len(ids), cached, hashes, sizes, in_flight, partial, evicting, forecast_at)
+        return Exact(len(ids), cached, hashes, sizes, in_flight, partial, evicting)
 
     def _coverage(self) -> tuple[list[str], tuple[str, ...], dict[str, int]]:
         """The covered replicas, those of them whose view is partial, and their block sizes (the
@@ -163,28 +158,25 @@ class PreciseView:
         return covered, tuple(partial), sizes
 
     def pend(self, address: str, exact: Exact) -> "Pended":
-        """The request goes to ``address``: its blocks count as there until ``unpend``. Where the
-        eviction forecast looked, the blocks it said the request would find evicted there, and as
-        many held blocks before them (at least ``MIN_WATCH``), are watched until then."""
+        """The request goes to ``address``: its blocks count as there until ``unpend``; the blocks the
+        eviction forecast said it would find evicted there are watched until then."""
         size = exact.sizes.get(address)
         run = exact.hashes.get(size, []) if size else []
         if run:
             self.pending.setdefault(address, []).append(run)
-        if not size or address not in exact.forecast_at:
+        evicting = exact.evicting.get(address, 0) // size if size else 0
+        if not evicting:
             return Pended(run)
-        held = exact.cached.get(address, 0) // size
-        evicting = exact.evicting.get(address, 0) // size
+        held = exact.cached.get(address, 0) // size  # type: ignore[operator]  # size is set
         forecast = run[held - evicting: held]
-        below = run[max(0, held - evicting - max(evicting, MIN_WATCH)): held - evicting]  # said to stay
-        if not forecast and not below:
-            return Pended(run)
+        below = run[max(0, held - 2 * evicting): held - evicting]  # as many blocks again, said to stay
         return Pended(run, forecast, self.index.watch(address, forecast), below, self.index.watch(address, below))
 
     def unpend(self, address: str, pended: "Pended") -> tuple[int, int, int] | None:
         """The request ended: its blocks are in the events by now, or were never stored. Returns the
         forecast's outcome there, (blocks it said would be evicted, of them blocks that left the
-        replica meanwhile, blocks that left of those below them it said would stay), or None when
-        it did not look there (or the replica left)."""
+        replica meanwhile, blocks that left of as many below them it said would stay), or None when
+        it said none (or the replica left)."""
         run = pended.run
         runs = self.pending.get(address)
         if runs is not None and run:
@@ -194,7 +186,7 @@ class PreciseView:
                     break
             if not runs:
                 del self.pending[address]
-        if not pended.forecast and not pended.below:
+        if not pended.forecast:
             return None
         left = self.index.unwatch(address, pended.forecast, pended.counts)
         missed = self.index.unwatch(address, pended.below, pended.below_counts)
@@ -207,7 +199,7 @@ class Pended(NamedTuple):
     run: Sequence[int]  # its block hashes
     forecast: Sequence[int] = ()  # the held ones the eviction forecast said it would find evicted
     counts: Sequence[int] = ()  # ``EventIndex.watch``'s counts for them
-    below: Sequence[int] = ()  # as many held blocks before those (at least MIN_WATCH), which it said would stay
+    below: Sequence[int] = ()  # as many held blocks before those, which it said would stay
     below_counts: Sequence[int] = ()
 
 
