@@ -304,3 +304,22 @@ def test_a_pending_request_watches_its_forecast_and_as_many_blocks_below_it() ->
     assert not index._replicas[A].watched and not view.pending
     quiet = view.pend(A, exact._replace(evicting={}))
     assert not quiet.forecast and view.unpend(A, quiet) is None  # no forecast, nothing to check
+
+
+def test_the_checks_series_exist_from_0_for_every_replica_and_leave_with_it() -> None:
+    """The dashboard's forecast panel reads them before any replica queues."""
+    def series(address: str) -> dict[str, float]:
+        return {s.labels["outcome"]: s.value for m in metrics.REGISTRY.collect() for s in m.samples
+                if s.name == "prefix_router_eviction_forecast_blocks_total" and s.labels.get("replica") == address}
+
+    core = PickCore()
+    core.forecast = EvictionForecast()
+    address = "10.9.9.9:8000"
+    assert series(address) == {}
+    core.set_endpoints([address])
+    assert series(address) == {"evicted": 0.0, "kept": 0.0, "missed": 0.0}
+    core.set_endpoints([])
+    assert series(address) == {}
+    learned = PickCore()  # no forecast (pick mode, or --eviction-forecast off): no series
+    learned.set_endpoints([address])
+    assert series(address) == {}

@@ -30,6 +30,7 @@ from extproc.pick.state import ReplicaState, Snapshot
 # hashing would cost more than any cache it could find is worth.
 MAX_REQUEST_CHUNKS: Final = 4096
 LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage")
+FORECAST_OUTCOMES: Final = ("evicted", "kept", "missed")  # prefix_router_eviction_forecast_blocks_total{outcome}
 _PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in REASONS}  # every series from 0
 
 
@@ -61,11 +62,17 @@ class PickCore:
 
     # --- state updates -----------------------------------------------------------------
     def set_endpoints(self, addresses: Sequence[str]) -> None:
-        _, removed = self.load.set_addresses(addresses)
+        added, removed = self.load.set_addresses(addresses)
+        if self.forecast is not None:  # the forecast's check counts from 0, so its shares read 0/0 until then
+            for address in added:
+                for outcome in FORECAST_OUTCOMES:
+                    metrics.EVICTION_FORECAST_CHECKED.labels(address, outcome)
         for address in removed:
             self.index.remove(address)
             if self.forecast is not None:
                 self.forecast.forget(address)
+            for outcome in FORECAST_OUTCOMES:
+                _forget_series(metrics.EVICTION_FORECAST_CHECKED, address, outcome)
             for kind in LOAD_KINDS:
                 _forget_series(metrics.REPLICA_LOAD, address, kind)
             _forget_series(metrics.REPLICA_UP, address)
@@ -218,9 +225,8 @@ class PickCore:
                 if outcome is not None and self.forecast is not None:
                     forecast, evicted, missed = outcome
                     self.forecast.on_outcome(choice.address, forecast, evicted, missed)
-                    metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "evicted").inc(evicted)
-                    metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "kept").inc(forecast - evicted)
-                    metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, "missed").inc(missed)
+                    for outcome, blocks in zip(FORECAST_OUTCOMES, (evicted, forecast - evicted, missed), strict=True):
+                        metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, outcome).inc(blocks)
 
     def _taken_off(self, address: str, exact: Exact) -> int:
         """Tokens the eviction forecast takes off ``address``'s events figure: what it forecast,
