@@ -225,8 +225,8 @@ class PickCore:
                 if outcome is not None and self.forecast is not None:
                     forecast, evicted, missed = outcome
                     self.forecast.on_outcome(choice.address, forecast, evicted, missed)
-                    for outcome, blocks in zip(FORECAST_OUTCOMES, (evicted, forecast - evicted, missed), strict=True):
-                        metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, outcome).inc(blocks)
+                    for kind, blocks in zip(FORECAST_OUTCOMES, (evicted, forecast - evicted, missed), strict=True):
+                        metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, kind).inc(blocks)
 
     def _taken_off(self, address: str, exact: Exact) -> int:
         """Tokens the eviction forecast takes off ``address``'s events figure: what it forecast,

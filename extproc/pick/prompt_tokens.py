@@ -288,13 +288,9 @@ class ModelTokenizer:
         plain text: extproc.pick.word_tokens; a pre-token's ids do not depend on where it stands);
         a worker thread passes False: the Hugging Face tokenizer releases the GIL while it works, so
         it is safe beside the event loop, and the word cache's Python loop is not."""
-        out: list[list[int] | None] = [None] * len(segments)
-        rest: list[int] = []
-        for i, (_, seg) in enumerate(segments):
-            if words and self.words is not None:
-                out[i] = self.words.encode(seg)
-            if out[i] is None:
-                rest.append(i)
+        cache = self.words if words else None
+        out: list[list[int] | None] = [cache.encode(seg) if cache is not None else None for _, seg in segments]
+        rest = [i for i, ids in enumerate(out) if ids is None]
         if rest:
             inputs = [seg if first else self._sep + seg for first, seg in (segments[i] for i in rest)]  # type: ignore[operator]
             # encode_batch_fast even for one text: no offsets computed (a third of a short text's cost)

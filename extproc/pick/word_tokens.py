@@ -18,6 +18,7 @@ returns None. ``for_tokenizer`` checks the two against each other on probe texts
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -41,20 +42,13 @@ PROBES: Final = (
 )
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte -> character table (what ByteLevel maps each UTF-8 byte to)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
+@functools.cache
+def _ascii_chars() -> dict[int, str]:
+    """The character ByteLevel maps each ASCII byte to (GPT-2's byte table), asked of the library."""
+    from tokenizers.pre_tokenizers import ByteLevel
 
-
-_BYTE_CHARS: Final = _byte_chars()
-_ASCII_MAP: Final = {i: _BYTE_CHARS[i] for i in range(128)}  # ASCII text only: one byte per character
+    level = ByteLevel(add_prefix_space=False, use_regex=False)
+    return {i: level.pre_tokenize_str(chr(i))[0][0] for i in range(128)}
 
 
 class WordTokens:
@@ -64,6 +58,7 @@ class WordTokens:
         self._pattern = regex.compile(pattern)
         self._whole = self._pattern.groups == 0  # findall returns whole matches
         self._bpe = bpe  # the tokenizer's model.tokenize: byte-mapped pre-token -> tokens
+        self._chars = _ascii_chars()
         self._ids: dict[str, list[int]] = {}
 
     @classmethod
@@ -98,7 +93,7 @@ class WordTokens:
         for piece in pieces:
             got = ids.get(piece)
             if got is None:
-                got = ids[piece] = [t.id for t in self._bpe(piece.translate(_ASCII_MAP))]
+                got = ids[piece] = [t.id for t in self._bpe(piece.translate(self._chars))]
             out += got
         return out
 
