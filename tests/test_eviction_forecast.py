@@ -42,7 +42,8 @@ def test_blocks_per_finished_request_come_from_the_clock_and_the_success_counter
     f.on_sample(A, allocated=160, done=13)  # 60 blocks over 3 requests
     assert f.per_request(A) == 20.0
     assert f.threshold(A, 160, waiting=3, free_blocks=50) == 160 + 20 * 4 - 50
-    assert f.threshold(A, 160, waiting=0, free_blocks=50) is None  # nothing queued: admitted at once
+    # nothing queued: the step running now allocates too, announced after it
+    assert f.threshold(A, 160, waiting=0, free_blocks=50) == 160 + 20 - 50
     f.on_sample(A, allocated=160, done=15)  # two more finished, nothing allocated: the rate falls
     assert 0 < f.per_request(A) < 20.0
     f.on_sample(A, allocated=160, done=2)  # the counter went back: a new process, start again

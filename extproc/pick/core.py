@@ -146,7 +146,7 @@ class PickCore:
         return choice, chunks, exact
 
     def _thresholds(self, snapshot: Snapshot) -> dict[str, float] | None:
-        """Per queueing replica, the eviction forecast's threshold (``EvictionForecast.threshold``):
+        """Per replica, the eviction forecast's threshold (``EvictionForecast.threshold``):
         the requests waiting there (scraped, plus ours sent since) and its free blocks (the part of its
         KV not in use by running requests, from its last scrape)."""
         forecast, precise = self.forecast, self.precise
@@ -154,7 +154,7 @@ class PickCore:
             return None
         thresholds: dict[str, float] = {}
         for r in snapshot.replicas:
-            if r.waiting <= 0 or not r.capacity_tokens:  # it admitted everything at its last scrape
+            if not r.capacity_tokens:
                 continue
             size = precise.index.block_size(r.address) or precise.block_size_hint
             if not size:

@@ -18,7 +18,9 @@ that block held; a request's blocks go back to the queue's tail when it ends. So
   blocks are ahead of it;
 - the allocations to come before admission: the replica's blocks allocated per finished
   request (its events against its ``vllm:request_success_total``), times the requests that
-  finish before it admits this one (those waiting ahead, and one for a slot to free).
+  finish before it admits this one (those waiting ahead, and one more: a slot to free, or with
+  none waiting, the step the replica is running: vLLM evicts while it schedules a step and
+  announces the removals after it, so the events run a step behind the cache).
 
 Block ``i`` survives if at least as many blocks are ahead of it as will be allocated first:
 ``reading - i > clock + ahead - free``. A request that used block j used every block before it,
@@ -110,9 +112,9 @@ class EvictionForecast:
 
     def threshold(self, address: str, clock: int, waiting: float, free_blocks: float) -> float | None:
         """Blocks last freed at or below this reading of the allocation clock are gone by the time the
-        replica admits a request sent now (None: it is not queueing, or its rate is not known yet)."""
+        replica admits a request sent now (None: its rate is not known yet)."""
         per_request = self.per_request(address)
-        if waiting <= 0 or per_request <= 0:
+        if per_request <= 0:
             return None
         return clock + per_request * (waiting + 1) - free_blocks
 
