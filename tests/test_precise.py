@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc import metrics
 from extproc.core.decide import decide
@@ -12,7 +15,7 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.kv_events import BlockStored
 from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
-from extproc.pick.precise import PreciseView, _shared
+from extproc.pick.precise import PreciseView, _longest_shared, _shared
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 from routerlab.assets import TINY_BYTELEVEL
 
@@ -144,3 +147,11 @@ def test_shared_leading_blocks_of_two_chains() -> None:
     chain = block_hashes(list(range(160)), BS)  # 10 blocks
     other = block_hashes(list(range(100)) + [7] * 60, BS)  # the same first 6 blocks, then apart
     assert [_shared(chain, o) for o in (chain, other, chain[:3], [], chain + [1])] == [10, 6, 3, 0, 10]
+    assert _shared(chain, other, 4) == 6 and _shared(chain, chain, 10) == 10
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=6))
+def test_the_longest_shared_run_is_the_best_of_every_pair(run: list[int], others: list[list[int]]) -> None:
+    chains = [list(itertools.accumulate(r, lambda h, t: h * 5 + t + 1)) for r in [run, *others]]  # chain hashes
+    assert _longest_shared(chains[0], chains[1:]) == max((_shared(chains[0], o) for o in chains[1:]), default=0)

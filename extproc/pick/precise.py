@@ -125,7 +125,7 @@ class PreciseView:
             kept = 0  # leading blocks requests of ours in flight there use: they stay
             if pending:
                 held_blocks = n
-                kept = max(_shared(run, other) for other in pending)
+                kept = _longest_shared(run, pending)
                 n = max(n, kept)
                 while n < len(run) and self.index.holds_block(address, run[n]):
                     n += 1
@@ -203,9 +203,21 @@ class Pended(NamedTuple):
     below_counts: Sequence[int] = ()
 
 
-def _shared(run: Sequence[int], other: Sequence[int]) -> int:
-    """How many leading block hashes two chains share (equal at i means equal before i)."""
-    lo, hi = 0, min(len(run), len(other))
+def _longest_shared(run: Sequence[int], others: Sequence[Sequence[int]]) -> int:
+    """The most leading block hashes ``run`` shares with any of ``others``. A replica has as many
+    runs pending as requests of ours in flight there, mostly sharing a prefix: only a run that
+    shares one block more than the best so far is searched, the others cost one comparison."""
+    best = 0
+    for other in others:
+        if best < len(run) and best < len(other) and run[best] == other[best]:
+            best = _shared(run, other, best + 1)
+    return best
+
+
+def _shared(run: Sequence[int], other: Sequence[int], lo: int = 0) -> int:
+    """How many leading block hashes two chains share (equal at i means equal before i), knowing
+    they share at least ``lo``."""
+    hi = min(len(run), len(other))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if run[mid - 1] == other[mid - 1]:
