@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import timeit
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -40,6 +41,7 @@ from routerlab.harness.extproc_messages import body_message, headers_message
 
 SIZES_KB = (2, 4, 32)
 INDEX_CHUNKS = 50_000  # capacity of the full index the new-prompt column runs on
+IN_FLIGHT: Final = 48  # precise mode's requests of ours in flight for the loaded column (kv-pressure's)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -283,7 +285,7 @@ def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[s
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
     system = json.loads(chat_body(size_kb * 1024, 0))["messages"][0]["content"]  # one system prompt for all
     number = 200 if size_kb <= 4 else 50
-    bodies = questions(system, 2 * REPEAT * number + 1)  # a new question for every request timed
+    bodies = questions(system, 3 * REPEAT * number + IN_FLIGHT + 1)  # a new question for every request timed
     ids = tokenizer.token_array(json.loads(bodies[0]), "chat")  # as precise mode gets them
     full = len(ids) // block_size * block_size
     core = precise_core(tokenizer, replicas, ids.tolist(), block_size)
@@ -301,12 +303,25 @@ def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[s
         tokenizer.clear_cache()
         tokenizer.tokens_for(docs[0], "chat")
 
+    in_flight: deque[Any] = deque()
+
+    def pick_loaded() -> None:  # each pick ends the oldest of IN_FLIGHT requests in flight
+        in_flight.append(core.pick(decide(next(requests), {}, settings), settings))
+        if len(in_flight) > IN_FLIGHT:
+            core.release(in_flight.popleft())
+
     warm_docs = iter(docs * 50)
     total, without_words = _interleaved_us(pick_new(True), pick_new(False), number)
     tokenizer.words = words
+    for _ in range(IN_FLIGHT):
+        pick_loaded()
+    loaded = _median_us(pick_loaded, number)
+    while in_flight:
+        core.release(in_flight.popleft())
     out = {
         "precise_total_us": total,
         "precise_total_no_words_us": without_words,
+        "precise_in_flight_us": loaded,
         "precise_tokenize_us": _median_us(lambda: tokenizer.token_array(next(warm_docs), "chat"), number),
         "precise_hash_us": _median_us(lambda: core.precise.chains.hashes(ids[:full], block_size), number),
         "precise_tokenize_cold_us": _median_us(cold, max(5, number // 10)),
@@ -343,11 +358,11 @@ def run(args: argparse.Namespace) -> int:
     print("\nprecise mode (the tiny byte-level tokenizer, half the replicas holding the system prompt in the "
           "event view):\n")
     print("| body | prompt tokens | decide() + choice, system prompt tokenised before, a new question | "
-          "the same without the word cache | of which render + tokenise (question seen) | of which block hashes "
+          f"the same without the word cache | the same with {IN_FLIGHT} of ours in flight | of which render + tokenise (question seen) | of which block hashes "
           "(span cache warm) | cold render + tokenise |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['prompt_tokens']} | {r['precise_total_us']} | "
-              f"{r['precise_total_no_words_us']} | {r['precise_tokenize_us']} | {r['precise_hash_us']} | "
+              f"{r['precise_total_no_words_us']} | {r['precise_in_flight_us']} | {r['precise_tokenize_us']} | {r['precise_hash_us']} | "
               f"{r['precise_tokenize_cold_us']} |")
     return 0
