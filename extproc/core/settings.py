@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import ipaddress
 import re
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -99,6 +100,10 @@ class ServerSettings:
     # Predict for a queueing replica only the blocks it will not have evicted before it admits the request
     # (extproc.pick.eviction_forecast; the choice still ranks by what replicas hold now); off: predict those too.
     eviction_forecast: bool = True
+    # Pick mode with several router replicas: tell each other the requests in flight (their load, and in
+    # precise mode their blocks being computed) over this Redis (redis://HOST:PORT/DB); "": each alone.
+    share_in_flight: str = ""
+    share_in_flight_channel: str = "prefix-router:in-flight"  # the pub/sub channel (one per router fleet)
     # Tenant isolation's HMAC key: this file, else the env var TENANT_SECRET_ENV (never a flag:
     # command lines are visible to every local user).
     tenant_secret_file: str = ""
@@ -184,6 +189,27 @@ def _dns_target(raw: str) -> str:
     return f"{host}:{port}"
 
 
+def _redis_url(raw: str) -> str:
+    """A URL redis-py connects to (checked for shape here; the connection is made after start-up)."""
+    value = raw.strip()
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme in ("redis", "rediss"):
+        if not parts.hostname or (parts.port is not None and not 0 < parts.port < 65536):
+            raise ValueError
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError
+    elif parts.scheme != "unix" or not parts.path:
+        raise ValueError
+    return value
+
+
+def _nonempty(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError
+    return raw.strip()
+
+
 def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return lambda raw: parse(raw) if raw.strip() else ""
 
@@ -256,6 +282,9 @@ SPECS: Final[dict[str, _Spec]] = {
     "tokenize_inline_chars": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (characters; 0: all inline)"),
     "tokenize_queue_seconds": _Spec(_number_in(float, 0.0, 60.0), "seconds in 0..60"),
     "eviction_forecast": _Spec(_switch, "on or off"),
+    "share_in_flight": _Spec(_optional(_redis_url), "a Redis URL (redis://HOST:PORT/DB, rediss://..., "
+                             "unix:///PATH), or empty for none"),
+    "share_in_flight_channel": _Spec(_nonempty, "a non-empty Redis channel name"),
     "tenant_secret_file": _Spec(_optional(str.strip), "a file holding the tenant isolation secret"),
 }
 ROUTE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RouteSettings))
@@ -318,6 +347,9 @@ def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> 
     if cfg.kv_events and not (has_endpoints(cfg) and cfg.tokenizer):
         raise SettingError(f"{flag('kv_events')} on needs the replicas' endpoints (--endpoints, "
                            f"--endpoints-file or --endpoints-dns) and {flag('tokenizer')}")
+    if cfg.share_in_flight and not has_endpoints(cfg):
+        raise SettingError(f"{flag('share_in_flight')} is for pick mode: it needs the replicas' endpoints "
+                           "(--endpoints, --endpoints-file or --endpoints-dns)")
     return cfg
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from extproc import metrics
 from extproc.core.decide import Decision
@@ -25,6 +25,12 @@ from extproc.pick.partial_view import merge
 from extproc.pick.precise import EVENTS, Exact, Pended, PreciseView
 from extproc.pick.prompt_tokens import NotTokenizable
 from extproc.pick.state import ReplicaState, Snapshot
+
+
+class Share(Protocol):
+    def picked(self, key: int, address: str, prefill: int, run: Sequence[int]) -> None: ...
+
+    def released(self, key: int) -> None: ...
 
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
 # hashing would cost more than any cache it could find is worth.
@@ -53,6 +59,9 @@ class PickCore:
         self.on_precise_pick: Callable[[str, Decision], None] | None = None
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
         self._pended: dict[int, tuple[str, Pended]] = {}  # id(choice) -> its blocks pending on a replica
+        # told of every pick and its end, to share with the other router replicas (Picker sets it:
+        # extproc.pick.in_flight_bus); theirs come back through add_remote and drop_remote
+        self.share: Share | None = None
 
     def chunks_for(self, tokens: int) -> int:
         return int(tokens // self.chunk_tokens) if tokens else 0
@@ -200,7 +209,11 @@ class PickCore:
                 self.index.record(choice.address, chunks)
             if exact is not None and self.precise is not None:
                 self._pended[id(choice)] = (choice.address, self.precise.pend(choice.address, exact))
-            self.load.assign(choice.address, _prefill(choice), self.clock())
+            prefill = _prefill(choice)
+            self.load.assign(choice.address, prefill, self.clock())
+            if self.share is not None:
+                pended = self._pended.get(id(choice))
+                self.share.picked(id(choice), choice.address, prefill, pended[1].run if pended else ())
             if self.on_precise_pick is not None and settings.cache_view != "learned":
                 self.on_precise_pick(choice.address, decision)
             chosen = _chosen(choice)
@@ -219,6 +232,8 @@ class PickCore:
         """The picked request ended (Envoy closed its stream)."""
         if choice.address is not None:
             self.load.release(choice.address, _prefill(choice))
+            if self.share is not None:
+                self.share.released(id(choice))
             pended = self._pended.pop(id(choice), None)
             if pended is not None and self.precise is not None:
                 outcome = self.precise.unpend(*pended)
@@ -227,6 +242,19 @@ class PickCore:
                     self.forecast.on_outcome(choice.address, forecast, evicted, missed)
                     for kind, blocks in zip(FORECAST_OUTCOMES, (evicted, forecast - evicted, missed), strict=True):
                         metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, kind).inc(blocks)
+
+    def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> None:
+        """Another router replica sent a request to ``address``: its load and its blocks in flight
+        count as this router's own do (extproc.pick.shared_in_flight)."""
+        self.load.assign(address, prefill, now)
+        if self.precise is not None:
+            self.precise.add_pending(address, run)
+
+    def drop_remote(self, address: str, prefill: int, run: Sequence[int]) -> None:
+        """That request ended."""
+        self.load.release(address, prefill)
+        if self.precise is not None:
+            self.precise.drop_pending(address, run)
 
     def _taken_off(self, address: str, exact: Exact) -> int:
         """Tokens the eviction forecast takes off ``address``'s events figure: what it forecast,

@@ -8,7 +8,8 @@ the HTTP response ends) and estimates
     in_flight(r) = own(r) + max(0, running(r) + waiting(r) - own_at_scrape(r))
 
 that is: its own live count, plus whatever else (other router replicas, direct traffic)
-the last scrape saw on r.
+the last scrape saw on r. With ``--share-in-flight`` the other router replicas' requests count
+as its own (extproc.pick.shared_in_flight): they come and go as their messages say.
 
 It also estimates the prefill work queued on each replica (``backlog``): each pick adds
 the tokens the replica must compute for it, and the backlog drains at the replica's

@@ -6,6 +6,7 @@ as background tasks that ``start`` launches; the request path itself does no I/O
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,11 +17,13 @@ from extproc.core.settings import RouteSettings, ServerSettings, SettingError, f
 from extproc.pick.core import PickCore
 from extproc.pick.endpoints import EndpointWatcher
 from extproc.pick.eviction_forecast import EvictionForecast
+from extproc.pick.in_flight_bus import InFlightBus
 from extproc.pick.kv_index import EventIndex
 from extproc.pick.kv_subscriber import KvEventSubscriber
 from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer, TokenizerError
 from extproc.pick.scrape import Scraper
+from extproc.pick.shared_in_flight import END, HEARTBEAT, PICK, RemoteInFlight
 from extproc.pick.tokenize_ahead import TokenizeAhead
 from extproc.pick.tokenizer_check import RESULTS, TokenizerCheck
 
@@ -60,6 +63,10 @@ class Picker(PickCore):
                 self.forecast = EvictionForecast()
         self.watcher = EndpointWatcher(cfg, self.set_endpoints)
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
+        self.bus: InFlightBus | None = None
+        if cfg.share_in_flight:
+            remote = RemoteInFlight(self, os.urandom(8), self.clock)
+            self.share = self.bus = InFlightBus(cfg.share_in_flight, cfg.share_in_flight_channel, remote)
 
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
@@ -74,6 +81,8 @@ class Picker(PickCore):
             self.subscriber.set_endpoints(addresses)
 
     async def start(self) -> None:
+        if self.bus is not None:
+            await self.bus.start()
         if self.subscriber is not None:
             await self.subscriber.start()
         if self.tokenizer_check is not None:
@@ -84,6 +93,8 @@ class Picker(PickCore):
         self.scraper.start()
 
     async def stop(self) -> None:
+        if self.bus is not None:
+            await self.bus.stop()
         await self.watcher.stop()
         await self.scraper.stop()
         if self.subscriber is not None:
@@ -160,3 +171,32 @@ class PreciseCollector(Collector):
             yield trusted
             yield CounterMetricFamily("prefix_router_tokenizer_checks_dropped", "Sampled requests not checked "
                                       "because earlier checks were still waiting", value=check.dropped)
+
+
+class SharingCollector(Collector):
+    """``--share-in-flight``'s figures, read from the bus when /metrics is scraped."""
+
+    def __init__(self, bus: InFlightBus) -> None:
+        self.bus = bus
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        bus, remote = self.bus, self.bus.remote
+        yield GaugeMetricFamily("prefix_router_in_flight_sharing_connected", "1 while subscribed to the "
+                                "--share-in-flight channel", value=int(bus.stats.connected))
+        yield GaugeMetricFamily("prefix_router_in_flight_sharing_peers", "Other router replicas heard from "
+                                "on the channel lately", value=len(remote.peers))
+        yield GaugeMetricFamily("prefix_router_in_flight_sharing_requests", "The other router replicas' "
+                                "requests in flight, counted in this router's load and precise views",
+                                value=remote.requests())
+        sent = CounterMetricFamily("prefix_router_in_flight_sharing_messages", "Messages on the channel, by "
+                                   "direction and kind (failed: lost to a failed send or a full queue; bad: "
+                                   "received and not decoded)", labels=["direction", "kind"])
+        sent.add_metric(["sent", "any"], bus.stats.sent)
+        sent.add_metric(["sent", "failed"], bus.stats.send_failed)
+        for kind, name in ((PICK, "pick"), (END, "end"), (HEARTBEAT, "heartbeat")):
+            sent.add_metric(["received", name], remote.stats.received[kind])
+        sent.add_metric(["received", "bad"], remote.stats.bad)
+        yield sent
+        yield CounterMetricFamily("prefix_router_in_flight_sharing_dropped", "Other routers' requests dropped "
+                                  "without their end message (missed by a heartbeat, router gone quiet, "
+                                  "channel lost)", value=remote.stats.dropped)

@@ -157,13 +157,29 @@ class PreciseView:
                     sizes[address] = size
         return covered, tuple(partial), sizes
 
+    def add_pending(self, address: str, run: Sequence[int]) -> None:
+        """A request in flight at ``address`` computes the blocks ``run`` (this router's, or another
+        router replica's: extproc.pick.shared_in_flight)."""
+        if run:
+            self.pending.setdefault(address, []).append(run)
+
+    def drop_pending(self, address: str, run: Sequence[int]) -> None:
+        """That request ended (``run``: the very object ``add_pending`` was given)."""
+        runs = self.pending.get(address)
+        if runs is not None and run:
+            for i, other in enumerate(runs):
+                if other is run:
+                    del runs[i]
+                    break
+            if not runs:
+                del self.pending[address]
+
     def pend(self, address: str, exact: Exact) -> "Pended":
         """The request goes to ``address``: its blocks count as there until ``unpend``; the blocks the
         eviction forecast said it would find evicted there are watched until then."""
         size = exact.sizes.get(address)
         run = exact.hashes.get(size, []) if size else []
-        if run:
-            self.pending.setdefault(address, []).append(run)
+        self.add_pending(address, run)
         evicting = exact.evicting.get(address, 0) // size if size else 0
         if not evicting:
             return Pended(run)
@@ -177,15 +193,7 @@ class PreciseView:
         forecast's outcome there, (blocks it said would be evicted, of them blocks that left the
         replica meanwhile, blocks that left of as many below them it said would stay), or None when
         it said none (or the replica left)."""
-        run = pended.run
-        runs = self.pending.get(address)
-        if runs is not None and run:
-            for i, other in enumerate(runs):
-                if other is run:
-                    del runs[i]
-                    break
-            if not runs:
-                del self.pending[address]
+        self.drop_pending(address, pended.run)
         if not pended.forecast:
             return None
         left = self.index.unwatch(address, pended.forecast, pended.counts)

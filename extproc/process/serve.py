@@ -36,7 +36,7 @@ from extproc.core.settings import (
     tenant_secret,
     with_metadata,
 )
-from extproc.pick.picker import Picker, PreciseCollector, load_tokenizers
+from extproc.pick.picker import Picker, PreciseCollector, SharingCollector, load_tokenizers
 from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from extproc.process.health import SERVICE
@@ -122,6 +122,9 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     collector = PreciseCollector(picker) if picker is not None and picker.precise is not None else None
     if collector is not None:
         metrics.REGISTRY.register(collector)
+    sharing = SharingCollector(picker.bus) if picker is not None and picker.bus is not None else None
+    if sharing is not None:
+        metrics.REGISTRY.register(sharing)
     if picker is not None:
         await picker.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -163,6 +166,8 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         await picker.stop()
     if collector is not None:
         metrics.REGISTRY.unregister(collector)
+    if sharing is not None:
+        metrics.REGISTRY.unregister(sharing)
     if http is not None:
         await http.cleanup()
     log.info("stopped")

@@ -30,7 +30,7 @@ from typing import Any
 from extproc.core.settings import TENANT_SECRET_ENV, metadata_key
 from routerlab.harness import envoy_config
 from routerlab.harness.envoy_proc import Envoy
-from routerlab.harness.procs import Process, free_ports, port_open, python_module
+from routerlab.harness.procs import Process, free_ports, port_open, python_module, redis_server
 
 UPSTREAM_HEADER = "x-upstream-host"
 # Every benchmark router can salt tenants' caches when an arm asks (a fresh secret per run).
@@ -51,6 +51,7 @@ class ArmSpec:
     pick: bool = False  # the router chooses the replica (pick mode)
     routers: int = 1  # router processes behind the prefix_router cluster (Envoy spreads streams over them)
     precise: bool = False  # pick mode on the replicas' KV-cache events (the fleet publishes them)
+    share: bool = False  # the routers share their requests in flight over a Redis the arm starts (--share-in-flight)
     settings: tuple[tuple[str, str], ...] = ()  # router settings sent as stream metadata (before --router-setting)
 
     @property
@@ -79,6 +80,12 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
     ArmSpec("prefix-precise-2routers", "prefix-precise with two independent router processes (each subscribes "
             "to every replica's events: the same cache view)", "MAGLEV", prefix=True, bounded=True,
             base="pick.yaml", pick=True, precise=True, routers=2),
+    ArmSpec("prefix-pick-2routers-shared", "prefix-pick-2routers whose routers tell each other their requests "
+            "in flight over Redis pub/sub (--share-in-flight)", "MAGLEV", prefix=True, bounded=True,
+            base="pick.yaml", pick=True, routers=2, share=True),
+    ArmSpec("prefix-precise-2routers-shared", "prefix-precise-2routers whose routers tell each other their "
+            "requests in flight (load, and blocks being computed) over Redis pub/sub (--share-in-flight)",
+            "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True, precise=True, routers=2, share=True),
     ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
             "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
     ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",
@@ -176,6 +183,7 @@ class RunningArm:
         self.endpoints_file: Path | None = None
         self.envoy: Envoy | None = None
         self.routers: list[Process] = []
+        self.redis: Process | None = None
         self.peer: Process | None = None
         self.url = ""
 
@@ -211,6 +219,11 @@ class RunningArm:
         grpc_ports, ports = ports[:routers], ports[routers:]
         http_ports, ports = (ports[:routers], ports[routers:]) if over_http else ([], ports)
         self.metrics_ports = ports
+        share: list[str] = []
+        if self.arm.share:
+            port = free_ports(1)[0]
+            self.redis = redis_server(port)
+            share = ["--share-in-flight", f"redis://127.0.0.1:{port}/0"]
         if self.arm.pick:
             self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
             self.endpoints_file = Path(self._tmp.name) / "endpoints"
@@ -224,7 +237,7 @@ class RunningArm:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
             if self.arm.precise and not self.event_flags:
                 raise RuntimeError(f"{self.arm.name}: the fleet publishes no KV-cache events")
-            argv += [*(self.event_flags if self.arm.precise else ()), *self.router_flags]
+            argv += [*(self.event_flags if self.arm.precise else ()), *share, *self.router_flags]
             # appended before the wait, so stop() reaches it
             self.routers.append(Process(argv, name="prefix-router", env=ROUTER_ENV))
             self.routers[-1].wait_for_line("prefix-router ready", timeout=30)
@@ -263,7 +276,7 @@ class RunningArm:
         self.url = f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
-        for part in (self.envoy, *self.routers, self.peer):
+        for part in (self.envoy, *self.routers, self.peer, self.redis):
             if part is not None:
                 part.stop()
         if self._tmp is not None:
@@ -285,6 +298,8 @@ class RunningArm:
             out["prefix_router" + (f"_{i}" if i else "")] = router.pid
         if self.peer:
             out[self.arm.name] = self.peer.pid
+        if self.redis:
+            out["redis"] = self.redis.pid
         return out
 
     def envoy_stats(self) -> dict[str, Any]:

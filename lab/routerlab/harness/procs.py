@@ -146,3 +146,12 @@ class Process:
 def python_module(module: str, *args: str) -> list[str]:
     """argv running ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]
+
+
+def redis_server(port: int) -> Process:
+    """A real Redis on 127.0.0.1:``port`` (Debian's ``redis-server``; .ci/machine installs it),
+    nothing persisted: what ``--share-in-flight`` talks to in the tests and the benchmark."""
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("no redis-server: apt-get install -y redis-server (.ci/machine does)")
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return Process(argv, name="redis-server").wait_for_line("Ready to accept connections", timeout=30)

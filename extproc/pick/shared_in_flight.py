@@ -1,0 +1,146 @@
+"""What the other router replicas have in flight, from the messages they publish (pure).
+
+A router knows its own requests in flight per replica: they count towards the replica's load
+until the next scrape sees them, and in precise mode their blocks count as there (being
+computed) before the replica's events announce them. With several router replicas each knows
+only its share, and a request that waits seconds in a replica's queue stays invisible to the
+others until its blocks are stored: under KV pressure, one router that forgot half its own
+requests in flight fell from 0.67 to 0.60 of the oracle hit rate (docs/benchmark.md). So each
+router publishes its picks and their ends on a shared channel (a Redis pub/sub channel:
+extproc.pick.in_flight_bus), and applies the others' as if they were its own: load assigned and
+released, block runs pending at the replica. Nothing is agreed on and nothing is stored: a lost
+message costs a stale hint, which every router's heartbeat (the keys it still has in flight)
+clears, and a router that goes quiet is forgotten after ``PEER_TIMEOUT_S``.
+
+Messages (msgpack arrays): ``[PICK, router, key, address, prefill tokens, run]`` where run is the
+request's own block hashes as little-endian uint64 bytes (the same on every router: the chain hash
+has no per-process seed), ``[END, router, key]`` and ``[HEARTBEAT, router, [keys in flight]]``.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+import msgpack
+
+PICK: Final = 0
+END: Final = 1
+HEARTBEAT: Final = 2
+PEER_TIMEOUT_S: Final = 5.0  # a router unheard for this long has stopped: its requests are dropped
+
+
+class Applies(Protocol):
+    """What the remote requests are applied to (``PickCore``)."""
+
+    def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> None: ...
+
+    def drop_remote(self, address: str, prefill: int, run: Sequence[int]) -> None: ...
+
+
+def pick_message(router: bytes, key: int, address: str, prefill: int, run: Sequence[int]) -> bytes:
+    raw = run if isinstance(run, array) and run.typecode == "Q" else array("Q", run)
+    if sys.byteorder != "little":
+        raw = array("Q", raw)
+        raw.byteswap()
+    return msgpack.packb([PICK, router, key, address, prefill, raw.tobytes()])
+
+
+def end_message(router: bytes, key: int) -> bytes:
+    return msgpack.packb([END, router, key])
+
+
+def heartbeat_message(router: bytes, keys: Iterable[int]) -> bytes:
+    return msgpack.packb([HEARTBEAT, router, list(keys)])
+
+
+def _run(raw: bytes) -> array:
+    run = array("Q")
+    run.frombytes(raw)
+    if sys.byteorder != "little":
+        run.byteswap()
+    return run
+
+
+@dataclass(slots=True)
+class _Peer:
+    heard: float
+    requests: dict[int, tuple[str, int, array]] = field(default_factory=dict)  # key -> (address, prefill, run)
+
+
+@dataclass(slots=True)
+class RemoteStats:
+    received: dict[int, int] = field(default_factory=lambda: dict.fromkeys((PICK, END, HEARTBEAT), 0))
+    bad: int = 0  # messages that did not decode (skipped)
+    dropped: int = 0  # remote requests dropped without their end message (heartbeat, timeout, disconnect)
+
+
+class RemoteInFlight:
+    """The other routers' requests in flight, applied to ``target`` as they come and go."""
+
+    def __init__(self, target: Applies, router: bytes, clock: Callable[[], float]) -> None:
+        self.target = target
+        self.router = router  # this router's id: its own messages come back on the channel
+        self.clock = clock
+        self.peers: dict[bytes, _Peer] = {}
+        self.stats = RemoteStats()
+
+    def requests(self) -> int:
+        return sum(len(p.requests) for p in self.peers.values())
+
+    def on_message(self, payload: bytes) -> None:
+        """Apply one message from the channel; one that does not decode is counted and skipped."""
+        try:
+            message = msgpack.unpackb(payload)
+            kind, router = message[0], bytes(message[1])
+            if router == self.router:
+                return
+            now = self.clock()
+            peer = self.peers.get(router)
+            if peer is None:
+                peer = self.peers[router] = _Peer(now)
+            peer.heard = now
+            if kind == PICK:
+                _, _, key, address, prefill, raw = message
+                self._end(peer, int(key))  # a key seen twice: the newer request stands
+                run = _run(raw)
+                peer.requests[int(key)] = (str(address), int(prefill), run)
+                self.target.add_remote(str(address), int(prefill), run, now)
+            elif kind == END:
+                self._end(peer, int(message[2]))
+            elif kind == HEARTBEAT:
+                live = set(message[2])
+                for key in [k for k in peer.requests if k not in live]:
+                    self._end(peer, key)
+                    self.stats.dropped += 1
+            else:
+                raise ValueError(kind)
+            self.stats.received[kind] += 1
+        except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):
+            self.stats.bad += 1
+
+    def expire(self) -> None:
+        """Forget routers unheard for ``PEER_TIMEOUT_S`` (stopped, or cut off from the channel)."""
+        now = self.clock()
+        for router in [r for r, p in self.peers.items() if now - p.heard > PEER_TIMEOUT_S]:
+            self._forget(router)
+
+    def clear(self) -> None:
+        """The channel is lost: what it told may be stale, and its ends would not arrive."""
+        for router in list(self.peers):
+            self._forget(router)
+
+    def _forget(self, router: bytes) -> None:
+        peer = self.peers.pop(router)
+        for key in list(peer.requests):
+            self._end(peer, key)
+            self.stats.dropped += 1
+
+    def _end(self, peer: _Peer, key: int) -> None:
+        entry = peer.requests.pop(key, None)
+        if entry is not None:
+            self.target.drop_remote(*entry)
+

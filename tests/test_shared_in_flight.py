@@ -1,0 +1,221 @@
+"""--share-in-flight: router replicas tell each other their requests in flight.
+
+The pure part (extproc.pick.shared_in_flight) through real PickCores in precise mode, and the bus
+(extproc.pick.in_flight_bus) through a real Redis (Debian's redis-server; .ci/machine installs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+
+import msgpack
+import pytest
+
+from extproc.core.decide import decide
+from extproc.core.settings import RouteSettings, SettingError, server_settings
+from extproc.pick.core import PickCore
+from extproc.pick.in_flight_bus import InFlightBus
+from extproc.pick.kv_index import EventIndex
+from extproc.pick.precise import PreciseView
+from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.shared_in_flight import PEER_TIMEOUT_S, RemoteInFlight, end_message, heartbeat_message, pick_message
+from routerlab.assets import TINY_BYTELEVEL
+from routerlab.harness.procs import Process, free_ports, redis_server
+
+BS = 16
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+PICK = RouteSettings(mode="pick")
+SYSTEM = "You review pull requests for the storage team and answer with a numbered list. " * 40
+
+
+class Live:
+    origin = "events"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer(TINY_BYTELEVEL)
+
+
+def precise_core(tokenizer: ModelTokenizer, clock: Callable[[], float] = time.monotonic) -> PickCore:
+    """Pick mode in precise mode over A and B, both covered by events that hold nothing yet."""
+    core = PickCore(clock=clock)
+    core.set_endpoints([A, B])
+    core.precise = PreciseView(EventIndex(), {"*": tokenizer}, {A: Live(), B: Live()})
+    core.precise.block_size_hint = BS
+    return core
+
+
+def body(question: str) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM},
+                                                  {"role": "user", "content": question}]}).encode()
+
+
+def in_flight(core: PickCore, address: str) -> int:
+    return next(r.in_flight for r in core.load.snapshot().replicas if r.address == address)
+
+
+def test_another_routers_request_counts_as_load_and_as_blocks_in_flight_until_it_ends(
+        tokenizer: ModelTokenizer) -> None:
+    first, second = precise_core(tokenizer), precise_core(tokenizer)
+    remote = RemoteInFlight(second, b"second", second.clock)
+    sent: list[bytes] = []
+
+    class Share:
+        def picked(self, key: int, address: str, prefill: int, run: object) -> None:
+            sent.append(pick_message(b"first", key, address, prefill, run))  # type: ignore[arg-type]
+
+        def released(self, key: int) -> None:
+            sent.append(end_message(b"first", key))
+
+    first.share = Share()
+    choice = first.pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
+    assert choice.address is not None and len(sent) == 1
+    other = B if choice.address == A else A
+    # before the message: a request sharing the system prompt sees nothing cached anywhere
+    alone = second.evaluate(decide(body("What does this test cover?"), {}, PICK), PICK)[0]
+    assert all(c.cached_tokens == 0 for c in alone.candidates)
+    remote.on_message(sent[0])
+    assert in_flight(second, choice.address) == 1 and in_flight(second, other) == 0
+    shared = second.evaluate(decide(body("What does this test cover?"), {}, PICK), PICK)[0]
+    assert shared.address == choice.address
+    held = {c.address: c.cached_tokens for c in shared.candidates}
+    assert held[choice.address] >= len(SYSTEM) // 4 and held[other] == 0  # the system prompt's blocks, in flight
+    first.release(choice)
+    remote.on_message(sent[1])
+    assert in_flight(second, choice.address) == 0 and not second.precise.pending
+    assert remote.requests() == 0 and remote.stats.received == {0: 1, 1: 1, 2: 0}
+
+
+def test_heartbeats_and_silence_drop_what_an_end_message_would_have(tokenizer: ModelTokenizer) -> None:
+    clock = Clock()
+    core = precise_core(tokenizer, clock)
+    remote = RemoteInFlight(core, b"me", clock)
+    for key in (1, 2):
+        remote.on_message(pick_message(b"peer", key, A, 100, [11, 12, 13]))
+    remote.on_message(pick_message(b"me", 9, A, 100, [11]))  # its own message, back from the channel: ignored
+    assert in_flight(core, A) == 2 and len(core.precise.pending[A]) == 2
+    remote.on_message(heartbeat_message(b"peer", [2]))  # key 1's end was lost
+    assert in_flight(core, A) == 1 and remote.stats.dropped == 1
+    clock.now += PEER_TIMEOUT_S - 0.1
+    remote.expire()
+    assert in_flight(core, A) == 1
+    clock.now += 0.2  # the peer went quiet
+    remote.expire()
+    assert in_flight(core, A) == 0 and not remote.peers and not core.precise.pending and remote.stats.dropped == 2
+
+
+def test_a_bad_message_is_counted_and_skipped(tokenizer: ModelTokenizer) -> None:
+    core = precise_core(tokenizer)
+    remote = RemoteInFlight(core, b"me", core.clock)
+    for bad in (b"\xc1", msgpack.packb([7, b"peer"]), msgpack.packb([0, b"peer", 1]), msgpack.packb("x")):
+        remote.on_message(bad)
+    assert remote.stats.bad == 4 and remote.requests() == 0 and in_flight(core, A) == 0
+    remote.on_message(pick_message(b"peer", 1, A, 0, []))  # a learned-view pick: load only
+    assert in_flight(core, A) == 1 and not core.precise.pending
+
+
+def test_the_setting_must_be_a_redis_url_and_needs_pick_mode() -> None:
+    with pytest.raises(SettingError, match="PREFIX_ROUTER_SHARE_IN_FLIGHT .* must be a Redis URL"):
+        server_settings(None, {"PREFIX_ROUTER_SHARE_IN_FLIGHT": "http://redis:6379", "PREFIX_ROUTER_ENDPOINTS": A})
+    with pytest.raises(SettingError, match="--share-in-flight is for pick mode"):
+        server_settings(None, {"PREFIX_ROUTER_SHARE_IN_FLIGHT": "redis://127.0.0.1:6379/0"})
+    cfg = server_settings(None, {"PREFIX_ROUTER_SHARE_IN_FLIGHT": "redis://127.0.0.1:6379/0",
+                                 "PREFIX_ROUTER_ENDPOINTS": A})
+    assert cfg.share_in_flight == "redis://127.0.0.1:6379/0"
+
+
+# --- through a real Redis --------------------------------------------------------------------
+
+@pytest.fixture()
+def redis_port() -> Iterator[int]:
+    port = free_ports(1)[0]
+    server = redis_server(port)
+    try:
+        yield port
+    finally:
+        server.stop()
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_two_routers_share_their_requests_over_redis_and_outlive_it(tokenizer: ModelTokenizer,
+                                                                      redis_port: int) -> None:
+    url = f"redis://127.0.0.1:{redis_port}/0"
+
+    async def run() -> None:
+        cores = [precise_core(tokenizer), precise_core(tokenizer)]
+        buses = [InFlightBus(url, "test:in-flight", RemoteInFlight(c, bytes([i]) * 8, c.clock))
+                 for i, c in enumerate(cores)]
+        for core, bus in zip(cores, buses):
+            core.share = bus
+            await bus.start()
+        try:
+            await _until(lambda: all(b.stats.connected for b in buses), "both subscribed")
+            choice = cores[0].pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
+            assert choice.address is not None
+            await _until(lambda: in_flight(cores[1], choice.address) == 1, "the pick reached the other router")
+            assert cores[1].precise.pending[choice.address]
+            assert in_flight(cores[0], choice.address) == 1  # its own, counted once
+            cores[0].release(choice)
+            await _until(lambda: in_flight(cores[1], choice.address) == 0, "the end reached the other router")
+            await _until(lambda: buses[1].remote.stats.received[2] > 0, "a heartbeat")
+            assert buses[0].remote.stats.received[0] == 0  # nothing came back to the first as someone else's
+        finally:
+            for bus in buses:
+                await bus.stop()
+
+    asyncio.run(run())
+
+
+def test_a_router_whose_redis_goes_away_forgets_the_others_and_comes_back(tokenizer: ModelTokenizer) -> None:
+    port = free_ports(1)[0]
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def run() -> None:
+        server: Process | None = redis_server(port)
+        cores = [precise_core(tokenizer), precise_core(tokenizer)]
+        buses = [InFlightBus(url, "test:in-flight", RemoteInFlight(c, bytes([i]) * 8, c.clock))
+                 for i, c in enumerate(cores)]
+        for core, bus in zip(cores, buses):
+            core.share = bus
+            await bus.start()
+        try:
+            await _until(lambda: all(b.stats.connected for b in buses), "both subscribed")
+            choice = cores[0].pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
+            await _until(lambda: buses[1].remote.requests() == 1, "the pick reached the other router")
+            server.stop()
+            server = None
+            await _until(lambda: not buses[1].stats.connected, "the loss seen")
+            assert buses[1].remote.requests() == 0 and in_flight(cores[1], choice.address) == 0  # stale: dropped
+            again = cores[0].pick(decide(body("Who owns this service?"), {}, PICK), PICK)  # routing goes on
+            assert again.address is not None
+            server = await asyncio.to_thread(redis_server, port)
+            await _until(lambda: all(b.stats.connected for b in buses), "both back", timeout=20)
+            # the heartbeat brings nothing back (the picks were sent while it was down); new picks flow again
+            third = cores[0].pick(decide(body("Where is the runbook?"), {}, PICK), PICK)
+            await _until(lambda: in_flight(cores[1], third.address) == 1, "a new pick after the return")
+        finally:
+            for bus in buses:
+                await bus.stop()
+            if server is not None:
+                server.stop()
+
+    asyncio.run(run())
