@@ -21,6 +21,7 @@ import json
 import re
 import shutil
 import subprocess
+import urllib.parse
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -51,8 +52,10 @@ ENVOY_GATEWAY_FAST = ENVOY_GATEWAY - {"EnvoyExtensionPolicy"} | {"SecurityPolicy
 # deploy/observability: the dashboard as a ConfigMap (core) and the rules as a PrometheusRule.
 OBSERVABILITY = {"ConfigMap", "PrometheusRule"}
 OBSERVABILITY_CORE = {"ConfigMap"}
+# deploy/precise: the Redis its router replicas share their requests in flight on, reached by them alone
+SHARED = {"NetworkPolicy"}
 VARIANTS = {
-    "": CORE, "base": CORE, "pick": CORE, "precise": CORE,
+    "": CORE, "base": CORE, "pick": CORE, "precise": CORE | SHARED,
     "istio": CORE | ISTIO, "istio-pick": CORE | ISTIO,
     "envoy-gateway": CORE | ENVOY_GATEWAY, "envoy-gateway-pick": CORE | ENVOY_GATEWAY,
     "fast": CORE, "istio-fast": CORE | ISTIO_FAST, "envoy-gateway-fast": CORE | ENVOY_GATEWAY_FAST,
@@ -220,7 +223,7 @@ def all_documents() -> list[tuple[str, Doc]]:
 
 def test_core_kinds_validate_against_the_kubernetes_schemas() -> None:
     docs = [(w, d) for w, d in all_documents() if is_core(d)]
-    assert {d["kind"] for _, d in docs} == CORE | OBSERVABILITY_CORE
+    assert {d["kind"] for _, d in docs} == CORE | SHARED | OBSERVABILITY_CORE
     assert schema_errors(docs) == []
 
 
@@ -783,6 +786,30 @@ def test_precise_router_subscribes_with_a_mounted_tokenizer() -> None:
     assert all(f in script for f in ("tokenizer.json", "tokenizer_config.json", f'"{server.tokenizer}"'))
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
     assert {e["name"] for e in init["env"]} >= {"MODEL", "REVISION"}
+
+
+def test_precise_routers_share_their_requests_in_flight_over_the_redis_it_deploys() -> None:
+    docs = render("precise")
+    server, _ = router_settings(docs)
+    url = urllib.parse.urlsplit(server.share_in_flight)
+    service, namespace, *rest = url.hostname.split(".")
+    assert url.scheme == "redis" and rest == ["svc", "cluster", "local"]
+    svc = one(docs, "Service", service)
+    assert svc["metadata"]["namespace"] == namespace and [p["port"] for p in svc["spec"]["ports"]] == [url.port]
+    redis = one(docs, "Deployment", service)
+    pod = redis["spec"]["template"]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert {"--save", "--appendonly"} <= set(container["args"])  # pub/sub only: nothing persisted
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True and pod["spec"]["securityContext"]["runAsNonRoot"]
+    # only the router pods reach it
+    policy = one(docs, "NetworkPolicy", service)
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (rule,) = policy["spec"]["ingress"]
+    router_labels = one(docs, "Deployment", "prefix-router")["spec"]["template"]["metadata"]["labels"]
+    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert [p["port"] for p in rule["ports"]] == [url.port]
+    assert not router_settings(render("pick"))[0].share_in_flight  # one router's pick mode needs none
 
 
 def test_precise_vllm_patch_publishes_where_the_router_subscribes(tmp_path: Path) -> None:
