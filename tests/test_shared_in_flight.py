@@ -116,6 +116,20 @@ def test_heartbeats_and_silence_drop_what_an_end_message_would_have(tokenizer: M
     assert in_flight(core, A) == 0 and not remote.peers and not core.precise.pending and remote.stats.dropped == 2
 
 
+def test_a_request_to_a_replica_this_router_does_not_know_yet_never_counts_against_its_own(
+        tokenizer: ModelTokenizer) -> None:
+    core = precise_core(tokenizer)
+    remote = RemoteInFlight(core, b"me", core.clock)
+    c = "10.0.0.3:8000"
+    remote.on_message(pick_message(b"peer", 1, c, 100, [5, 6]))  # the peer's endpoints are ahead of ours
+    core.set_endpoints([A, B, c])
+    own = core.pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
+    assert core.load.own(own.address) == 1
+    remote.on_message(end_message(b"peer", 1))
+    assert core.load.own(own.address) == 1 and core.load.own(c) == (own.address == c)
+    assert c not in core.precise.pending
+
+
 def test_a_bad_message_is_counted_and_skipped(tokenizer: ModelTokenizer) -> None:
     core = precise_core(tokenizer)
     remote = RemoteInFlight(core, b"me", core.clock)

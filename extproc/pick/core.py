@@ -243,16 +243,21 @@ class PickCore:
                     for kind, blocks in zip(FORECAST_OUTCOMES, (evicted, forecast - evicted, missed), strict=True):
                         metrics.EVICTION_FORECAST_CHECKED.labels(choice.address, kind).inc(blocks)
 
-    def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> None:
+    def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> bool:
         """Another router replica sent a request to ``address``: its load and its blocks in flight
-        count as this router's own do (extproc.pick.shared_in_flight)."""
-        self.load.assign(address, prefill, now)
+        count as this router's own do (extproc.pick.shared_in_flight). Returns whether its load
+        was counted (``address`` is one of this router's replicas), for ``drop_remote``."""
         if self.precise is not None:
             self.precise.add_pending(address, run)
+        if not self.load.knows(address):
+            return False
+        self.load.assign(address, prefill, now)
+        return True
 
-    def drop_remote(self, address: str, prefill: int, run: Sequence[int]) -> None:
+    def drop_remote(self, address: str, prefill: int, run: Sequence[int], counted: bool) -> None:
         """That request ended."""
-        self.load.release(address, prefill)
+        if counted:
+            self.load.release(address, prefill)
         if self.precise is not None:
             self.precise.drop_pending(address, run)
 

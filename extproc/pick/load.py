@@ -80,6 +80,9 @@ class LoadTracker:
     def addresses(self) -> list[str]:
         return list(self._replicas)
 
+    def knows(self, address: str) -> bool:
+        return address in self._replicas
+
     def own(self, address: str) -> int:
         r = self._replicas.get(address)
         return r.own if r else 0

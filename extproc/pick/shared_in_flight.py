@@ -36,9 +36,9 @@ PEER_TIMEOUT_S: Final = 5.0  # a router unheard for this long has stopped: its r
 class Applies(Protocol):
     """What the remote requests are applied to (``PickCore``)."""
 
-    def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> None: ...
+    def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> bool: ...
 
-    def drop_remote(self, address: str, prefill: int, run: Sequence[int]) -> None: ...
+    def drop_remote(self, address: str, prefill: int, run: Sequence[int], counted: bool) -> None: ...
 
 
 def pick_message(router: bytes, key: int, address: str, prefill: int, run: Sequence[int]) -> bytes:
@@ -68,7 +68,8 @@ def _run(raw: bytes) -> array:
 @dataclass(slots=True)
 class _Peer:
     heard: float
-    requests: dict[int, tuple[str, int, array]] = field(default_factory=dict)  # key -> (address, prefill, run)
+    # key -> (address, prefill, run, whether its load was counted: the address was one of this router's)
+    requests: dict[int, tuple[str, int, array, bool]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -107,8 +108,8 @@ class RemoteInFlight:
                 _, _, key, address, prefill, raw = message
                 self._end(peer, int(key))  # a key seen twice: the newer request stands
                 run = _run(raw)
-                peer.requests[int(key)] = (str(address), int(prefill), run)
-                self.target.add_remote(str(address), int(prefill), run, now)
+                counted = self.target.add_remote(str(address), int(prefill), run, now)
+                peer.requests[int(key)] = (str(address), int(prefill), run, counted)
             elif kind == END:
                 self._end(peer, int(message[2]))
             elif kind == HEARTBEAT:
