@@ -7,9 +7,10 @@ The pure part (extproc.pick.shared_in_flight) through real PickCores in precise 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import msgpack
 import pytest
@@ -170,19 +171,30 @@ async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) ->
         await asyncio.sleep(0.02)
 
 
-def test_two_routers_share_their_requests_over_redis_and_outlive_it(tokenizer: ModelTokenizer,
-                                                                      redis_port: int) -> None:
-    url = f"redis://127.0.0.1:{redis_port}/0"
+@contextlib.asynccontextmanager
+async def sharing_pair(tokenizer: ModelTokenizer, url: str) -> AsyncIterator[tuple[list[PickCore], list[InFlightBus]]]:
+    """Two precise-mode routers sharing their requests in flight over the Redis at ``url``."""
+    cores = [precise_core(tokenizer), precise_core(tokenizer)]
+    buses = [InFlightBus(url, "test:in-flight", RemoteInFlight(c, bytes([i]) * 8, c.clock))
+             for i, c in enumerate(cores)]
+    for core, bus in zip(cores, buses):
+        core.share = bus
+        await bus.start()
+    try:
+        await _until(lambda: all(b.stats.connected for b in buses), "both subscribed")
+        yield cores, buses
+    finally:
+        for bus in buses:
+            await bus.stop()
 
+
+def knows(bus: InFlightBus, key: int) -> bool:
+    return any(key in peer.requests for peer in bus.remote.peers.values())
+
+
+def test_two_routers_share_their_requests_over_redis(tokenizer: ModelTokenizer, redis_port: int) -> None:
     async def run() -> None:
-        cores = [precise_core(tokenizer), precise_core(tokenizer)]
-        buses = [InFlightBus(url, "test:in-flight", RemoteInFlight(c, bytes([i]) * 8, c.clock))
-                 for i, c in enumerate(cores)]
-        for core, bus in zip(cores, buses):
-            core.share = bus
-            await bus.start()
-        try:
-            await _until(lambda: all(b.stats.connected for b in buses), "both subscribed")
+        async with sharing_pair(tokenizer, f"redis://127.0.0.1:{redis_port}/0") as (cores, buses):
             choice = cores[0].pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
             assert choice.address is not None
             await _until(lambda: in_flight(cores[1], choice.address) == 1, "the pick reached the other router")
@@ -192,43 +204,31 @@ def test_two_routers_share_their_requests_over_redis_and_outlive_it(tokenizer: M
             await _until(lambda: in_flight(cores[1], choice.address) == 0, "the end reached the other router")
             await _until(lambda: buses[1].remote.stats.received[2] > 0, "a heartbeat")
             assert buses[0].remote.stats.received[0] == 0  # nothing came back to the first as someone else's
-        finally:
-            for bus in buses:
-                await bus.stop()
 
     asyncio.run(run())
 
 
 def test_a_router_whose_redis_goes_away_forgets_the_others_and_comes_back(tokenizer: ModelTokenizer) -> None:
     port = free_ports(1)[0]
-    url = f"redis://127.0.0.1:{port}/0"
 
     async def run() -> None:
         server: Process | None = redis_server(port)
-        cores = [precise_core(tokenizer), precise_core(tokenizer)]
-        buses = [InFlightBus(url, "test:in-flight", RemoteInFlight(c, bytes([i]) * 8, c.clock))
-                 for i, c in enumerate(cores)]
-        for core, bus in zip(cores, buses):
-            core.share = bus
-            await bus.start()
         try:
-            await _until(lambda: all(b.stats.connected for b in buses), "both subscribed")
-            choice = cores[0].pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
-            await _until(lambda: buses[1].remote.requests() == 1, "the pick reached the other router")
-            server.stop()
-            server = None
-            await _until(lambda: not buses[1].stats.connected, "the loss seen")
-            assert buses[1].remote.requests() == 0 and in_flight(cores[1], choice.address) == 0  # stale: dropped
-            again = cores[0].pick(decide(body("Who owns this service?"), {}, PICK), PICK)  # routing goes on
-            assert again.address is not None
-            server = await asyncio.to_thread(redis_server, port)
-            await _until(lambda: all(b.stats.connected for b in buses), "both back", timeout=20)
-            # the heartbeat brings nothing back (the picks were sent while it was down); new picks flow again
-            third = cores[0].pick(decide(body("Where is the runbook?"), {}, PICK), PICK)
-            await _until(lambda: in_flight(cores[1], third.address) == 1, "a new pick after the return")
+            async with sharing_pair(tokenizer, f"redis://127.0.0.1:{port}/0") as (cores, buses):
+                choice = cores[0].pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
+                await _until(lambda: knows(buses[1], id(choice)), "the pick reached the other router")
+                server.stop()
+                server = None
+                await _until(lambda: not buses[1].stats.connected, "the loss seen")
+                assert buses[1].remote.requests() == 0 and in_flight(cores[1], choice.address) == 0  # stale: dropped
+                again = cores[0].pick(decide(body("Who owns this service?"), {}, PICK), PICK)  # routing goes on
+                assert again.address is not None
+                server = await asyncio.to_thread(redis_server, port)
+                await _until(lambda: all(b.stats.connected for b in buses), "both back", timeout=20)
+                third = cores[0].pick(decide(body("Where is the runbook?"), {}, PICK), PICK)
+                await _until(lambda: knows(buses[1], id(third)), "a new pick after the return")
+                assert not knows(buses[1], id(choice))  # what was dropped with the loss stays dropped
         finally:
-            for bus in buses:
-                await bus.stop()
             if server is not None:
                 server.stop()
 
