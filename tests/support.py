@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from routerlab.harness.procs import Process, free_ports, python_module
+from routerlab.realvllm.promtext import fetch_metrics
 
 
 @dataclass
@@ -58,3 +59,10 @@ async def until(check: Callable[[], bool], what: str, timeout: float = 15.0) -> 
         if loop.time() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """The sum of a router's samples called ``name`` (from its /metrics on ``port``) whose labels
+    include ``labels``."""
+    return sum(s.value for s in fetch_metrics(f"http://127.0.0.1:{port}")
+               if s.name == name and labels.items() <= s.labels.items())

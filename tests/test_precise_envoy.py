@@ -20,9 +20,8 @@ from routerlab.bench.arms import ARMS, UPSTREAM_HEADER, RunningArm
 from routerlab.bench.backends import SimBackend
 from routerlab.bench.scenarios import FleetSpec
 from routerlab.harness.procs import wait_until
-from routerlab.realvllm.promtext import fetch_metrics
 
-from support import send
+from support import metric, send
 
 MODEL = "sim-tiny"
 INLINE_CHARS = 300
@@ -34,11 +33,6 @@ def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return json.loads(resp.read())
 
-
-def metric(port: int, name: str, **labels: str) -> float:
-    """The sum of the router's samples called ``name`` whose labels include ``labels``."""
-    return sum(s.value for s in fetch_metrics(f"http://127.0.0.1:{port}")
-               if s.name == name and labels.items() <= s.labels.items())
 
 
 class Stack:

@@ -1,7 +1,8 @@
 """--share-in-flight: router replicas tell each other their requests in flight.
 
-The pure part (extproc.pick.shared_in_flight) through real PickCores in precise mode, and the bus
-(extproc.pick.in_flight_bus) through a real Redis (Debian's redis-server; .ci/machine installs it).
+The pure part (extproc.pick.shared_in_flight) through real PickCores in precise mode, the bus
+(extproc.pick.in_flight_bus) through a real Redis (Debian's redis-server; .ci/machine installs it),
+and two `prefix-router serve` processes behind a real Envoy sharing through one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.pick.shared_in_flight import PEER_TIMEOUT_S, RemoteInFlight, end_message, heartbeat_message, pick_message
 from routerlab.assets import TINY_BYTELEVEL
-from routerlab.harness.procs import Process, free_ports, redis_server
+from routerlab.bench.arms import ARMS, RunningArm
+from routerlab.bench.backends import SimBackend
+from routerlab.bench.scenarios import FleetSpec
+from routerlab.harness.procs import Process, free_ports, redis_server, wait_until
+
+from support import metric, send
 
 BS = 16
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -61,6 +67,7 @@ def precise_core(tokenizer: ModelTokenizer, clock: Callable[[], float] = time.mo
 def body(question: str) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM},
                                                   {"role": "user", "content": question}]}).encode()
+
 
 
 def in_flight(core: PickCore, address: str) -> int:
@@ -233,3 +240,38 @@ def test_a_router_whose_redis_goes_away_forgets_the_others_and_comes_back(tokeni
                 server.stop()
 
     asyncio.run(run())
+
+
+# --- end to end: real Envoy (pick.yaml), two routers, simulated replicas publishing events ----
+
+def test_two_routers_behind_envoy_hear_every_pick_of_the_other() -> None:
+    spec = FleetSpec(replicas=2, profile="tiny", time_scale=0.05, block_size=16, num_blocks=256,
+                     tokenizer=str(TINY_BYTELEVEL), kv_events=True)
+    fleet = SimBackend(spec).start()
+    try:
+        with RunningArm(ARMS["prefix-precise-2routers-shared"], fleet.urls, router_metrics=True,
+                        event_flags=fleet.event_flags()) as arm:
+            ports = arm.metrics_ports
+            assert len(ports) == 2 and arm.redis is not None
+            wait_until(lambda: all(metric(p, "prefix_router_in_flight_sharing_peers") == 1 for p in ports), 15,
+                       "each router to hear the other's heartbeat")
+            port = int(arm.url.rsplit(":", 1)[1])
+            sent = 24
+            for i in range(sent):
+                messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i}"}]
+                reply = send(port, body=json.dumps({"model": "sim-tiny", "messages": messages, "max_tokens": 2}).encode())
+                assert reply.status == 200, reply.body
+
+            def received(kind: str) -> float:
+                return sum(metric(p, "prefix_router_in_flight_sharing_messages_total", direction="received", kind=kind)
+                           for p in ports)
+
+            # each pick is heard by the one other router, and so is its end
+            wait_until(lambda: received("pick") == sent and received("end") == sent, 10,
+                       "every pick and end heard by the other router")
+            picks = [metric(p, "prefix_router_pick_decisions_total") for p in ports]
+            assert sum(picks) == sent and min(picks) > 0, picks  # Envoy spread the streams over both
+            assert received("bad") == 0
+            assert all(metric(p, "prefix_router_in_flight_sharing_requests") == 0 for p in ports)
+    finally:
+        fleet.stop()
