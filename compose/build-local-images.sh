@@ -105,7 +105,10 @@ step_wheels() {
     say "wheels: pip wheel . ./lab into $WHEELHOUSE"
     log=$(mktemp /tmp/prefix-router-wheels.XXXXXX)
     # SOURCE_DATE_EPOCH: the same tree gives the same wheel bytes, so the image build cache holds.
-    SOURCE_DATE_EPOCH=315532800 "$PYTHON" -m pip wheel --wheel-dir "$WHEELHOUSE" --find-links "$WHEELHOUSE" . ./lab >"$log" 2>&1 \
+    # async-timeout: redis needs it on Pythons below 3.11.3, the base's python3 (bookworm: 3.11.2) among
+    # them; pip wheel resolves markers for the host's Python, so it is named here.
+    SOURCE_DATE_EPOCH=315532800 "$PYTHON" -m pip wheel --wheel-dir "$WHEELHOUSE" --find-links "$WHEELHOUSE" . ./lab \
+        "async-timeout>=4.0.3" >"$log" 2>&1 \
         || { tail -n 30 "$log" >&2; rm -f "$log"; die "wheels: pip wheel failed"; }
     rm -f "$log"
     say "wheels: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1)"

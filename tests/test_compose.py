@@ -201,6 +201,12 @@ class Stack:
                 total += float(value)
         return total
 
+    def router_view(self) -> str:
+        """The router's figures that explain a choice (for a failing assertion's message)."""
+        keep = ("prefix_router_pick_decisions_total", "prefix_router_cache_view_total", "prefix_router_kv_view_origin",
+                "prefix_router_replica_load", "prefix_router_kv_gaps_total", "prefix_router_kv_replays_total")
+        return "\n".join(line for line in self.metrics().splitlines() if line.startswith(keep))
+
     def wait_router(self, healthy: bool, timeout: float = 30) -> None:
         """Until both Envoys' health checks see the router up (or down): gRPC on its port for the
         pick-mode Envoy, HTTP GET /health on its ext_authz port for the fast one."""
@@ -236,15 +242,15 @@ def stack(images: dict[str, float]) -> Iterator[Stack]:
 
 def test_a_shared_prefix_sticks_to_one_replica_and_prefixes_spread(stack: Stack) -> None:
     results = [stack.send(chat(SYSTEM, f"question {i}?")) for i in range(12)]
-    assert len({replica for replica, _ in results}) == 1, [r for r, _ in results]
+    assert len({replica for replica, _ in results}) == 1, ([r for r, _ in results], stack.router_view())
     # the replica's prefix cache is what the stickiness buys: every later request reuses it
     cached = [reply["usage"]["prompt_tokens_details"]["cached_tokens"] for _, reply in results]
-    assert all(c > 1000 for c in cached[1:]), cached
+    assert all(c > 1000 for c in cached[1:]), (cached, stack.router_view())
 
     # prompts that differ in their first KV block (block 0 is the chat template's head and the
     # prompt's first tokens): no replica holds any of them, so the router's rendezvous tie-break spreads them
     spread = [stack.send(chat(f"{i} system prompt. " + SYSTEM, "hi"))[0] for i in range(24)]
-    assert len(set(spread)) > 1, spread
+    assert len(set(spread)) > 1, (spread, stack.router_view())
 
 
 def test_the_fast_shape_keys_through_the_routers_http_port(stack: Stack) -> None:
