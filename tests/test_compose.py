@@ -205,7 +205,10 @@ class Stack:
         """The router's figures that explain a choice (for a failing assertion's message)."""
         keep = ("prefix_router_pick_decisions_total", "prefix_router_cache_view_total", "prefix_router_kv_view_origin",
                 "prefix_router_replica_load", "prefix_router_kv_gaps_total", "prefix_router_kv_replays_total")
-        return "\n".join(line for line in self.metrics().splitlines() if line.startswith(keep))
+        unkeyed = self.counter("http.llm.ext_proc.failure_mode_allowed")
+        timeouts = self.counter("http.llm.ext_proc.message_timeouts")
+        return "\n".join([f"pick Envoy: ext_proc failure_mode_allowed {unkeyed}, message_timeouts {timeouts}",
+                          *(line for line in self.metrics().splitlines() if line.startswith(keep))])
 
     def wait_router(self, healthy: bool, timeout: float = 30) -> None:
         """Until both Envoys' health checks see the router up (or down): gRPC on its port for the
@@ -230,6 +233,10 @@ def stack(images: dict[str, float]) -> Iterator[Stack]:
     try:
         s.compose("up", "-d", "--no-build")
         s.wait_ready()
+        # One request first, with a prompt no test uses: a container's first request pays its one-time
+        # costs (imports, the tokenizer's first call) and on a loaded machine may pass ext_proc's
+        # message_timeout and go on unkeyed, which the tests below would read as a routing fault.
+        s.send(chat("warm-up. " + SYSTEM, "hello"))
         yield s
     finally:
         s.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=120)
