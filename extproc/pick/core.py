@@ -28,9 +28,12 @@ from extproc.pick.state import ReplicaState, Snapshot
 
 
 class Share(Protocol):
+    """Told of this router's picks and their ends (extproc.pick.in_flight_bus.InFlightBus)."""
+
     def picked(self, key: int, address: str, prefill: int, run: Sequence[int]) -> None: ...
 
     def released(self, key: int) -> None: ...
+
 
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
 # hashing would cost more than any cache it could find is worth.
