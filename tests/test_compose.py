@@ -176,7 +176,7 @@ class Stack:
         assert reply.status == 200, (reply.status, reply.body[:500])
         after = self.served()
         moved = [i for i, (a, b) in enumerate(zip(before, after)) if b != a]
-        assert len(moved) == 1, (before, after)
+        assert len(moved) == 1, (before, after, self.router_view())
         return moved[0], reply.json()
 
     def wait_ready(self, timeout: float = 60) -> None:
@@ -205,9 +205,10 @@ class Stack:
         """The router's figures that explain a choice (for a failing assertion's message)."""
         keep = ("prefix_router_pick_decisions_total", "prefix_router_cache_view_total", "prefix_router_kv_view_origin",
                 "prefix_router_replica_load", "prefix_router_kv_gaps_total", "prefix_router_kv_replays_total")
-        unkeyed = self.counter("http.llm.ext_proc.failure_mode_allowed")
-        timeouts = self.counter("http.llm.ext_proc.message_timeouts")
-        return "\n".join([f"pick Envoy: ext_proc failure_mode_allowed {unkeyed}, message_timeouts {timeouts}",
+        envoy = {name: self.counter(name) for name in ("http.llm.ext_proc.failure_mode_allowed",
+                                                         "http.llm.ext_proc.message_timeouts",
+                                                         "cluster.vllm.upstream_rq_retry")}
+        return "\n".join([f"pick Envoy: {envoy}",
                           *(line for line in self.metrics().splitlines() if line.startswith(keep))])
 
     def wait_router(self, healthy: bool, timeout: float = 30) -> None:
@@ -233,10 +234,6 @@ def stack(images: dict[str, float]) -> Iterator[Stack]:
     try:
         s.compose("up", "-d", "--no-build")
         s.wait_ready()
-        # One request first, with a prompt no test uses: a container's first request pays its one-time
-        # costs (imports, the tokenizer's first call) and on a loaded machine may pass ext_proc's
-        # message_timeout and go on unkeyed, which the tests below would read as a routing fault.
-        s.send(chat("warm-up. " + SYSTEM, "hello"))
         yield s
     finally:
         s.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=120)

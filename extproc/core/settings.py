@@ -97,7 +97,7 @@ class ServerSettings:
     # so the event loop keeps serving; 0: every request's text on the loop, in its pick.
     tokenize_inline_chars: int = 2048
     tokenize_queue_seconds: float = 0.1  # a request that would wait longer for the worker uses the learned view
-    # Predict for a queueing replica only the blocks it will not have evicted before it admits the request
+    # Predict for each replica only the blocks it will not have evicted before it admits the request
     # (extproc.pick.eviction_forecast; the choice still ranks by what replicas hold now); off: predict those too.
     eviction_forecast: bool = True
     # Pick mode with several router replicas: tell each other the requests in flight (their load, and in

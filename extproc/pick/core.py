@@ -210,13 +210,15 @@ class PickCore:
         if choice.address is not None:
             if chunks:
                 self.index.record(choice.address, chunks)
+            run: Sequence[int] = ()  # its blocks, when the events matched it
             if exact is not None and self.precise is not None:
-                self._pended[id(choice)] = (choice.address, self.precise.pend(choice.address, exact))
+                pended = self.precise.pend(choice.address, exact)
+                self._pended[id(choice)] = (choice.address, pended)
+                run = pended.run
             prefill = _prefill(choice)
             self.load.assign(choice.address, prefill, self.clock())
             if self.share is not None:
-                pended = self._pended.get(id(choice))
-                self.share.picked(id(choice), choice.address, prefill, pended[1].run if pended else ())
+                self.share.picked(id(choice), choice.address, prefill, run)
             if self.on_precise_pick is not None and settings.cache_view != "learned":
                 self.on_precise_pick(choice.address, decision)
             chosen = _chosen(choice)

@@ -34,7 +34,6 @@ BACKOFF_S: Final = (0.2, 0.5, 1.0, 2.0, 5.0)
 class BusStats:
     sent: int = 0
     send_failed: int = 0  # messages lost to a failed send or a full queue
-    connects: int = 0
     connected: bool = False
 
 
@@ -45,7 +44,6 @@ class InFlightBus:
         self.url = url
         self.channel = channel
         self.remote = remote
-        self.router = remote.router
         self.stats = BusStats()
         self._live: dict[int, None] = {}  # keys of this router's requests in flight, for the heartbeat
         self._queue: deque[bytes] = deque()
@@ -55,12 +53,12 @@ class InFlightBus:
     # --- the request path (PickCore calls these; no I/O) ---------------------------------
     def picked(self, key: int, address: str, prefill: int, run: Sequence[int]) -> None:
         self._live[key] = None
-        self._send(pick_message(self.router, key, address, prefill, run))
+        self._send(pick_message(self.remote.router, key, address, prefill, run))
 
     def released(self, key: int) -> None:
         if key in self._live:
             del self._live[key]
-            self._send(end_message(self.router, key))
+            self._send(end_message(self.remote.router, key))
 
     def _send(self, payload: bytes) -> None:
         if len(self._queue) >= MAX_QUEUED:
@@ -91,7 +89,6 @@ class InFlightBus:
                 async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.channel)
                     self.stats.connected, failures = True, 0
-                    self.stats.connects += 1
                     log.info("sharing requests in flight on %s channel %r", _safe(self.url), self.channel)
                     while True:
                         message = await pubsub.get_message(timeout=HEARTBEAT_S)
@@ -133,7 +130,7 @@ class InFlightBus:
 
     async def _heartbeat(self) -> None:
         while True:
-            self._send(heartbeat_message(self.router, self._live))
+            self._send(heartbeat_message(self.remote.router, self._live))
             await asyncio.sleep(HEARTBEAT_S)
 
 
