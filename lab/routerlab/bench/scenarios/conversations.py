@@ -11,7 +11,7 @@ from functools import lru_cache
 from typing import Any
 
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, blocks, zipf_weights
-from routerlab.bench.scenarios.spec import FleetEvent, FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.scenarios.spec import DEFAULT_ARMS, SHARED_VARIANT, FleetEvent, FleetSpec, LoadSpec, Params, Scenario
 from routerlab.bench.trace import TextSource, build_sessions, chat_body, encode
 
 # --- multi-turn -------------------------------------------------------------------------
@@ -118,6 +118,7 @@ ZIPF_CHAT = Scenario(
     generate=_zipf_chat,
     fleet=_zipf_chat_fleet,
     load=LoadSpec(concurrency=48, rate=20.0),
+    arms=(*DEFAULT_ARMS, SHARED_VARIANT),
     quick=dict(conversations=30, systems=4, system_tokens=1100, max_turns=4, replicas=3, time_scale=20.0,
                output_tokens=8),
 )
@@ -153,7 +154,7 @@ KV_PRESSURE = Scenario(
     fleet=_kv_pressure_fleet,
     load=LoadSpec(concurrency=48, rate=20.0),
     arms=("round-robin", "prefix-bounded", "prefix-pick", "prefix-pick-2routers", "prefix-precise",
-          "prefix-precise-2routers"),
+          "prefix-precise-2routers", SHARED_VARIANT),
     events=lambda p: _restart_events(p) if p["restart_at_s"] > 0 else (),
     quick=dict(conversations=40, systems=6, system_tokens=1100, max_turns=4, replicas=3, time_scale=20.0,
                output_min=4, output_max=24, in_flight=12),
@@ -185,7 +186,8 @@ RESTART = Scenario(
     generate=_zipf_chat,
     fleet=_zipf_chat_fleet,
     load=LoadSpec(concurrency=48, rate=20.0, duration_s=70.0),
-    arms=("prefix-bounded", "prefix-pick", "prefix-pick-2routers", "prefix-precise", "prefix-precise-2routers"),
+    arms=("prefix-bounded", "prefix-pick", "prefix-pick-2routers", "prefix-precise", "prefix-precise-2routers",
+          SHARED_VARIANT),
     events=_restart_events,
     quick={**ZIPF_CHAT.quick, "conversations": 60, "restart_at_s": 2.0},
 )

@@ -18,6 +18,9 @@ ENVOY_ARMS = STOCK_ARMS + PREFIX_ARMS
 # Pick mode with two routers, and precise mode with one and two: in every scenario that runs pick mode
 PICK_VARIANTS = ("prefix-pick-2routers", "prefix-precise", "prefix-precise-2routers")
 DEFAULT_ARMS = ENVOY_ARMS + PICK_VARIANTS
+# Two precise routers sharing their requests in flight, as deploy/precise and compose ship them: in the
+# scenarios that measure whether two routers route as well as one (it needs a redis-server on PATH)
+SHARED_VARIANT = "prefix-precise-2routers-shared"
 
 
 @dataclass(frozen=True)
