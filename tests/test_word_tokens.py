@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from extproc.pick.prompt_tokens import ModelTokenizer
-from extproc.pick.word_tokens import BYTES_PER_WORD, MAX_WORDS, WordTokens
+import regex
+
+from extproc.pick.word_tokens import BYTES_PER_WORD, GPT2_PATTERN, MAX_WORDS, WordTokens, _ascii_pattern
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -66,6 +68,21 @@ def test_word_by_word_gives_the_tokenizers_ids(tokenizer: Tokenizer, text: str) 
     want = tokenizer.encode(text, add_special_tokens=False).ids
     assert words.encode(text) == want
     assert words.encode(text) == want  # the second time from the cache
+
+
+@pytest.mark.parametrize("pattern", [GPT2_PATTERN, LLAMA3_SPLIT, r"\p{L}+|(\p{N})", r"[]\p{L}]+|[^]\p{N}]"],
+                         ids=["gpt2", "llama3", "group", "bracket-first"])
+@settings(max_examples=300, deadline=None)
+@given(text=plain)
+def test_the_ascii_pattern_finds_what_regex_finds_on_plain_text(pattern: str, text: str) -> None:
+    ascii_pattern = _ascii_pattern(pattern)
+    assert ascii_pattern is not None
+    assert ascii_pattern.findall(text) == regex.compile(pattern).findall(text)
+
+
+def test_a_pattern_re_cannot_take_stays_with_regex() -> None:
+    assert _ascii_pattern(r"\p{L}+|\p{M}") is None  # a property other than L and N
+    assert _ascii_pattern(r"(\p{L}") is None
 
 
 def test_text_beyond_plain_ascii_is_left_to_the_tokenizer() -> None:

@@ -14,6 +14,10 @@ get None from ``for_tokenizer`` and keep the tokenizer's own path. Only printabl
 with tabs and line breaks takes this path: there the regex classes (``\\s``, ``\\p{L}``,
 ``\\p{N}``) mean the same in Python's ``regex`` and the tokenizer's Oniguruma; other text
 returns None. ``for_tokenizer`` checks the two against each other on probe texts before use.
+
+On that text ``\\p{L}`` and ``\\p{N}`` are ``A-Za-z`` and ``0-9``, so the pattern is compiled for the
+standard library's ``re`` with those classes spelled out (``_ascii_pattern``): it finds the same
+pre-tokens 2-3 times faster than ``regex`` (~7 against ~18 us for a 160-character question here).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import functools
 import json
 import logging
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -55,7 +60,7 @@ class WordTokens:
     """Pre-token -> ids, for printable ASCII text of a byte-level BPE tokenizer."""
 
     def __init__(self, pattern: str, bpe: Callable[[str], list[Any]]) -> None:
-        self._pattern = regex.compile(pattern)
+        self._pattern: Any = _ascii_pattern(pattern) or regex.compile(pattern)
         self._whole = self._pattern.groups == 0  # findall returns whole matches
         self._bpe = bpe  # the tokenizer's model.tokenize: byte-mapped pre-token -> tokens
         self._chars = _ascii_chars()
@@ -81,7 +86,8 @@ class WordTokens:
 
     def encode(self, text: str) -> list[int] | None:
         """``text``'s ids as the tokenizer gives them, or None for text this path does not take."""
-        if not _PLAIN.fullmatch(text):
+        # isascii and isprintable: C scans that settle most texts without the regex (no tabs or line breaks)
+        if not text.isascii() or not (text.isprintable() or _PLAIN.fullmatch(text)):
             return None
         ids = self._ids
         if len(ids) > MAX_WORDS:
@@ -104,7 +110,41 @@ class WordTokens:
         return len(self._ids)
 
 
-def _isolated(pattern: regex.Pattern[str], text: str) -> list[str]:
+_ASCII_CLASSES: Final = {r"\p{L}": "A-Za-z", r"\p{N}": "0-9"}
+
+
+def _ascii_pattern(pattern: str) -> re.Pattern[str] | None:
+    """``pattern`` for printable ASCII text in ``re``: ``\\p{L}`` and ``\\p{N}`` spelled out as ASCII
+    classes, in a character class or alone; None when anything else keeps ``re`` from compiling it
+    (another Unicode property, ``regex``-only syntax)."""
+    out: list[str] = []
+    i, start, n = 0, -1, len(pattern)  # start: where the open character class's items begin (-1: none open)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            spelled = _ASCII_CLASSES.get(pattern[i:i + 5])
+            if spelled is not None:
+                out.append(spelled if start >= 0 else f"[{spelled}]")
+                i += 5
+                continue
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if start < 0 and c == "[":
+            start = i + 2 if pattern.startswith("^", i + 1) else i + 1
+        elif start >= 0 and c == "]" and i > start:  # a "]" first in the class is a literal one
+            start = -1
+        out.append(c)
+        i += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # re's FutureWarning on a set that regex may read otherwise: keep regex
+        try:
+            return re.compile("".join(out))
+        except (re.error, FutureWarning):
+            return None
+
+
+def _isolated(pattern: Any, text: str) -> list[str]:
     """The tokenizer's Split with behaviour Isolated: every match, and the text between matches, in order."""
     pieces, pos = [], 0
     for m in pattern.finditer(text):
