@@ -215,13 +215,13 @@ class PickCore:
                 pended = self.precise.pend(choice.address, exact)
                 self._pended[id(choice)] = (choice.address, pended)
                 run = pended.run
-            prefill = _prefill(choice)
+            chosen = _chosen(choice)
+            prefill = prefill_tokens(choice.prompt_tokens, chosen.cached_tokens)  # _prefill, chosen found once
             self.load.assign(choice.address, prefill, self.clock())
             if self.share is not None:
                 self.share.picked(id(choice), choice.address, prefill, run)
             if self.on_precise_pick is not None and settings.cache_view != "learned":
                 self.on_precise_pick(choice.address, decision)
-            chosen = _chosen(choice)
             events = exact if exact is not None and chosen.view == EVENTS else None
             evicting = self._taken_off(choice.address, events) if events is not None else 0
             if chosen.cached_tokens > evicting:
@@ -332,8 +332,11 @@ class PickCore:
 
 
 def _chosen(choice: Choice) -> Candidate:
-    """The chosen replica's candidate (``choice.address`` is one of them)."""
-    return next(c for c in choice.candidates if c.address == choice.address)
+    """The chosen replica's candidate (``choice.address`` is one of them): mostly the first, which is
+    checked before a generator is set up (pick and release ask it on every request)."""
+    first = choice.candidates[0]
+    return first if first.address == choice.address else next(
+        c for c in choice.candidates if c.address == choice.address)
 
 
 def _prefill(choice: Choice) -> int:
