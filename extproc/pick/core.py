@@ -216,7 +216,7 @@ class PickCore:
                 self._pended[id(choice)] = (choice.address, pended)
                 run = pended.run
             chosen = _chosen(choice)
-            prefill = prefill_tokens(choice.prompt_tokens, chosen.cached_tokens)  # _prefill, chosen found once
+            prefill = _prefill(choice, chosen)
             self.load.assign(choice.address, prefill, self.clock())
             if self.share is not None:
                 self.share.picked(id(choice), choice.address, prefill, run)
@@ -236,7 +236,7 @@ class PickCore:
     def release(self, choice: Choice) -> None:
         """The picked request ended (Envoy closed its stream)."""
         if choice.address is not None:
-            self.load.release(choice.address, _prefill(choice))
+            self.load.release(choice.address, _prefill(choice, _chosen(choice)))
             if self.share is not None:
                 self.share.released(id(choice))
             pended = self._pended.pop(id(choice), None)
@@ -339,9 +339,10 @@ def _chosen(choice: Choice) -> Candidate:
         c for c in choice.candidates if c.address == choice.address)
 
 
-def _prefill(choice: Choice) -> int:
-    """Prefill tokens the chosen replica computes for this request (its cost's first term)."""
-    return prefill_tokens(choice.prompt_tokens, _chosen(choice).cached_tokens)
+def _prefill(choice: Choice, chosen: Candidate) -> int:
+    """Prefill tokens the chosen replica (``chosen``, found by the caller once) computes for this
+    request (its cost's first term)."""
+    return prefill_tokens(choice.prompt_tokens, chosen.cached_tokens)
 
 
 def _forget_series(gauge: Any, *labels: str) -> None:
