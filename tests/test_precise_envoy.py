@@ -34,7 +34,6 @@ def get_json(url: str) -> dict:
         return json.loads(resp.read())
 
 
-
 class Stack:
     def __init__(self, fleet: SimBackend, arm: RunningArm) -> None:
         self.fleet = fleet

@@ -69,7 +69,6 @@ def body(question: str) -> bytes:
                                                   {"role": "user", "content": question}]}).encode()
 
 
-
 def in_flight(core: PickCore, address: str) -> int:
     return next(r.in_flight for r in core.load.snapshot().replicas if r.address == address)
 

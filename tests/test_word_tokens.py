@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import regex
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from extproc.pick.prompt_tokens import ModelTokenizer
-import regex
-
 from extproc.pick.word_tokens import BYTES_PER_WORD, GPT2_PATTERN, MAX_WORDS, WordTokens, _ascii_pattern
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"

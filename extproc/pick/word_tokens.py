@@ -17,7 +17,8 @@ returns None. ``for_tokenizer`` checks the two against each other on probe texts
 
 On that text ``\\p{L}`` and ``\\p{N}`` are ``A-Za-z`` and ``0-9``, so the pattern is compiled for the
 standard library's ``re`` with those classes spelled out (``_ascii_pattern``): it finds the same
-pre-tokens 2-3 times faster than ``regex`` (~7 against ~18 us for a 160-character question here).
+pre-tokens 2-3 times faster than ``regex`` (7-9 against 18-19 us for a 160-character question
+with the GPT-2 and Llama 3 patterns, measured here).
 """
 
 from __future__ import annotations
