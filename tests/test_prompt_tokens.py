@@ -15,6 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.pick.prompt_memo import HEAD, PER_KEY, PromptMemo
+from extproc.pick.prompt_memo import _cost as _memo_cost
 from extproc.pick.prompt_tokens import REASONS, ModelTokenizer, NotTokenizable, TokenizerError
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
@@ -81,7 +83,7 @@ def test_cached_tokens_equal_uncached(family: str, data: st.DataObject) -> None:
                 continue
             want = mt.encode_uncached(text)
             assert mt.tokens_for(doc, "chat") == want
-    assert mt.cache_hits > 0 or mt.cache_misses == 0
+    assert mt.cache_hits > 0 or mt.memo.hits > 0 or mt.cache_misses == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -277,6 +279,71 @@ def test_flags_that_break_independence_disable_the_cache(tmp_path: Path, caplog:
     assert mt.encode(text) == mt.encode_uncached(text) and mt.cache_misses == 0
 
 
+# -- the prompt memo: a text that extends one tokenised before is tokenised from where they part ------
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=300, deadline=None)
+@given(base=st.lists(pieces, max_size=16), tails=st.lists(st.tuples(st.integers(0, 16), st.lists(pieces, max_size=6)),
+                                                          min_size=1, max_size=5))
+def test_memo_resumed_text_equals_uncached(family: str, base: list[str], tails: list[tuple[int, list[str]]]) -> None:
+    """Texts that share a prefix with one tokenised before, cut anywhere, even inside an added token
+    (TRICKY holds halves of them): the ids equal the tokenizer's on the whole text."""
+    mt = _fresh(family)  # a small cache: the memo evicts too
+    mt.encode("".join(base))
+    for keep, tail in tails:
+        text = "".join(base[:keep] + tail)
+        assert mt.encode(text) == mt.encode_uncached(text)
+        assert mt.encode(text, add_special_tokens=True) == mt.encode_uncached(text, add_special_tokens=True)
+    _check_memo(mt.memo)
+
+
+def test_each_conversations_next_turn_resumes_from_its_previous_turn_and_tokenises_only_its_new_part() -> None:
+    """Many conversations in flight on one system prompt, taken in turn: each turn is found by its
+    own conversation's previous turn (which it supersedes), and only its answer and question are new."""
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    system = "You are a careful assistant. Consider every request twice. " * 50
+    conversations = [[{"role": "system", "content": system}] for _ in range(100)]
+    for turn in range(4):
+        for i, messages in enumerate(conversations):
+            messages.append({"role": "user", "content": f"conversation {i}, question {turn}: why is the sky blue?"})
+            doc = {"messages": list(messages)}
+            misses_before, resumed_before, whole_before = mt.cache_miss_chars, mt.char_sources()[0], mt.memo.hits
+            assert mt.tokens_for(doc, "chat") == mt.encode_uncached(mt.render_chat(doc))
+            if turn:  # the previous turn's whole text, its generation prompt included, is resumed
+                assert mt.char_sources()[0] - resumed_before > len(system) + 60 * turn
+                assert mt.cache_miss_chars - misses_before < 200  # the answer and the new question only
+            assert mt.memo.hits == whole_before + 1 or (turn == 0 and i == 0)
+            messages.append({"role": "assistant", "content": f"because of scattering, answer {turn}"})
+    assert len(mt.memo) == 100  # each conversation's latest turn; the earlier ones were superseded
+    _check_memo(mt.memo)
+    same = mt.token_array(doc, "chat")
+    assert mt.token_array(doc, "chat") is same  # the same text again: the remembered ids, not a copy
+
+
+def _check_memo(memo: PromptMemo) -> None:
+    """The memo's books: every prompt filed once, under its head and key, and its bytes counted."""
+    filed = [p for head in memo._heads.values() for group in head.keyed.values() for p in group]
+    assert sorted(map(id, filed)) == sorted(memo._order) and len(filed) == len(memo)
+    assert memo.bytes == sum(map(_memo_cost, filed)) <= memo.max_bytes
+    for head_text, head in memo._heads.items():
+        for key, group in head.keyed.items():
+            assert 0 < len(group) <= PER_KEY
+            assert all(p.text[:HEAD] == head_text and head.key(p.text) == key for p in group)
+            assert all(p.text.startswith(head.latest.text[:head.agree]) for p in group)
+
+
+def test_memo_stays_within_its_bytes_and_misses_what_shares_too_little() -> None:
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=400_000)  # the memo gets a quarter
+    for i in range(60):
+        text = f"<|user|>document {i} " + "lorem ipsum dolor " * 200 + "<|assistant|>"
+        assert mt.encode(text) == mt.encode_uncached(text)
+    assert mt.memo.bytes <= 100_000 and 0 < len(mt.memo) < 60
+    _check_memo(mt.memo)
+    misses = mt.memo.misses
+    assert mt.encode("x" * 300) == mt.encode_uncached("x" * 300)  # nothing remembered begins so
+    assert mt.memo.misses == misses + 1
+
+
 # -- the cache ----------------------------------------------------------------------------------
 
 def test_repeated_system_prompt_hits_the_cache_and_stays_bounded() -> None:
@@ -285,8 +352,9 @@ def test_repeated_system_prompt_hits_the_cache_and_stays_bounded() -> None:
     for i in range(30):
         doc = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]}
         assert mt.tokens_for(doc, "chat") == mt.encode_uncached(mt.render_chat(doc))
-    # The system prompt was tokenised once; every later request found it.
-    assert mt.cache_hits >= 29 and mt.cache_hit_chars >= 29 * len(system)
+    # The system prompt was tokenised once; every later request resumed after it.
+    assert mt.memo.hits >= 29 and mt.char_sources()[0] >= 29 * len(system)
+    assert mt.cache_miss_chars < 2 * len(system)
     assert mt.cache_bytes_used <= 200_000
     small = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=2_000)
     for i in range(50):

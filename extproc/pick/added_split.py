@@ -28,13 +28,13 @@ class AddedTokenSplit:
         firsts = {c[0] for c in contents}
         self.first = firsts.pop() if len(firsts) == 1 else None
 
-    def spans(self, text: str) -> Iterator[tuple[int, int]]:
+    def spans(self, text: str, pos: int = 0) -> Iterator[tuple[int, int]]:
+        """From ``pos`` on (as ``finditer(text, pos)``)."""
         first, match = self.first, self.pattern.match
-        pos = 0
         if first is not None:
             misses = 0
             find = text.find
-            at = find(first)
+            at = find(first, pos)
             while at >= 0:
                 m = match(text, at)
                 if m is None:

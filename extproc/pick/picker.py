@@ -155,6 +155,13 @@ class PreciseCollector(Collector):
             hits.add_metric([model, "hit"], tok.cache_hits)
             hits.add_metric([model, "miss"], tok.cache_misses)
         yield hits
+        chars = CounterMetricFamily("prefix_router_tokenize_chars", "Prompt characters, by where their token ids "
+                                    "came from: a remembered prompt the request extends (memo), the segment "
+                                    "cache (segment), or the tokenizer (new)", labels=["model", "source"])
+        for model, tok in precise.tokenizers.items():
+            for source, n in zip(("memo", "segment", "new"), tok.char_sources(), strict=True):
+                chars.add_metric([model, source], n)
+        yield chars
         check = self.picker.tokenizer_check
         if check is not None:
             checks = CounterMetricFamily("prefix_router_tokenizer_checks", "Run-time checks of the router's "

@@ -46,6 +46,7 @@ from extproc.pick.added_split import AddedTokenSplit
 from extproc.pick.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
 from extproc.pick.not_tokenizable import REASONS, NotTokenizable
+from extproc.pick.prompt_memo import Prompt, PromptMemo
 from extproc.pick.word_tokens import WordTokens
 
 __all__ = ["REASONS", "ModelTokenizer", "NotTokenizable", "PathKind", "TokenizerError"]
@@ -137,6 +138,8 @@ class ModelTokenizer:
         self.words = WordTokens.for_tokenizer(self._tok) if self.cache_enabled else None
 
         self.cache_limit = max(0, int(cache_bytes))
+        # recent whole prompts, resumed from where a new one parts from them (a quarter more room)
+        self.memo = PromptMemo(self.cache_limit // 4, self._added_ids) if self.caching else None
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
         self._rendered: tuple[Mapping[str, Any], str] | None = None  # request_missing's doc and its text
         self.cache_bytes_used = 0
@@ -220,41 +223,68 @@ class ModelTokenizer:
             return array("I", prefix) + self.encode_array(text, max_new_chars=max_new_chars) + array("I", suffix)
         if not self.caching:
             return array("I", self.encode_uncached(text))
-        out, pending = self._plan(text)
-        if not pending:
-            return _joined(out)
-        segments = [(first, seg) for _, first, seg in pending]
-        new_chars = sum(len(seg) for _, seg in segments)
-        if max_new_chars and new_chars > max_new_chars:
-            raise NotTokenizable("tokenizer_busy", f"{new_chars} new characters, more than {max_new_chars} "
-                                 "to tokenise on the request path")
-        encoded = self.encode_segments(segments)
-        if encoded is None:
-            return array("I", self.encode_uncached(text))
-        for (at, _, _), value in zip(pending, self.store_segments(segments, encoded), strict=True):
-            out[at] = value
-        return _joined(out)
+        resume = self.memo.resume(text) if self.memo is not None else None
+        if resume is not None and resume.chars == len(text):  # the same text again
+            return resume.prompt.ids
+        start = resume.chars if resume is not None else 0
+        out, pending, pieces, piece_ends = self._plan(text, start=start)
+        if pending:
+            segments = [(first, seg) for _, first, seg in pending]
+            new_chars = sum(len(seg) for _, seg in segments)
+            if max_new_chars and new_chars > max_new_chars:
+                raise NotTokenizable("tokenizer_busy", f"{new_chars} new characters, more than {max_new_chars} "
+                                     "to tokenise on the request path")
+            encoded = self.encode_segments(segments)
+            if encoded is None:
+                return array("I", self.encode_uncached(text))
+            for (at, _, _), value in zip(pending, self.store_segments(segments, encoded), strict=True):
+                out[at] = value
+        if resume is None:
+            ids, texts, ends, ids_at, added = array("I"), [], array("q"), array("q"), bytearray()
+        else:
+            before, k = resume.prompt, resume.pieces
+            ids, texts = before.ids[:resume.ids], before.pieces[:k]
+            ends, ids_at, added = before.ends[:k], before.ids_at[:k], before.added[:k]
+        for part, piece, end in zip(out, pieces, piece_ends, strict=True):
+            if isinstance(part, int):
+                ids.append(part)
+            else:
+                ids.extend(part)
+            texts.append(piece)
+            ends.append(end)
+            ids_at.append(len(ids))
+            added.append(isinstance(part, int))
+        if self.memo is not None:
+            self.memo.remember(Prompt(text, ids, texts, ends, ids_at, added),
+                               resume.prompt if resume is not None and resume.whole else None)
+        return ids
 
     @property
     def caching(self) -> bool:
         """Whether texts are tokenised segment by segment through the cache (else whole, every time)."""
         return self.cache_enabled and self.cache_limit > 0 and self._split is not None
 
-    def _plan(self, text: str, count: bool = True) -> tuple[list[array | int], list[tuple[int, bool, str]]]:
-        """``text`` split at its added tokens: the pieces in order (added-token ids, cached ids, and
-        -1 where a segment is not cached) and those segments as (index in the pieces, whether it
-        starts the text, text). Counts the cache hits if ``count``."""
+    def _plan(self, text: str, count: bool = True, start: int = 0
+              ) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str], list[int]]:
+        """``text`` from ``start`` (0, or where an added token ends) split at its added tokens: the
+        pieces in order (added-token ids, cached ids, and -1 where a segment is not cached), those
+        segments as (index in the pieces, whether it starts the text, text), and each piece's text and
+        where it ends in ``text``. Counts the cache hits if ``count``."""
         out: list[array | int] = []
         pending: list[tuple[int, bool, str]] = []
-        pos = 0
+        pos = start
         parts: list[Any] = []
-        for start, end in self._split.spans(text):  # type: ignore[union-attr]  # caching: a split
-            if start > pos:
-                parts.append((pos == 0, text[pos:start]))
-            parts.append(text[start:end])
+        ends: list[int] = []
+        for begin, end in self._split.spans(text, start):  # type: ignore[union-attr]  # caching: a split
+            if begin > pos:
+                parts.append((pos == 0, text[pos:begin]))
+                ends.append(begin)
+            parts.append(text[begin:end])
+            ends.append(end)
             pos = end
         if pos < len(text):
             parts.append((pos == 0, text[pos:]))
+            ends.append(len(text))
         added_ids = self._added_ids
         cache = self._cache
         for part in parts:
@@ -273,14 +303,16 @@ class ModelTokenizer:
             else:
                 pending.append((len(out), first, seg))
                 out.append(-1)  # placeholder, replaced by the caller
-        return out, pending
+        return out, pending, [p if isinstance(p, str) else p[1] for p in parts], ends
 
     def missing(self, text: str) -> list[tuple[bool, str]]:
         """The segments of ``text`` the cache does not hold, as (starts the text, segment): what
         ``encode_segments`` would tokenise (none when the tokenizer does not cache)."""
         if not self.caching:
             return []
-        return [(first, seg) for _, first, seg in self._plan(text, count=False)[1]]
+        resume = self.memo.resume(text, count=False) if self.memo is not None else None
+        start = resume.chars if resume is not None else 0
+        return [(first, seg) for _, first, seg in self._plan(text, False, start)[1]]
 
     def encode_segments(self, segments: list[tuple[bool, str]], words: bool = True) -> list[list[int]] | None:
         """Each segment's ids as it tokenises in its text (None if the split assumption fails, which a
@@ -343,6 +375,11 @@ class ModelTokenizer:
         seg, value = entry
         return len(seg) * (1 if seg.isascii() else 4) + 4 * len(value) + 200
 
+    def char_sources(self) -> tuple[int, int, int]:
+        """Characters tokenised so far by where their ids came from: the prompt memo, the segment
+        cache, the tokenizer."""
+        return (self.memo.resumed_chars if self.memo is not None else 0), self.cache_hit_chars, self.cache_miss_chars
+
     @property
     def cache_entries(self) -> int:
         return len(self._cache)
@@ -350,6 +387,8 @@ class ModelTokenizer:
     def clear_cache(self) -> None:
         self._cache.clear()
         self.cache_bytes_used = 0
+        if self.memo is not None:
+            self.memo.clear()
         if self.words is not None:
             self.words.clear()
 
@@ -427,17 +466,6 @@ def _key(first: bool, seg: str) -> tuple[bool, int | str]:
     hashing them costs ~1/5 of ``hash(str)`` over a 32 KB system prompt; a hit compares the
     texts, so a collision is a miss, never a wrong answer), any other text by itself."""
     return (first, xxhash.xxh3_128_intdigest(seg.encode("ascii"))) if seg.isascii() else (first, seg)
-
-
-def _joined(parts: list[array | int]) -> array:
-    """The pieces of a text's ids, in order: cached arrays and single added-token ids."""
-    out = array("I")
-    for part in parts:
-        if isinstance(part, int):
-            out.append(part)
-        else:
-            out.extend(part)
-    return out
 
 
 def _ids(prompt: list[Any]) -> array:

@@ -330,11 +330,56 @@ def precise_measure(size_kb: int, replicas: int, block_size: int = 16) -> dict[s
     return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
 
 
+CONVERSATIONS: Final = 32  # conversations in flight on one system prompt (the turns table)
+TURNS: Final = (10, 40)
+TURN_REQUESTS: Final = 10  # requests a repeat of the turns table times (7 repeats, two variants)
+
+
+def conversation_bodies(turns: int, extra: int, seed: int = 3) -> tuple[list[bytes], list[bytes]]:
+    """``CONVERSATIONS`` conversations on one 8 KB system prompt, taken in turn: the bodies that
+    bring each to ``turns`` turns, then ``extra`` more next turns (30-word questions, 60-word
+    answers)."""
+    rng = random.Random(seed)
+    system = json.loads(chat_body(8 * 1024, 0))["messages"][0]["content"]
+    convs: list[list[dict[str, str]]] = [[{"role": "system", "content": system}] for _ in range(CONVERSATIONS)]
+    bodies = []
+    for t in range(turns * CONVERSATIONS + extra):
+        conv = convs[t % CONVERSATIONS]
+        conv.append({"role": "user", "content": " ".join(rng.choices(QUESTION_WORDS, k=30))})
+        bodies.append(json.dumps({"model": "llama", "messages": conv}).encode())
+        conv.append({"role": "assistant", "content": " ".join(rng.choices(QUESTION_WORDS, k=60))})
+    return bodies[:turns * CONVERSATIONS], bodies[turns * CONVERSATIONS:]
+
+
+def precise_turns(turns: int, replicas: int) -> dict[str, Any]:
+    """Precise mode's decide + choice for a conversation's next turn, every earlier turn seen, with
+    the prompt memo and without it (each with its own tokenizer, their repeats interleaved)."""
+    settings = RouteSettings(mode="pick")
+    warm, timed = conversation_bodies(turns, 2 * REPEAT * TURN_REQUESTS)
+    variants = []
+    for memo in (True, False):
+        tokenizer = ModelTokenizer(TINY_BYTELEVEL)
+        if not memo:
+            tokenizer.memo = None
+        core = precise_core(tokenizer, replicas, tokenizer.token_array(json.loads(warm[0]), "chat").tolist())
+        for body in warm:
+            core.release(core.pick(decide(body, {}, settings), settings))
+        bodies = iter(timed)
+
+        def once(core: PickCore = core, bodies: Any = bodies) -> None:
+            core.release(core.pick(decide(next(bodies), {}, settings), settings))
+        variants.append(once)
+    with_memo, without = _interleaved_us(*variants, TURN_REQUESTS)
+    return {"turns": turns, "body_bytes": len(timed[0]), "memo_us": round(with_memo, 1),
+            "no_memo_us": round(without, 1)}
+
+
 def run(args: argparse.Namespace) -> int:
     rows = [{**measure(int(kb), args.replicas, args.warm_prompts, args.index_chunks),
              **precise_measure(int(kb), args.replicas)} for kb in args.sizes.split(",") if kb.strip()]
+    turns = [precise_turns(n, args.replicas) for n in TURNS]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"sizes": rows, "turns": turns}, indent=2))
         return 0
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
@@ -365,4 +410,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['prompt_tokens']} | {r['precise_total_us']} | "
               f"{r['precise_total_no_words_us']} | {r['precise_in_flight_us']} | {r['precise_tokenize_us']} | {r['precise_hash_us']} | "
               f"{r['precise_tokenize_cold_us']} |")
+    print(f"\nprecise mode, a conversation's next turn ({CONVERSATIONS} conversations on one 8 KB system prompt, "
+          "every earlier turn seen; 30-word questions, 60-word answers):\n")
+    print("| turns before | body | decide() + choice | the same without the prompt memo |")
+    print("|---:|---:|---:|---:|")
+    for t in turns:
+        print(f"| {t['turns']} | {t['body_bytes'] / 1024:.1f} KB | {t['memo_us']} | {t['no_memo_us']} |")
     return 0

@@ -1,0 +1,222 @@
+"""Recently tokenised prompts, so a prompt that extends one of them is tokenised from where they part.
+
+The segment cache (prompt_tokens.py) serves every segment between added tokens from a dict, yet
+a request still pays for splitting its whole text, keying each segment and joining every cached
+piece: ~25 us at 32 KB, most of it on a prefix that an earlier request had already tokenised
+(the previous turn of the conversation, or another conversation on the same system prompt).
+This memo keeps recent texts with their ids and where their added tokens are (the text tokenises
+piece by piece between them, so the end of one is where a text may be cut). A new text is
+compared with the texts that began as it does: the longest one it extends, else the most recent,
+gives the ids up to the last cut inside the part both share, unless an added token could start
+at or before that cut's token and end past the shared part (then the split there could differ);
+the caller tokenises only the rest. Exact by
+construction (tests/test_prompt_tokens.py: memo == uncached over generated conversations).
+Pure, bounded in bytes, not thread-safe (the event loop's).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Final, NamedTuple
+
+HEAD: Final = 256  # the characters a text is filed under: texts that differ sooner share little
+KEY: Final = 64  # characters past where a head's texts part that tell them apart (a conversation's first turn)
+PER_KEY: Final = 8  # texts kept under one key, most recent first
+
+
+class Prompt(NamedTuple):
+    """A tokenised text: its ids (shared: never changed) and its pieces (the text split at its added
+    tokens), with where each piece ends, the ids up to its end, and whether it is an added token."""
+
+    text: str
+    ids: array
+    pieces: list[str]
+    ends: array
+    ids_at: array
+    added: bytearray
+
+
+class Resume(NamedTuple):
+    """A text resumes from ``prompt``: its first ``pieces`` pieces (the last an added token) are
+    the text's, and their ids are ``prompt.ids[:ids]``. ``whole``: the text extends all of
+    ``prompt`` (it is the conversation's previous turn, which the new one supersedes)."""
+
+    prompt: Prompt
+    pieces: int
+    whole: bool
+
+    @property
+    def chars(self) -> int:
+        return self.prompt.ends[self.pieces - 1]
+
+    @property
+    def ids(self) -> int:
+        return self.prompt.ids_at[self.pieces - 1]
+
+
+class _Head:
+    """The texts filed under one head: how far they all agree (at whole pieces), and the texts by
+    the ``KEY`` characters after that, so a conversation's turns share a key and others do not."""
+
+    __slots__ = ("agree", "keyed", "latest")
+
+    def __init__(self, prompt: Prompt) -> None:
+        self.agree = len(prompt.text)
+        self.keyed: dict[str, list[Prompt]] = {}
+        self.latest = prompt
+
+    def key(self, text: str) -> str:
+        return text[self.agree:self.agree + KEY]
+
+
+class PromptMemo:
+    """``resume(text)`` finds the remembered prompt ``text`` shares the longest usable prefix with;
+    ``remember`` files a newly tokenised one. ``max_bytes`` bounds the texts and ids held;
+    ``added`` are the tokenizer's added tokens (what the text is split at)."""
+
+    def __init__(self, max_bytes: int, added: Iterable[str]) -> None:
+        self.max_bytes = max_bytes
+        added = [a for a in added if a]
+        self._longest = max(map(len, added), default=0)
+        # what an added token could still become past the shared part: its proper prefixes
+        self._open = frozenset(a[:i] for a in added for i in range(1, len(a)))
+        firsts = {a[0] for a in added}
+        self._first = firsts.pop() if len(firsts) == 1 else None  # what every added token starts with
+        self._heads: dict[str, _Head] = {}
+        self._order: OrderedDict[int, Prompt] = OrderedDict()  # id -> prompt, least recently used first
+        self.bytes = 0
+        self.hits = 0  # texts resumed from a remembered one
+        self.misses = 0
+        self.resumed_chars = 0  # of them, the characters whose ids came from the remembered prompt
+
+    def resume(self, text: str, count: bool = True) -> Resume | None:
+        """The remembered prompt to resume ``text`` from and where, or None (nothing usable shared);
+        counted in ``hits``/``misses`` if ``count``."""
+        found = self._resume(text)
+        if count:
+            if found is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self.resumed_chars += found.chars
+        return found
+
+    def _resume(self, text: str) -> Resume | None:
+        head = self._heads.get(text[:HEAD])
+        if head is None:
+            return None
+        best, shared, n = None, 0, len(text)
+        for prompt in head.keyed.get(head.key(text), ()):  # one ``text`` extends whole: its previous turn
+            m = len(prompt.text)
+            if shared < m <= n and text.startswith(prompt.text):
+                best, shared = prompt, m
+        whole = best is not None
+        if best is None:  # the latest, as far as whole pieces match
+            best = head.latest
+            shared = _agreeing(text, best)
+        pieces, ends, added = best.pieces, best.ends, best.added
+        k = bisect_right(ends, shared)  # pieces wholly inside the shared part
+        if k == len(pieces) and shared == n:  # the same text
+            if not k:
+                return None
+            self._order.move_to_end(id(best))
+            return Resume(best, k, whole)
+        # A cut after an added token holds if the split up to it cannot change with what follows the
+        # shared part: no added token may start at or before that token and reach past the shared part.
+        opened = self._opened(text, shared)
+        while k and not (added[k - 1] and ends[k - 1] - len(pieces[k - 1]) < opened):
+            k -= 1
+        return Resume(best, k, whole) if k else None
+
+    def _opened(self, text: str, shared: int) -> int:
+        """The first position from which the text up to ``shared`` could still grow into an added
+        token (``shared`` if none)."""
+        lo, is_open = max(0, shared - self._longest + 1), self._open.__contains__
+        if self._first is None:
+            return next((q for q in range(lo, shared) if is_open(text[q:shared])), shared)
+        q = text.find(self._first, lo, shared)
+        while q >= 0:
+            if is_open(text[q:shared]):
+                return q
+            q = text.find(self._first, q + 1, shared)
+        return shared
+
+    def remember(self, prompt: Prompt, supersedes: Prompt | None = None) -> None:
+        """File ``prompt``; ``supersedes``: the remembered one it extends whole (dropped)."""
+        text = prompt.text
+        if not text:
+            return
+        head = self._heads.get(text[:HEAD])
+        if head is None:
+            head = self._heads[text[:HEAD]] = _Head(prompt)
+        else:
+            agree = _agreeing(text, head.latest, head.agree)
+            if agree < head.agree:  # texts that part sooner: key everything again past that point
+                keyed: dict[str, list[Prompt]] = {}
+                for group in head.keyed.values():
+                    for other in group:
+                        keyed.setdefault(other.text[agree:agree + KEY], []).append(other)
+                head.agree, head.keyed = agree, keyed
+            head.latest = prompt
+        if supersedes is not None:
+            self._drop(supersedes)
+        group = head.keyed.setdefault(head.key(text), [])
+        for other in group:
+            if other.text == text:
+                self._drop(other)
+                break
+        group.insert(0, prompt)
+        self._order[id(prompt)] = prompt
+        self.bytes += _cost(prompt)
+        if len(group) > PER_KEY:
+            self._drop(group[-1])
+        while self.bytes > self.max_bytes and self._order:
+            self._drop(next(iter(self._order.values())))
+
+    def _drop(self, prompt: Prompt) -> None:
+        if self._order.pop(id(prompt), None) is None:
+            return
+        self.bytes -= _cost(prompt)
+        text = prompt.text
+        head = self._heads[text[:HEAD]]
+        key = head.key(text)
+        group = head.keyed[key]
+        group[:] = [p for p in group if p is not prompt]
+        if not group:
+            del head.keyed[key]
+            if not head.keyed:
+                del self._heads[text[:HEAD]]
+                return
+        if head.latest is prompt:
+            head.latest = next(iter(head.keyed.values()))[0]
+
+    def clear(self) -> None:
+        self._heads.clear()
+        self._order.clear()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+def _agreeing(text: str, prompt: Prompt, enough: int = sys.maxsize) -> int:
+    """How far ``text`` agrees with ``prompt``'s text, at whole pieces (C-level compares, no copies),
+    or at least ``enough`` characters if it agrees that far (then the walk stops there)."""
+    shared, startswith = 0, text.startswith
+    for piece in prompt.pieces:
+        if shared >= enough or not startswith(piece, shared):
+            break
+        shared += len(piece)
+    return shared
+
+
+def _cost(prompt: Prompt) -> int:
+    """Bytes a remembered prompt holds: its text and its pieces (1 or 4 bytes a character), its ids, and
+    each piece's offsets and object."""
+    text = prompt.text
+    return (2 * len(text) * (1 if text.isascii() else 4) + 4 * len(prompt.ids)
+            + 80 * len(prompt.pieces) + 300)
