@@ -74,6 +74,15 @@ def _content(content: Any) -> Any:
 
 
 def _message(message: Any) -> Any:
+    # The common message, {"role": str, "content": str}, without the field loop (the same result).
+    if type(message) is dict and len(message) == 2:
+        role, content = message.get("role"), message.get("content")
+        if type(role) is str and type(content) is str:
+            return [("role", role), ("content", content)]
+    return _message_fields(message)
+
+
+def _message_fields(message: Any) -> Any:
     if not isinstance(message, dict):
         return message
     out = []

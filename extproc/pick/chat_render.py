@@ -180,6 +180,18 @@ def render_chat(template: Any, special_tokens: Mapping[str, Any], content_format
 
 def parse_message(message: Any, content_format: Literal["string", "openai"]) -> dict[str, Any]:
     """One message as vLLM's chat parser hands it to the template."""
+    # The common message, {"role": str, "content": str}, without the general walk (the same result;
+    # a developer message also gets ``tools``).
+    if type(message) is dict and len(message) == 2:
+        role, content = message.get("role"), message.get("content")
+        if type(role) is str and type(content) is str and role != "developer":
+            if content_format == "string" or role == "tool":
+                return {"role": role, "content": content}
+            return {"role": role, "content": [{"type": "text", "text": content}]}
+    return _parse_message(message, content_format)
+
+
+def _parse_message(message: Any, content_format: Literal["string", "openai"]) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise NotTokenizable("bad_request", "a message without a role")
     role = message["role"]
