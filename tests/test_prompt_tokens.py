@@ -333,7 +333,7 @@ def _check_memo(memo: PromptMemo) -> None:
 
 
 def test_memo_stays_within_its_bytes_and_misses_what_shares_too_little() -> None:
-    mt = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=400_000)  # the memo gets a quarter
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=100_000)  # and as much for the memo
     for i in range(60):
         text = f"<|user|>document {i} " + "lorem ipsum dolor " * 200 + "<|assistant|>"
         assert mt.encode(text) == mt.encode_uncached(text)

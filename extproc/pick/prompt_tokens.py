@@ -65,8 +65,8 @@ class TokenizerError(ValueError):
 class ModelTokenizer:
     """A model's tokenizer and chat template, with an exact per-segment token cache.
 
-    ``cache_bytes`` bounds the cache (0 disables it); ``content_format`` is vLLM's
-    ``--chat-template-content-format`` ("auto" detects it from the template as vLLM does).
+    ``cache_bytes`` bounds the segment cache and, as much again, the prompt memo (0 disables both);
+    ``content_format`` is vLLM's ``--chat-template-content-format`` ("auto" detects it from the template as vLLM does).
     ``cache_hits``/``cache_misses`` count segments, ``cache_hit_chars``/``cache_miss_chars`` their
     characters; ``cache_bytes_used``/``cache_entries`` the cache's size; ``cache_enabled`` whether
     this tokenizer allows it.
@@ -138,8 +138,9 @@ class ModelTokenizer:
         self.words = WordTokens.for_tokenizer(self._tok) if self.cache_enabled else None
 
         self.cache_limit = max(0, int(cache_bytes))
-        # recent whole prompts, resumed from where a new one parts from them (a quarter more room)
-        self.memo = PromptMemo(self.cache_limit // 4, self._added_ids) if self.caching else None
+        # recent whole prompts, resumed from where a new one parts from them (as much room again:
+        # ~100 KB a 32 KB conversation, so the default holds the latest turn of ~600 of them)
+        self.memo = PromptMemo(self.cache_limit, self._added_ids) if self.caching else None
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
         self._rendered: tuple[Mapping[str, Any], str] | None = None  # request_missing's doc and its text
         self.cache_bytes_used = 0
