@@ -9,8 +9,11 @@ down: the first one found gives every hash up to it in one list slice, and only 
 after it are hashed. The probes are C-level hashes of a prefix of the request's own bytes
 (~1.4 us for 17,000 tokens) and a request usually differs from a known one in its last span
 only, so a warm request costs a probe or two and the hashing of its new blocks, with no
-per-span Python loop. Exact by construction (tests/test_kv_index.py checks cached ==
-uncached); pure, no clock, no I/O.
+per-span Python loop. A request whose ids the prompt memo resumed from an earlier prompt's
+(prompt_memo.py) says so (``known``): that prompt's chain, kept by the identity of its ids while
+they live, gives every hash up to where the two agree, with no probe at all (a conversation's
+next turn, a new question on a system prompt: only its own new blocks are hashed). Exact by
+construction (tests/test_kv_index.py checks cached == uncached); pure, no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
 
+import weakref
+
 import xxhash
 
 from extproc.pick.kv_index import block_hashes, request_extra_keys
 
 SPAN_BLOCKS: Final = 32
+MAX_OWNED: Final = 4096  # chains kept by the identity of their request's ids
 
 
 class ChainCache:
@@ -45,8 +51,54 @@ class ChainCache:
         self.held = 0
         self.hits = 0
         self.misses = 0
+        # id(a request's ids) -> (a weak reference to them, (block size, salt) -> their chain)
+        self._owned: OrderedDict[int, tuple[weakref.ref, dict[tuple[int, str | None], array]]] = OrderedDict()
 
-    def hashes(self, tokens: Sequence[int], block_size: int, cache_salt: str | None = None) -> array:
+    def hashes(self, tokens: Sequence[int], block_size: int, cache_salt: str | None = None,
+               known: tuple[array, int] | None = None, own: array | None = None) -> array:
+        """``known``: (an earlier request's ids, n): ``tokens`` begin with the first n of them;
+        ``own``: this request's ids (of which ``tokens`` are the first), for later ``known``."""
+        key = (block_size, cache_salt)
+        out = self._known(tokens, block_size, key, known) if known is not None else None
+        if out is None:
+            out = self._probed(tokens, block_size, cache_salt)
+        if own is not None:
+            self._own(own, key, out)
+        return out
+
+    def _known(self, tokens: Sequence[int], block_size: int, key: tuple[int, str | None],
+               known: tuple[array, int]) -> array | None:
+        """The chain from the earlier request's, or None if this cache no longer holds it."""
+        base, n = known
+        entry = self._owned.get(id(base))
+        chain = entry[1].get(key) if entry is not None and entry[0]() is base else None
+        if chain is None:
+            return None
+        blocks = len(tokens) // block_size
+        have = min(len(chain), n // block_size, blocks)
+        last = slice((have - 1) * block_size, have * block_size)
+        if not have or tokens[last] != base[last]:  # the caller's word, checked on one block
+            return None
+        self._owned.move_to_end(id(base))
+        out = chain[:have]
+        if blocks > have:
+            out.extend(block_hashes(tokens[have * block_size: blocks * block_size], block_size, None, out[-1]))
+        return out
+
+    def _own(self, ids: array, key: tuple[int, str | None], chain: array) -> None:
+        at = id(ids)
+        entry = self._owned.get(at)
+        if entry is None or entry[0]() is not ids:
+            owned = self._owned
+            entry = (weakref.ref(ids, lambda _, at=at: owned.pop(at, None)), {})  # gone with the ids
+            owned[at] = entry
+            if len(owned) > MAX_OWNED:
+                owned.popitem(last=False)
+        else:
+            self._owned.move_to_end(at)
+        entry[1][key] = chain
+
+    def _probed(self, tokens: Sequence[int], block_size: int, cache_salt: str | None) -> array:
         blocks = len(tokens) // block_size
         spans = blocks // self.span
         if not spans:

@@ -106,15 +106,16 @@ class PreciseView:
         replica will have evicted before it admits the request (``thresholds``, per replica, from
         ``EvictionForecast.threshold``); raises NotTokenizable, also for more than ``max_new_chars``
         new characters to tokenise (0: no limit)."""
-        ids = self.tokens(decision, max_new_chars=max_new_chars)
-        doc = decision.document or {}
+        tokenizer, doc, kind = self._resolve(decision, False)
+        ids = tokenizer.token_array(doc, kind, max_new_chars)
+        known = tokenizer.resumed  # the earlier prompt whose ids these begin with, if the memo found one
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
         covered, partial, sizes = self._coverage()
         hashes: dict[int, Sequence[int]] = {}
         held: dict[int, dict[str, int]] = {}
         for size in set(sizes.values()):
             blocks = max(len(ids) - 1, 0) // size
-            hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt) if blocks else []
+            hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt, known, ids) if blocks else []
             held[size] = self.index.match(hashes[size]) if blocks else {}
         cached = dict.fromkeys(covered, 0)
         in_flight: dict[str, int] = {}

@@ -141,6 +141,8 @@ class ModelTokenizer:
         # recent whole prompts, resumed from where a new one parts from them (as much room again:
         # ~100 KB a 32 KB conversation, so the default holds the latest turn of ~600 of them)
         self.memo = PromptMemo(self.cache_limit, self._added_ids) if self.caching else None
+        # the last ids returned began with these of an earlier prompt's: (its ids, how many), or None
+        self.resumed: tuple[array, int] | None = None
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
         self._rendered: tuple[Mapping[str, Any], str] | None = None  # request_missing's doc and its text
         self.cache_bytes_used = 0
@@ -217,15 +219,19 @@ class ModelTokenizer:
         more than this many characters the cache does not hold (precise mode's request path: what
         is longer was to be tokenised ahead, off the event loop, by extproc.pick.tokenize_ahead).
         """
+        self.resumed = None
         if add_special_tokens:
             if self._special_affix is None:
                 return array("I", self.encode_uncached(text, add_special_tokens=True))
             prefix, suffix = self._special_affix
-            return array("I", prefix) + self.encode_array(text, max_new_chars=max_new_chars) + array("I", suffix)
+            ids = array("I", prefix) + self.encode_array(text, max_new_chars=max_new_chars) + array("I", suffix)
+            self.resumed = None  # shifted by the prefix: not the memo's ids
+            return ids
         if not self.caching:
             return array("I", self.encode_uncached(text))
         resume = self.memo.resume(text) if self.memo is not None else None
         if resume is not None and resume.chars == len(text):  # the same text again
+            self.resumed = (resume.prompt.ids, len(resume.prompt.ids))
             return resume.prompt.ids
         start = resume.chars if resume is not None else 0
         out, pending, pieces, piece_ends = self._plan(text, start=start)
@@ -258,6 +264,8 @@ class ModelTokenizer:
         if self.memo is not None:
             self.memo.remember(Prompt(text, ids, texts, ends, ids_at, added),
                                resume.prompt if resume is not None and resume.whole else None)
+        if resume is not None:
+            self.resumed = (resume.prompt.ids, resume.ids)
         return ids
 
     @property
@@ -404,6 +412,7 @@ class ModelTokenizer:
     def token_array(self, doc: Mapping[str, Any], path_kind: PathKind, max_new_chars: int = 0) -> array:
         """``tokens_for`` as an ``array('I')`` (what precise mode hashes); ``max_new_chars``: as
         ``encode_array``'s."""
+        self.resumed = None
         prompt = self._prompt(doc, path_kind)
         if isinstance(prompt, array):
             return prompt
