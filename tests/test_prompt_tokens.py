@@ -332,6 +332,19 @@ def _check_memo(memo: PromptMemo) -> None:
             assert all(p.text.startswith(head.latest.text[:head.agree]) for p in group)
 
 
+def test_a_turn_that_supersedes_the_only_prompt_of_its_head_is_filed_in_its_place() -> None:
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    first = "<|system|>" + "a long system prompt " * 20 + "<|user|>hello<|assistant|>"
+    mt.encode(first)
+    second = first + "hi there<|user|>and again<|assistant|>"
+    assert mt.encode(second) == mt.encode_uncached(second)
+    assert len(mt.memo) == 1 and mt.memo.hits == 1
+    _check_memo(mt.memo)
+    third = second + "fine<|user|>bye<|assistant|>"
+    assert mt.encode(third) == mt.encode_uncached(third) and mt.char_sources()[0] >= len(first) + len(second)
+    _check_memo(mt.memo)
+
+
 def test_memo_stays_within_its_bytes_and_misses_what_shares_too_little() -> None:
     mt = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=100_000)  # and as much for the memo
     for i in range(60):

@@ -1,17 +1,19 @@
 """Recently tokenised prompts, so a prompt that extends one of them is tokenised from where they part.
 
 The segment cache (prompt_tokens.py) serves every segment between added tokens from a dict, yet
-a request still pays for splitting its whole text, keying each segment and joining every cached
-piece: ~25 us at 32 KB, most of it on a prefix that an earlier request had already tokenised
-(the previous turn of the conversation, or another conversation on the same system prompt).
-This memo keeps recent texts with their ids and where their added tokens are (the text tokenises
-piece by piece between them, so the end of one is where a text may be cut). A new text is
-compared with the texts that began as it does: the longest one it extends, else the most recent,
-gives the ids up to the last cut inside the part both share, unless an added token could start
-at or before that cut's token and end past the shared part (then the split there could differ);
-the caller tokenises only the rest. Exact by
-construction (tests/test_prompt_tokens.py: memo == uncached over generated conversations).
-Pure, bounded in bytes, not thread-safe (the event loop's).
+a request still paid for splitting its whole text, keying each segment and joining every cached
+piece (about 3 us a piece), most of it on a prefix an earlier request had tokenised already: in a
+conversation, every turn carries the whole history. This memo keeps recent texts with their ids
+and where their added tokens are (the text tokenises piece by piece between them, so the end of
+one is where a text may be cut). A new text is compared with the texts that began as it does:
+one it extends whole (the conversation's previous turn), else the latest, gives the ids up to the
+last cut inside the part both share, unless an added token could start at or before that cut's
+token and end past the shared part (then the split there could differ); the caller tokenises only
+the rest. Texts are filed by their first ``HEAD`` characters and, past where those texts part, by
+the next ``KEY`` (a conversation's first turn), so a conversation's previous turn is found in one
+lookup however many conversations share its system prompt. Exact by construction
+(tests/test_prompt_tokens.py: memo == tokenizer on texts cut anywhere and on generated
+conversations). Pure, bounded in bytes, not thread-safe (the event loop's).
 """
 
 from __future__ import annotations
@@ -114,10 +116,10 @@ class PromptMemo:
             m = len(prompt.text)
             if shared < m <= n and text.startswith(prompt.text):
                 best, shared = prompt, m
-        whole = best is not None
         if best is None:  # the latest, as far as whole pieces match
             best = head.latest
             shared = _agreeing(text, best)
+        whole = shared == len(best.text)
         pieces, ends, added = best.pieces, best.ends, best.added
         k = bisect_right(ends, shared)  # pieces wholly inside the shared part
         if k == len(pieces) and shared == n:  # the same text
@@ -150,7 +152,14 @@ class PromptMemo:
         text = prompt.text
         if not text:
             return
+        if supersedes is not None:
+            self._drop(supersedes)
         head = self._heads.get(text[:HEAD])
+        if head is not None:  # the same text filed before (resume found it no longer usable): replaced
+            same = next((other for other in head.keyed.get(head.key(text), ()) if other.text == text), None)
+            if same is not None:
+                self._drop(same)
+                head = self._heads.get(text[:HEAD])  # dropping it may have emptied the head
         if head is None:
             head = self._heads[text[:HEAD]] = _Head(prompt)
         else:
@@ -162,13 +171,7 @@ class PromptMemo:
                         keyed.setdefault(other.text[agree:agree + KEY], []).append(other)
                 head.agree, head.keyed = agree, keyed
             head.latest = prompt
-        if supersedes is not None:
-            self._drop(supersedes)
         group = head.keyed.setdefault(head.key(text), [])
-        for other in group:
-            if other.text == text:
-                self._drop(other)
-                break
         group.insert(0, prompt)
         self._order[id(prompt)] = prompt
         self.bytes += _cost(prompt)
