@@ -46,7 +46,7 @@ from extproc.pick.added_split import AddedTokenSplit
 from extproc.pick.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
 from extproc.pick.not_tokenizable import REASONS, NotTokenizable
-from extproc.pick.prompt_memo import Prompt, PromptMemo
+from extproc.pick.prompt_memo import Prompt, PromptMemo, Resume
 from extproc.pick.word_tokens import WordTokens
 
 __all__ = ["REASONS", "ModelTokenizer", "NotTokenizable", "PathKind", "TokenizerError"]
@@ -66,7 +66,8 @@ class ModelTokenizer:
     """A model's tokenizer and chat template, with an exact per-segment token cache.
 
     ``cache_bytes`` bounds the segment cache and, as much again, the prompt memo (0 disables both);
-    ``content_format`` is vLLM's ``--chat-template-content-format`` ("auto" detects it from the template as vLLM does).
+    ``content_format`` is vLLM's ``--chat-template-content-format`` ("auto" detects it from the
+    template as vLLM does).
     ``cache_hits``/``cache_misses`` count segments, ``cache_hit_chars``/``cache_miss_chars`` their
     characters; ``cache_bytes_used``/``cache_entries`` the cache's size; ``cache_enabled`` whether
     this tokenizer allows it.
@@ -218,6 +219,10 @@ class ModelTokenizer:
         ``max_new_chars`` (0: no limit): raise NotTokenizable("tokenizer_busy") rather than tokenise
         more than this many characters the cache does not hold (precise mode's request path: what
         is longer was to be tokenised ahead, off the event loop, by extproc.pick.tokenize_ahead).
+
+        A text that extends a recent one is tokenised from where they part (the prompt memo, which
+        ``resumed`` then names); the same text again gets the memo's own array: read it, never
+        change it.
         """
         self.resumed = None
         if add_special_tokens:
@@ -246,27 +251,12 @@ class ModelTokenizer:
                 return array("I", self.encode_uncached(text))
             for (at, _, _), value in zip(pending, self.store_segments(segments, encoded), strict=True):
                 out[at] = value
-        if resume is None:
-            ids, texts, ends, ids_at, added = array("I"), [], array("q"), array("q"), bytearray()
-        else:
-            before, k = resume.prompt, resume.pieces
-            ids, texts = before.ids[:resume.ids], before.pieces[:k]
-            ends, ids_at, added = before.ends[:k], before.ids_at[:k], before.added[:k]
-        for part, piece, end in zip(out, pieces, piece_ends, strict=True):
-            if isinstance(part, int):
-                ids.append(part)
-            else:
-                ids.extend(part)
-            texts.append(piece)
-            ends.append(end)
-            ids_at.append(len(ids))
-            added.append(isinstance(part, int))
+        prompt = _assembled(text, resume, out, pieces, piece_ends)
         if self.memo is not None:
-            self.memo.remember(Prompt(text, ids, texts, ends, ids_at, added),
-                               resume.prompt if resume is not None and resume.whole else None)
+            self.memo.remember(prompt, resume.prompt if resume is not None and resume.whole else None)
         if resume is not None:
             self.resumed = (resume.prompt.ids, resume.ids)
-        return ids
+        return prompt.ids
 
     @property
     def caching(self) -> bool:
@@ -476,6 +466,28 @@ def _key(first: bool, seg: str) -> tuple[bool, int | str]:
     hashing them costs ~1/5 of ``hash(str)`` over a 32 KB system prompt; a hit compares the
     texts, so a collision is a miss, never a wrong answer), any other text by itself."""
     return (first, xxhash.xxh3_128_intdigest(seg.encode("ascii"))) if seg.isascii() else (first, seg)
+
+
+def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces: list[str],
+               piece_ends: list[int]) -> Prompt:
+    """The text's prompt for the memo: what ``resume`` took from an earlier one, then the planned
+    pieces (``out``: their ids, an added token's one id or a segment's array)."""
+    if resume is None:
+        ids, texts, ends, ids_at, added = array("I"), [], array("q"), array("q"), bytearray()
+    else:
+        before, k = resume.prompt, resume.pieces
+        ids, texts = before.ids[:resume.ids], before.pieces[:k]
+        ends, ids_at, added = before.ends[:k], before.ids_at[:k], before.added[:k]
+    for part, piece, end in zip(out, pieces, piece_ends, strict=True):
+        if isinstance(part, int):
+            ids.append(part)
+        else:
+            ids.extend(part)
+        texts.append(piece)
+        ends.append(end)
+        ids_at.append(len(ids))
+        added.append(isinstance(part, int))
+    return Prompt(text, ids, texts, ends, ids_at, added)
 
 
 def _ids(prompt: list[Any]) -> array:
