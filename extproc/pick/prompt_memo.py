@@ -25,9 +25,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Final, NamedTuple
 
+from extproc.pick.added_split import AddedTokenSplit
+
 HEAD: Final = 256  # the characters a text is filed under: texts that differ sooner share little
 KEY: Final = 64  # characters past where a head's texts part that tell them apart (a conversation's first turn)
-PER_KEY: Final = 8  # texts kept under one key, most recent first
+PER_KEY: Final = 16  # texts kept under one key, most recent first
 
 
 class Prompt(NamedTuple):
@@ -62,7 +64,8 @@ class Resume(NamedTuple):
 
 class _Head:
     """The texts filed under one head: how far they all agree (at whole pieces), and the texts by
-    the ``KEY`` characters after that, so a conversation's turns share a key and others do not."""
+    their key (``PromptMemo._key``: what follows that point), so a conversation's turns share a
+    key and others do not."""
 
     __slots__ = ("agree", "keyed", "latest")
 
@@ -70,9 +73,6 @@ class _Head:
         self.agree = len(prompt.text)
         self.keyed: dict[str, list[Prompt]] = {}
         self.latest = prompt
-
-    def key(self, text: str) -> str:
-        return text[self.agree:self.agree + KEY]
 
 
 class PromptMemo:
@@ -88,6 +88,7 @@ class PromptMemo:
         self._open = frozenset(a[:i] for a in added for i in range(1, len(a)))
         firsts = {a[0] for a in added}
         self._first = firsts.pop() if len(firsts) == 1 else None  # what every added token starts with
+        self._split = AddedTokenSplit(sorted(set(added), key=len, reverse=True)) if added else None
         self._heads: dict[str, _Head] = {}
         self._order: OrderedDict[int, Prompt] = OrderedDict()  # id -> prompt, least recently used first
         self.bytes = 0
@@ -112,7 +113,7 @@ class PromptMemo:
         if head is None:
             return None
         best, shared, n = None, 0, len(text)
-        for prompt in head.keyed.get(head.key(text), ()):  # one ``text`` extends whole: its previous turn
+        for prompt in head.keyed.get(self._key(head.agree, text), ()):  # one ``text`` extends whole: its previous turn
             m = len(prompt.text)
             if shared < m <= n and text.startswith(prompt.text):
                 best, shared = prompt, m
@@ -133,6 +134,15 @@ class PromptMemo:
         while k and not (added[k - 1] and ends[k - 1] - len(pieces[k - 1]) < opened):
             k -= 1
         return Resume(best, k, whole) if k else None
+
+    def _key(self, agree: int, text: str) -> str:
+        """What files ``text`` in a head whose texts agree up to ``agree``: up to ``KEY`` characters
+        from there, cut before the next added token (a conversation's first message, the same in
+        every turn however short: a turn's text always goes on past it)."""
+        end = agree + KEY
+        if self._split is not None:
+            end = min(end, next(self._split.spans(text, agree + 1), (end,))[0])
+        return text[agree:end]
 
     def _opened(self, text: str, shared: int) -> int:
         """The first position from which the text up to ``shared`` could still grow into an added
@@ -155,8 +165,8 @@ class PromptMemo:
         if supersedes is not None:
             self._drop(supersedes)
         head = self._heads.get(text[:HEAD])
-        if head is not None:  # the same text filed before (resume found it no longer usable): replaced
-            same = next((other for other in head.keyed.get(head.key(text), ()) if other.text == text), None)
+        if head is not None:  # the same text filed before (a caller that files it twice): replaced
+            same = next((other for other in head.keyed.get(self._key(head.agree, text), ()) if other.text == text), None)
             if same is not None:
                 self._drop(same)
                 head = self._heads.get(text[:HEAD])  # dropping it may have emptied the head
@@ -168,10 +178,10 @@ class PromptMemo:
                 keyed: dict[str, list[Prompt]] = {}
                 for group in head.keyed.values():
                     for other in group:
-                        keyed.setdefault(other.text[agree:agree + KEY], []).append(other)
+                        keyed.setdefault(self._key(agree, other.text), []).append(other)
                 head.agree, head.keyed = agree, keyed
             head.latest = prompt
-        group = head.keyed.setdefault(head.key(text), [])
+        group = head.keyed.setdefault(self._key(head.agree, text), [])
         group.insert(0, prompt)
         self._order[id(prompt)] = prompt
         self.bytes += _cost(prompt)
@@ -186,7 +196,7 @@ class PromptMemo:
         self.bytes -= _cost(prompt)
         text = prompt.text
         head = self._heads[text[:HEAD]]
-        key = head.key(text)
+        key = self._key(head.agree, text)
         group = head.keyed[key]
         group[:] = [p for p in group if p is not prompt]
         if not group:
