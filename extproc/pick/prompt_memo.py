@@ -10,8 +10,9 @@ one it extends whole (the conversation's previous turn), else the latest, gives 
 last cut inside the part both share, unless an added token could start at or before that cut's
 token and end past the shared part (then the split there could differ); the caller tokenises only
 the rest. Texts are filed by their first ``HEAD`` characters and, past where those texts part, by
-the next ``KEY`` (a conversation's first turn), so a conversation's previous turn is found in one
-lookup however many conversations share its system prompt. Exact by construction
+up to ``KEY`` more cut before the next added token (a conversation's first message), so a
+conversation's previous turn is found in one lookup however many conversations share its system
+prompt. Exact by construction
 (tests/test_prompt_tokens.py: memo == tokenizer on texts cut anywhere and on generated
 conversations). Pure, bounded in bytes, not thread-safe (the event loop's).
 """
