@@ -284,11 +284,14 @@ def test_flags_that_break_independence_disable_the_cache(tmp_path: Path, caplog:
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=300, deadline=None)
 @given(base=st.lists(pieces, max_size=16), tails=st.lists(st.tuples(st.integers(0, 16), st.lists(pieces, max_size=6)),
-                                                          min_size=1, max_size=5))
-def test_memo_resumed_text_equals_uncached(family: str, base: list[str], tails: list[tuple[int, list[str]]]) -> None:
+                                                          min_size=1, max_size=5), lead=st.sampled_from(["", "x" * HEAD]))
+def test_memo_resumed_text_equals_uncached(family: str, base: list[str], tails: list[tuple[int, list[str]]],
+                                           lead: str) -> None:
     """Texts that share a prefix with one tokenised before, cut anywhere, even inside an added token
-    (TRICKY holds halves of them): the ids equal the tokenizer's on the whole text."""
+    (TRICKY holds halves of them), shorter or longer than it: the ids equal the tokenizer's on the
+    whole text. ``lead``: a start as long as the memo's head, so short texts share heads too."""
     mt = _fresh(family)  # a small cache: the memo evicts too
+    base = [lead, *base]
     mt.encode("".join(base))
     for keep, tail in tails:
         text = "".join(base[:keep] + tail)
@@ -344,6 +347,15 @@ def test_a_turn_that_supersedes_the_only_prompt_of_its_head_is_filed_in_its_plac
     _check_memo(mt.memo)
     third = second + "fine<|user|>bye<|assistant|>"
     assert mt.encode(third) == mt.encode_uncached(third) and mt.char_sources()[0] >= len(first) + len(second)
+    _check_memo(mt.memo)
+
+
+def test_a_text_that_is_a_remembered_ones_start_gets_its_own_ids_not_the_longer_ones() -> None:
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    start = "<|system|>" + "a long system prompt " * 20 + "<|user|>"
+    mt.encode(start + "hello<|assistant|>")
+    assert mt.encode(start) == mt.encode_uncached(start)  # it ends at a cut of the remembered text
+    assert mt.encode(start) == mt.encode_uncached(start)  # and is remembered itself now
     _check_memo(mt.memo)
 
 

@@ -235,7 +235,7 @@ class ModelTokenizer:
         if not self.caching:
             return array("I", self.encode_uncached(text))
         resume = self.memo.resume(text) if self.memo is not None else None
-        if resume is not None and resume.chars == len(text):  # the same text again
+        if resume is not None and resume.chars == len(text) == len(resume.prompt.text):  # the same text again
             self.resumed = (resume.prompt.ids, len(resume.prompt.ids))
             return resume.prompt.ids
         start = resume.chars if resume is not None else 0
