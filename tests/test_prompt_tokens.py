@@ -359,6 +359,25 @@ def test_a_text_that_is_a_remembered_ones_start_gets_its_own_ids_not_the_longer_
     _check_memo(mt.memo)
 
 
+def test_the_operator_sizes_the_caches_and_a_bad_size_is_refused_by_name() -> None:
+    from extproc.core.settings import SettingError, server_settings
+    from extproc.pick.picker import load_tokenizers
+
+    def loaded(mb: str) -> ModelTokenizer:
+        env = {"PREFIX_ROUTER_TOKENIZER": str(ASSETS / "tiny-bytelevel"), "PREFIX_ROUTER_TOKENIZER_CACHE_MB": mb}
+        return load_tokenizers(server_settings(None, env))["*"]
+
+    one = loaded("1")
+    assert one.cache_limit == 1 << 20 and one.memo is not None and one.memo.max_bytes == 1 << 20
+    off = loaded("0")
+    assert not off.caching and off.memo is None
+    text = "<|user|>" + "hello " * 100 + "<|assistant|>"
+    assert off.encode(text) == off.encode_uncached(text) and off.cache_entries == 0
+    for bad in ("-1", "65537", "lots"):
+        with pytest.raises(SettingError, match="PREFIX_ROUTER_TOKENIZER_CACHE_MB"):
+            loaded(bad)
+
+
 def test_memo_stays_within_its_bytes_and_misses_what_shares_too_little() -> None:
     mt = ModelTokenizer(ASSETS / "tiny-bytelevel", cache_bytes=100_000)  # and as much for the memo
     for i in range(60):

@@ -93,6 +93,7 @@ class ServerSettings:
     kv_ports_relative: bool = False  # the two ports are offsets from each endpoint's port (one host, many replicas)
     index_max_blocks: int = 8_000_000  # memory bound of the event view over all replicas
     tokenizer_check_every: int = 100  # check each model's first request, then 1 in N, against vLLM's /tokenize; 0: off
+    tokenizer_cache_mb: int = 64  # each model's segment cache, and as much again for its prompt memo; 0: neither
     # New text longer than this is tokenised on a worker thread before the pick (extproc.pick.tokenize_ahead),
     # so the event loop keeps serving; 0: every request's text on the loop, in its pick.
     tokenize_inline_chars: int = 2048
@@ -279,6 +280,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "kv_ports_relative": _Spec(_switch, "on or off"),
     "index_max_blocks": _Spec(_number_in(int, 1, 10**10), "an integer in 1..10000000000"),
     "tokenizer_check_every": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (requests per check; 0: off)"),
+    "tokenizer_cache_mb": _Spec(_number_in(int, 0, 65536), "an integer in 0..65536 (megabytes; 0: no cache)"),
     "tokenize_inline_chars": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (characters; 0: all inline)"),
     "tokenize_queue_seconds": _Spec(_number_in(float, 0.0, 60.0), "seconds in 0..60"),
     "eviction_forecast": _Spec(_switch, "on or off"),

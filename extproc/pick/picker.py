@@ -33,7 +33,7 @@ def load_tokenizers(cfg: ServerSettings) -> dict[str, ModelTokenizer]:
     loaded: dict[str, ModelTokenizer] = {}
     for name, path in tokenizer_dirs(cfg.tokenizer).items():
         try:
-            loaded[name] = ModelTokenizer(path)
+            loaded[name] = ModelTokenizer(path, cache_bytes=cfg.tokenizer_cache_mb << 20)
         except TokenizerError as exc:
             raise SettingError(f"{flag('tokenizer')} {path!r}: {exc}") from None
     return loaded
