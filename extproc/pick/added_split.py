@@ -24,6 +24,7 @@ class AddedTokenSplit:
     ``re.finditer`` of the alternation of ``contents`` (non-empty, longest first) gives them."""
 
     def __init__(self, contents: Sequence[str]) -> None:
+        self.contents = tuple(contents)
         self.pattern = re.compile("|".join(re.escape(c) for c in contents))
         firsts = {c[0] for c in contents}
         self.first = firsts.pop() if len(firsts) == 1 else None

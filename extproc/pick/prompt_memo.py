@@ -23,7 +23,6 @@ import sys
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Iterable
 from typing import Final, NamedTuple
 
 from extproc.pick.added_split import AddedTokenSplit
@@ -79,17 +78,14 @@ class _Head:
 class PromptMemo:
     """``resume(text)`` finds the remembered prompt ``text`` shares the longest usable prefix with;
     ``remember`` files a newly tokenised one. ``max_bytes`` bounds the texts and ids held;
-    ``added`` are the tokenizer's added tokens (what the text is split at)."""
+    ``split`` finds the tokenizer's added tokens (what the text is split at)."""
 
-    def __init__(self, max_bytes: int, added: Iterable[str]) -> None:
+    def __init__(self, max_bytes: int, split: AddedTokenSplit) -> None:
         self.max_bytes = max_bytes
-        added = [a for a in added if a]
-        self._longest = max(map(len, added), default=0)
+        self._split = split
+        self._longest = max(map(len, split.contents))
         # what an added token could still become past the shared part: its proper prefixes
-        self._open = frozenset(a[:i] for a in added for i in range(1, len(a)))
-        firsts = {a[0] for a in added}
-        self._first = firsts.pop() if len(firsts) == 1 else None  # what every added token starts with
-        self._split = AddedTokenSplit(sorted(set(added), key=len, reverse=True)) if added else None
+        self._open = frozenset(a[:i] for a in split.contents for i in range(1, len(a)))
         self._heads: dict[str, _Head] = {}
         self._order: OrderedDict[int, Prompt] = OrderedDict()  # id -> prompt, least recently used first
         self.bytes = 0
@@ -141,21 +137,19 @@ class PromptMemo:
         from there, cut before the next added token (a conversation's first message, the same in
         every turn however short: a turn's text always goes on past it)."""
         end = agree + KEY
-        if self._split is not None:
-            end = min(end, next(self._split.spans(text, agree + 1), (end,))[0])
-        return text[agree:end]
+        return text[agree:min(end, next(self._split.spans(text, agree + 1), (end,))[0])]
 
     def _opened(self, text: str, shared: int) -> int:
         """The first position from which the text up to ``shared`` could still grow into an added
         token (``shared`` if none)."""
-        lo, is_open = max(0, shared - self._longest + 1), self._open.__contains__
-        if self._first is None:
+        lo, is_open, first = max(0, shared - self._longest + 1), self._open.__contains__, self._split.first
+        if first is None:
             return next((q for q in range(lo, shared) if is_open(text[q:shared])), shared)
-        q = text.find(self._first, lo, shared)
+        q = text.find(first, lo, shared)  # every added token starts with ``first``
         while q >= 0:
             if is_open(text[q:shared]):
                 return q
-            q = text.find(self._first, q + 1, shared)
+            q = text.find(first, q + 1, shared)
         return shared
 
     def remember(self, prompt: Prompt, supersedes: Prompt | None = None) -> None:
@@ -165,12 +159,7 @@ class PromptMemo:
             return
         if supersedes is not None:
             self._drop(supersedes)
-        head = self._heads.get(text[:HEAD])
-        if head is not None:  # the same text filed before (a caller that files it twice): replaced
-            same = next((other for other in head.keyed.get(self._key(head.agree, text), ()) if other.text == text), None)
-            if same is not None:
-                self._drop(same)
-                head = self._heads.get(text[:HEAD])  # dropping it may have emptied the head
+        head = self._heads.get(text[:HEAD])  # (a text the memo holds is resumed whole, never filed again)
         if head is None:
             head = self._heads[text[:HEAD]] = _Head(prompt)
         else:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -141,7 +140,7 @@ class ModelTokenizer:
         self.cache_limit = max(0, int(cache_bytes))
         # recent whole prompts, resumed from where a new one parts from them (as much room again:
         # ~100 KB a 32 KB conversation, so the default holds the latest turn of ~600 of them)
-        self.memo = PromptMemo(self.cache_limit, self._added_ids) if self.caching else None
+        self.memo = PromptMemo(self.cache_limit, self._split) if self.caching else None  # type: ignore[arg-type]
         # the last ids returned began with these of an earlier prompt's: (its ids, how many), or None
         self.resumed: tuple[array, int] | None = None
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
@@ -167,7 +166,6 @@ class ModelTokenizer:
         if getattr(self._tok, "encode_special_tokens", False):
             reasons.append("encode_special_tokens is on")
         contents = sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
-        self._split_re = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
         self._split = AddedTokenSplit(contents) if contents else None
         # A separator for pieces that do not start the text: an added token that encodes to one id.
         self._sep: str | None = None
