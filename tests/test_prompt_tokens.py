@@ -312,12 +312,12 @@ def test_each_conversations_next_turn_resumes_from_its_previous_turn_and_tokenis
             question = f"hi {i}" if turn == 0 and i % 2 else f"conversation {i}, question {turn}: why is the sky blue?"
             messages.append({"role": "user", "content": question})
             doc = {"messages": list(messages)}
-            misses_before, resumed_before, whole_before = mt.cache_miss_chars, mt.char_sources()[0], mt.memo.hits
+            misses_before, resumed_before, hits_before = mt.cache_miss_chars, mt.char_sources()[0], mt.memo.hits
             assert mt.tokens_for(doc, "chat") == mt.encode_uncached(mt.render_chat(doc))
             if turn:  # the previous turn's whole text, its generation prompt included, is resumed
                 assert mt.char_sources()[0] - resumed_before > len(system) + 60 * turn
                 assert mt.cache_miss_chars - misses_before < 200  # the answer and the new question only
-            assert mt.memo.hits == whole_before + 1 or (turn == 0 and i == 0)
+            assert mt.memo.hits == hits_before + 1 or (turn == 0 and i == 0)
             messages.append({"role": "assistant", "content": f"because of scattering, answer {turn}"})
     assert len(mt.memo) == 100  # each conversation's latest turn; the earlier ones were superseded
     _check_memo(mt.memo)

@@ -9,7 +9,7 @@ def agg(path):
         last = fr[-1]
         if 'Process (' in stack and 'ext_proc.py' in stack: k = 'request path (ext_proc Process/prepare, Python)'
         elif 'KvEventSubscriber' in stack: k = 'KV events ingest (Python)'
-        elif 'Thread.run' in last and '_poll_wrapper' not in stack: k = 'a thread, native (grpc aio poller)'
+        elif 'Thread.run' in last: k = 'a thread, native (grpc aio poller)'  # the one such thread py-spy dump shows
         elif 'runners.py:118' in last: k = 'event loop, native (uvloop + grpc aio + zmq)'
         elif 'Scrape' in stack or 'scrape' in stack: k = 'metrics scrape (Python)'
         else: k = 'other Python: ' + last.split(' (')[0]
