@@ -29,6 +29,22 @@ def test_spans_are_the_regex_matches(parts: list[str], contents: list[str]) -> N
     assert list(split.spans(text)) == [m.span() for m in split.pattern.finditer(text)]
 
 
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(st.one_of(bits, st.sampled_from(SHARED_FIRST + MIXED_FIRST), st.text(max_size=4)),
+                      max_size=3 * MAX_MISSES),
+       contents=st.sampled_from([SHARED_FIRST, MIXED_FIRST, ["<|user|>"]]),
+       pos=st.integers(0, 40), width=st.integers(0, 40))
+def test_next_start_is_the_first_span_before_the_bound(parts: list[str], contents: list[str], pos: int,
+                                                       width: int) -> None:
+    """The bounded search finds where the first span from ``pos`` starts, or the bound when that
+    is at or past it (a token straddling the bound included)."""
+    split = AddedTokenSplit(sorted(contents, key=len, reverse=True))
+    text = "".join(parts)
+    end = pos + width
+    first = next(split.spans(text, pos), (end, end))[0]
+    assert split.next_start(text, pos, end) == min(first, end)
+
+
 def test_a_key_collision_is_a_miss_not_a_wrong_answer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every ASCII segment given the same key: each lookup finds another text, which is then
     tokenised, so the ids are still exactly the tokenizer's."""

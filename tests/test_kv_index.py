@@ -285,27 +285,28 @@ def test_the_chain_cache_gives_exactly_the_uncached_hashes(prefix, tails, bs, sa
 
 @settings(max_examples=200, deadline=None)
 @given(prefix=st.lists(st.integers(0, 60), max_size=40), tails=st.lists(st.tuples(
-    st.integers(0, 40), st.lists(st.integers(0, 60), max_size=20), st.booleans()), min_size=1, max_size=6),
-    bs=st.sampled_from([1, 2, 4]), salt=st.none() | st.sampled_from(["s", "t"]))
+    st.integers(0, 40), st.lists(st.integers(0, 60), max_size=20), st.booleans(), st.booleans()),
+    min_size=1, max_size=6), bs=st.sampled_from([1, 2, 4]), salt=st.none() | st.sampled_from(["s", "t"]))
 def test_a_chain_continued_from_the_request_it_extends_is_exactly_the_uncached_one(prefix, tails, bs, salt) -> None:
     """Each request names an earlier one it begins with (as the prompt memo does), for as many ids
     as they truly share, or fewer; sometimes ids equal to the earlier one's but not the very ones
-    whose chain the cache holds: always exactly block_hashes, and nothing probed where the earlier
-    chain was held."""
+    whose chain the cache holds; sometimes all its full blocks but the last (as precise mode asks):
+    always exactly block_hashes, and nothing probed where the earlier chain was held."""
     cache = ChainCache(max_spans=3, span=4)
     earlier = array("I", prefix)
-    cache.hashes(earlier[: len(earlier) // bs * bs], bs, salt, own=earlier)
-    for keep, tail, stranger in tails:
+    cache.hashes(earlier, bs, salt, own=earlier)
+    chained = len(earlier) // bs  # blocks of the earlier request's chain
+    for keep, tail, stranger, but_last in tails:
         ids = array("I", list(earlier[:keep]) + tail)
         shared = min(keep, len(earlier))
-        n = len(ids) // bs
-        expected = block_hashes(list(ids), bs, request_extra_keys(n, salt, None) if salt else None)
+        n = max(len(ids) // bs - but_last, 0)
+        expected = block_hashes(list(ids[: n * bs]), bs, request_extra_keys(n, salt, None) if salt else None)
         probes = cache.hits + cache.misses
         base = array("I", earlier) if stranger else earlier  # a stranger: no chain held for it
-        assert list(cache.hashes(ids[: n * bs], bs, salt, (base, shared), ids)) == expected
-        if not stranger and min(shared, n * bs) >= bs:
+        assert list(cache.hashes(ids, bs, salt, (base, shared), ids, n)) == expected
+        if not stranger and min(shared // bs, n, chained) >= 1:
             assert cache.hits + cache.misses == probes  # continued from the earlier chain, no probe
-        earlier = ids
+        earlier, chained = ids, n
 
 
 def test_a_shared_prefix_is_hashed_once() -> None:

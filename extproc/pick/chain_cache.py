@@ -55,26 +55,29 @@ class ChainCache:
         self._owned: OrderedDict[int, tuple[weakref.ref, dict[tuple[int, str | None], array]]] = OrderedDict()
 
     def hashes(self, tokens: Sequence[int], block_size: int, cache_salt: str | None = None,
-               known: tuple[array, int] | None = None, own: array | None = None) -> array:
+               known: tuple[array, int] | None = None, own: array | None = None, blocks: int | None = None) -> array:
         """``known``: (an earlier request's ids, n): ``tokens`` begin with the first n of them;
-        ``own``: this request's ids (of which ``tokens`` are the first), for later ``known``."""
+        ``own``: this request's ids (of which ``tokens`` are the first), for later ``known``;
+        ``blocks``: hash only the first ``blocks`` full blocks (default: all), so a caller leaving out
+        the last one need not copy a prefix of ``tokens``."""
         key = (block_size, cache_salt)
-        out = self._known(tokens, block_size, key, known) if known is not None else None
+        full = len(tokens) // block_size
+        blocks = full if blocks is None else min(blocks, full)
+        out = self._known(tokens, block_size, key, known, blocks) if known is not None else None
         if out is None:
-            out = self._probed(tokens, block_size, cache_salt)
+            out = self._probed(tokens, block_size, cache_salt, blocks)
         if own is not None:
             self._own(own, key, out)
         return out
 
     def _known(self, tokens: Sequence[int], block_size: int, key: tuple[int, str | None],
-               known: tuple[array, int]) -> array | None:
+               known: tuple[array, int], blocks: int) -> array | None:
         """The chain from the earlier request's, or None if this cache no longer holds it."""
         base, n = known
         entry = self._owned.get(id(base))
         chain = entry[1].get(key) if entry is not None and entry[0]() is base else None
         if chain is None:
             return None
-        blocks = len(tokens) // block_size
         have = min(len(chain), n // block_size, blocks)
         last = slice((have - 1) * block_size, have * block_size)
         if not have or tokens[last] != base[last]:  # the caller's word, checked on one block
@@ -98,8 +101,7 @@ class ChainCache:
             self._owned.move_to_end(at)
         entry[1][key] = chain
 
-    def _probed(self, tokens: Sequence[int], block_size: int, cache_salt: str | None) -> array:
-        blocks = len(tokens) // block_size
+    def _probed(self, tokens: Sequence[int], block_size: int, cache_salt: str | None, blocks: int) -> array:
         spans = blocks // self.span
         if not spans:
             return array("Q", block_hashes(tokens[: blocks * block_size], block_size,

@@ -115,7 +115,7 @@ class PreciseView:
         held: dict[int, dict[str, int]] = {}
         for size in set(sizes.values()):
             blocks = max(len(ids) - 1, 0) // size
-            hashes[size] = self.chains.hashes(ids[: blocks * size], size, salt, known, ids) if blocks else []
+            hashes[size] = self.chains.hashes(ids, size, salt, known, ids, blocks) if blocks else []
             held[size] = self.index.match(hashes[size]) if blocks else {}
         cached = dict.fromkeys(covered, 0)
         in_flight: dict[str, int] = {}

@@ -83,7 +83,6 @@ class PromptMemo:
     def __init__(self, max_bytes: int, split: AddedTokenSplit) -> None:
         self.max_bytes = max_bytes
         self._split = split
-        self._longest = max(map(len, split.contents))
         # what an added token could still become past the shared part: its proper prefixes
         self._open = frozenset(a[:i] for a in split.contents for i in range(1, len(a)))
         self._heads: dict[str, _Head] = {}
@@ -136,13 +135,12 @@ class PromptMemo:
         """What files ``text`` in a head whose texts agree up to ``agree``: up to ``KEY`` characters
         from there, cut before the next added token (a conversation's first message, the same in
         every turn however short: a turn's text always goes on past it)."""
-        end = agree + KEY
-        return text[agree:min(end, next(self._split.spans(text, agree + 1), (end,))[0])]
+        return text[agree:self._split.next_start(text, agree + 1, agree + KEY)]
 
     def _opened(self, text: str, shared: int) -> int:
         """The first position from which the text up to ``shared`` could still grow into an added
         token (``shared`` if none)."""
-        lo, is_open, first = max(0, shared - self._longest + 1), self._open.__contains__, self._split.first
+        lo, is_open, first = max(0, shared - self._split.longest + 1), self._open.__contains__, self._split.first
         if first is None:
             return next((q for q in range(lo, shared) if is_open(text[q:shared])), shared)
         q = text.find(first, lo, shared)  # every added token starts with ``first``
