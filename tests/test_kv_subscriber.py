@@ -7,6 +7,7 @@ known to have reached the publisher through the publisher's XPUB (``subscription
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -543,3 +544,25 @@ def test_a_backlog_is_applied_in_slices_with_the_event_loop_turning_between(monk
             await rig.close()
 
     run(body)
+
+
+@pytest.mark.parametrize("enc", ENCODINGS[:2], ids=lambda e: str(e["encoding"]))
+def test_events_of_other_kv_cache_groups_are_counted_and_named_once(enc, caplog: pytest.LogCaptureFixture) -> None:
+    """A hybrid model publishes each KV-cache group's blocks (``group_idx``); the view does not
+    tell them apart, so the router says so: one warning, and a count of such events."""
+    caplog.set_level(logging.WARNING, logger="extproc.pick.kv_subscriber")
+
+    async def body(rig: Rig, pub: KvEventPublisher) -> None:
+        await rig.subscribe()
+        pub.publish([BlockStored([BIG + 1], None, list(range(4)), 4, group_idx=0)])
+        await until(lambda: rig.sub.stats.batches == 1, "the first group's batch")
+        assert rig.sub.stats.other_group_events == 0
+        pub.publish([BlockStored([BIG + 1], None, list(range(4)), 4, group_idx=1),
+                     BlockRemoved([BIG + 1], group_idx=1)])
+        pub.publish([BlockRemoved([BIG + 1], group_idx=2)])
+        await until(lambda: rig.sub.stats.batches == 3, "the other groups' batches")
+        assert rig.sub.stats.other_group_events == 3
+        warnings = [r for r in caplog.records if "KV-cache groups" in r.getMessage()]
+        assert len(warnings) == 1 and ADDRESS in warnings[0].getMessage()
+
+    with_rig(body, pub_kw=enc)

@@ -118,6 +118,9 @@ class KvSubscriberStats:
     replays_served: int = 0  # replay requests answered up to the end marker
     replayed_batches: int = 0  # batches applied from replay answers
     bad_frames: int = 0
+    # events of a KV-cache group other than the first (``group_idx`` > 0): a hybrid model's, whose
+    # groups the view does not tell apart (docs/pick-mode.md)
+    other_group_events: int = 0
     apply_s: float = 0.0  # CPU time decoding and applying batches (thread time): the ingest path's share of the core
     resets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     replicas: dict[str, ReplicaView] = field(default_factory=dict)
@@ -520,6 +523,14 @@ class KvEventSubscriber:
         stats.batches += 1
         stats.events_skipped += decoded.skipped
         stats.blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)
+        other_groups = sum(1 for ev in batch.events if getattr(ev, "group_idx", None))
+        if other_groups:
+            if not stats.other_group_events:
+                log.warning("replica %s publishes KV-cache events for several KV-cache groups (a hybrid "
+                            "model: sliding-window, chunked-local or Mamba layers); precise mode does not tell "
+                            "the groups apart, so it may predict more cached tokens than vLLM finds for this "
+                            "model (watch the prediction accuracy)", st.address)
+            stats.other_group_events += other_groups
         now = time.time()
         view.last_event_time = now
         view.lag = now - batch.ts
