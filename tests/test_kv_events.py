@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from extproc.pick.kv_events import (
-    END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch,
+    END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch, hybrid_groups,
     parse_frames, replay_request,
 )
 
@@ -50,7 +50,7 @@ def test_map_events_with_bytes_hashes_and_unknown_fields() -> None:
                                           "extra": True}))
     assert skipped == 0 and batch.ts == 2.0 and batch.data_parallel_rank is None
     assert batch.events[0] == BlockStored((h1, h2), None, tuple(range(8)), 4, 3, None, "adapter",
-                                          (("adapter",), ("adapter",)), 1)
+                                          (("adapter",), ("adapter",)), 1, "full_attention")
     assert batch.events[1] == BlockRemoved((h2,), "CPU", 1)
     assert batch.events[2] == AllBlocksCleared()
 
@@ -60,7 +60,23 @@ def test_extra_trailing_positional_fields_are_tolerated() -> None:
     removed = ["BlockRemoved", [1], None, 0, "locality"]
     batch, skipped = decode_batch(packed([0.0, [ev, removed]]))  # no data_parallel_rank
     assert skipped == 0 and batch.data_parallel_rank is None
-    assert batch.events == (BlockStored((1,), None, (1, 2), 2, group_idx=0), BlockRemoved((1,), None, 0))
+    assert batch.events == (BlockStored((1,), None, (1, 2), 2, group_idx=0, kv_cache_spec_kind="sliding_window"),
+                            BlockRemoved((1,), None, 0))
+
+
+def test_a_hybrid_models_groups_other_than_full_attention_are_told_apart() -> None:
+    """By the kind vLLM 0.32 sends on each store, or, where a publisher does not say, by a store
+    naming fewer blocks than its tokens fill (a sliding-window group keeps only its window)."""
+    full = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [0] * 8,
+            "block_size": 4, "group_idx": 1, "kv_cache_spec_kind": "full_attention"}
+    window = {**full, "group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64}
+    mamba = {**full, "group_idx": 2, "kv_cache_spec_kind": "mamba"}
+    unsaid = {**full, "group_idx": 3, "block_hashes": [2], "kv_cache_spec_kind": None}
+    plain = {**full, "group_idx": None, "block_hashes": [2], "kv_cache_spec_kind": None}  # no groups at all
+    batch, skipped = decode_batch(packed([0.0, [full, window, mamba, unsaid, plain, ["BlockRemoved", [1], None, 0]]]))
+    assert skipped == 0 and batch.events[1].kv_cache_spec_kind == "sliding_window"
+    assert hybrid_groups(batch.events) == {0, 2, 3}
+    assert hybrid_groups(decode_batch(packed([0.0, [full]])).batch.events) == set()
 
 
 def test_unknown_and_malformed_events_are_skipped_and_counted() -> None:

@@ -180,7 +180,8 @@ def test_a_gap_the_buffer_no_longer_holds_resets_the_view() -> None:
         pub.publish([stored(5)])
         await until(lambda: rig.index.marks() == [0, 3, 4, 5], "what the buffer still held")
         assert rig.index.ops() == ["apply", "reset", "apply", "apply", "apply"]
-        assert rig.sub.stats.resets == {"restart": 0, "reconnect": 0, "gap": 1, "cleared": 0, "left": 0}
+        assert rig.sub.stats.resets == {"restart": 0, "reconnect": 0, "gap": 1, "cleared": 0, "left": 0,
+                                        "hybrid": 0}
         assert rig.resets == [(ADDRESS, "gap")] and rig.sub.stats.gaps == 1
 
     with_rig(body, {"buffer_steps": 3})
@@ -547,22 +548,46 @@ def test_a_backlog_is_applied_in_slices_with_the_event_loop_turning_between(monk
 
 
 @pytest.mark.parametrize("enc", ENCODINGS[:2], ids=lambda e: str(e["encoding"]))
-def test_events_of_other_kv_cache_groups_are_counted_and_named_once(enc, caplog: pytest.LogCaptureFixture) -> None:
-    """A hybrid model publishes each KV-cache group's blocks (``group_idx``); the view does not
-    tell them apart, so the router says so: one warning, and a count of such events."""
+def test_a_sliding_window_group_is_set_aside_and_the_view_rebuilt_without_it(
+        enc, caplog: pytest.LogCaptureFixture) -> None:
+    """A hybrid model (vLLM 0.32, seen on the wire): each run is announced per KV-cache group, and a
+    sliding-window group names only the hashes of the blocks it keeps, with all the run's tokens and
+    no parent. Its stores had been indexed as copies of the full group's blocks and its removals took
+    those copies away. Once such a store shows the group, its events are set aside (one warning, a
+    count) and the replica's view is rebuilt from the replay buffer with the full group's alone."""
+    from extproc.pick.kv_index import block_hashes
+
     caplog.set_level(logging.WARNING, logger="extproc.pick.kv_subscriber")
+    tokens = list(range(16))  # four blocks of 4
 
-    async def body(rig: Rig, pub: KvEventPublisher) -> None:
-        await rig.subscribe()
-        pub.publish([BlockStored([BIG + 1], None, list(range(4)), 4, group_idx=0)])
-        await until(lambda: rig.sub.stats.batches == 1, "the first group's batch")
-        assert rig.sub.stats.other_group_events == 0
-        pub.publish([BlockStored([BIG + 1], None, list(range(4)), 4, group_idx=1),
-                     BlockRemoved([BIG + 1], group_idx=1)])
-        pub.publish([BlockRemoved([BIG + 1], group_idx=2)])
-        await until(lambda: rig.sub.stats.batches == 3, "the other groups' batches")
-        assert rig.sub.stats.other_group_events == 3
-        warnings = [r for r in caplog.records if "KV-cache groups" in r.getMessage()]
-        assert len(warnings) == 1 and ADDRESS in warnings[0].getMessage()
+    async def body() -> None:
+        index = EventIndex()
+        rig = Rig(enc)
+        rig.sub.index = index
+        pub = rig.publisher()
+        try:
+            await rig.subscribe()
+            own = block_hashes(tokens, 4)
+            # a short run (one block) looks the same in both groups: the window group's is a copy
+            pub.publish([BlockStored([BIG + 1], None, tokens[:4], 4, group_idx=0),
+                         BlockStored([BIG + 1], None, tokens[:4], 4, group_idx=1)])
+            await until(lambda: index.match(own).get(ADDRESS) == 1, "the first block held")
+            # the window group keeps blocks 2-3 of the next run only; the full group all four
+            pub.publish([BlockStored([BIG + 3, BIG + 4], None, tokens, 4, group_idx=0),
+                         BlockStored([BIG + 2, BIG + 3, BIG + 4], BIG + 1, tokens[4:], 4, group_idx=1)])
+            await until(lambda: rig.sub.stats.resets["hybrid"] == 1, "the window group found")
+            await until(lambda: index.match(own).get(ADDRESS) == 4, "the view rebuilt: four blocks")
+            # the window group evicts block 2, which the full group still holds in one copy: the view
+            # keeps it (taken as the full group's only copy before, it left a hole in the chain)
+            pub.publish([BlockRemoved([BIG + 3], group_idx=0)])
+            await until(lambda: rig.sub.stats.set_aside_events >= 3, "the window group's events set aside")
+            assert index.match(own).get(ADDRESS) == 4
+            pub.publish([BlockRemoved([BIG + 1], group_idx=1)])  # the full group's copy goes: the view follows
+            await until(lambda: ADDRESS not in index.match(own), "block 0 gone with the full group's copy")
+            assert rig.resets == [(ADDRESS, "hybrid")]
+            warnings = [r for r in caplog.records if "sliding-window" in r.getMessage()]
+            assert len(warnings) == 1 and ADDRESS in warnings[0].getMessage()
+        finally:
+            await rig.close()
 
-    with_rig(body, pub_kw=enc)
+    run(body)

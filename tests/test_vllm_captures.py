@@ -120,3 +120,64 @@ def test_the_simulators_map_events_carry_the_fields_vllm_032_sends() -> None:
     sim = {e["type"]: set(e) for e in sim_batch[1]}
     assert sim == real  # the same keys per event type (values differ: the simulator's own hashes)
     assert [e.get("group_idx") for e in sim_batch[1]] == [0, 0]
+
+
+HYBRID = "gemma3-window64-int"  # vLLM 0.32 on a tiny Gemma 3: a 64-token sliding-window layer, a full-attention layer
+WINDOW_MISSING = {  # requests whose hit point lacked the window's blocks in vLLM's sliding-window group
+    "doc A[:96], an exact block multiple (hit capped at len - 1)", "chat: system + another question"}
+
+
+def test_a_hybrid_models_window_group_is_set_aside_and_the_view_follows_the_full_group() -> None:
+    """The real events of a hybrid model replayed byte for byte through a ZMQ publisher into the real
+    subscriber: the sliding-window group (its stores name only the blocks it keeps) is found and set
+    aside, the view rebuilt from the replay buffer; before each request the view names exactly the
+    cached tokens vLLM reported, except where vLLM's window group no longer held the window before the
+    hit point, where it names what the full-attention group holds (more, never less)."""
+    import asyncio
+
+    from extproc.pick.kv_subscriber import KvEventSubscriber
+    from routerlab.harness.procs import free_ports
+    from routerlab.sim.kv_events import KvEventPublisher
+
+    from support import until
+
+    capture = load(HYBRID)
+    size = capture["meta"]["block_size"]
+    payloads = [RawFrame.from_json(f).payload for f in capture["frames"]]
+    events = [e for p in payloads for e in decode_batch(p).batch.events]
+    assert {e.group_idx for e in events} == {0, 1}
+
+    async def body() -> list[tuple[str, int, int]]:
+        events_port, replay_port = free_ports(2)
+        pub = KvEventPublisher("127.0.0.1", events_port, replay_port, topic="kv")
+        index = EventIndex()
+        sub = KvEventSubscriber(index, events_port, replay_port, "kv", replay_timeout=0.5, poll_interval=0.05)
+        seen = []
+        try:
+            await sub.start()
+            sub.set_endpoints([ADDRESS])
+            await until(lambda: pub.subscriptions() >= 1, "the subscription")
+            await until(lambda: all(s.synced for s in sub._streams[ADDRESS]), "the first replay")
+            applied = 0
+            for req in capture["requests"]:
+                for payload in payloads[applied:req["frames_before"]]:
+                    pub.publish_payload(payload)
+                applied = req["frames_before"]
+                st = sub._streams[ADDRESS][0]
+                await until(lambda: st.applied == applied - 1 and not st.resync, f"batches up to {applied}")
+                ids = req["prompt_token_ids"]
+                blocks = (len(ids) - 1) // size
+                salt = req["body"].get("cache_salt")
+                own = block_hashes(ids[: blocks * size], size, request_extra_keys(blocks, salt, None) if salt else None)
+                seen.append((req["label"], index.match(own).get(ADDRESS, 0) * size, req["cached_tokens"]))
+            assert sub.stats.resets["hybrid"] == 1 and sub._set_aside_groups[ADDRESS] == {0}
+            assert sub.stats.set_aside_events > 0
+        finally:
+            await sub.stop()
+            pub.close()
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(body(), 60))
+    assert all(view >= vllm for _, view, vllm in seen), seen
+    assert {label for label, view, vllm in seen if view != vllm} == WINDOW_MISSING, seen
+    assert sum(vllm for _, _, vllm in seen) > 0

