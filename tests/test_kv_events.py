@@ -6,8 +6,8 @@ import msgpack
 import pytest
 
 from extproc.pick.kv_events import (
-    END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch, hybrid_groups,
-    parse_frames, replay_request,
+    END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
+    replay_request, unplaceable_groups, window_store,
 )
 
 BIG = 2**64 - 5  # unsigned block hash above int64, as vLLM publishes by default
@@ -60,23 +60,32 @@ def test_extra_trailing_positional_fields_are_tolerated() -> None:
     removed = ["BlockRemoved", [1], None, 0, "locality"]
     batch, skipped = decode_batch(packed([0.0, [ev, removed]]))  # no data_parallel_rank
     assert skipped == 0 and batch.data_parallel_rank is None
-    assert batch.events == (BlockStored((1,), None, (1, 2), 2, group_idx=0, kv_cache_spec_kind="sliding_window"),
+    assert batch.events == (BlockStored((1,), None, (1, 2), 2, group_idx=0, kv_cache_spec_kind="sliding_window",
+                                        kv_cache_spec_sliding_window=128),
                             BlockRemoved((1,), None, 0))
 
 
-def test_a_hybrid_models_groups_other_than_full_attention_are_told_apart() -> None:
-    """By the kind vLLM 0.32 sends on each store, or, where a publisher does not say, by a store
-    naming fewer blocks than its tokens fill (a sliding-window group keeps only its window)."""
+def test_a_hybrid_models_groups_are_told_apart() -> None:
+    """By the kind (and window) vLLM 0.32 sends on each store: a sliding window that says its window
+    is placed by the index; another kind, a window not said, or, where a publisher does not say its
+    kind, a store naming fewer blocks than its tokens fill, cannot be followed."""
     full = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [0] * 8,
             "block_size": 4, "group_idx": 1, "kv_cache_spec_kind": "full_attention"}
-    window = {**full, "group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64}
+    window = {**full, "group_idx": 0, "block_hashes": [2], "kv_cache_spec_kind": "sliding_window",
+              "kv_cache_spec_sliding_window": 64}
     mamba = {**full, "group_idx": 2, "kv_cache_spec_kind": "mamba"}
     unsaid = {**full, "group_idx": 3, "block_hashes": [2], "kv_cache_spec_kind": None}
+    no_window = {**full, "group_idx": 4, "kv_cache_spec_kind": "sliding_window"}
     plain = {**full, "group_idx": None, "block_hashes": [2], "kv_cache_spec_kind": None}  # no groups at all
-    batch, skipped = decode_batch(packed([0.0, [full, window, mamba, unsaid, plain, ["BlockRemoved", [1], None, 0]]]))
-    assert skipped == 0 and batch.events[1].kv_cache_spec_kind == "sliding_window"
-    assert hybrid_groups(batch.events) == {0, 2, 3}
-    assert hybrid_groups(decode_batch(packed([0.0, [full]])).batch.events) == set()
+    positional = ["BlockStored", [2], None, [0] * 8, 4, None, "GPU", None, None, 5, "sliding_window", 128]
+    batch, skipped = decode_batch(packed([0.0, [full, window, mamba, unsaid, no_window, plain, positional,
+                                               ["BlockRemoved", [1], None, 0]]]))
+    assert skipped == 0
+    assert (batch.events[1].kv_cache_spec_kind, batch.events[1].kv_cache_spec_sliding_window) == ("sliding_window", 64)
+    assert batch.events[6].kv_cache_spec_sliding_window == 128 and batch.events[6].group_idx == 5
+    assert [window_store(e) for e in batch.events] == [False, True, False, False, False, False, True, False]
+    assert unplaceable_groups(batch.events) == {2, 3, 4}
+    assert unplaceable_groups(decode_batch(packed([0.0, [full]])).batch.events) == set()
 
 
 def test_unknown_and_malformed_events_are_skipped_and_counted() -> None:

@@ -48,6 +48,7 @@ class BlockStored:
     extra_keys: tuple[tuple | None, ...] | None = None  # one per block: LoRA, mm hashes, cache_salt
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None  # the group's kind: "full_attention", "sliding_window", ... (vLLM 0.32)
+    kv_cache_spec_sliding_window: int | None = None  # a sliding-window group's window, in tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +119,23 @@ def parse_frames(frames: Sequence[bytes]) -> Frame:
 
 
 FULL_ATTENTION: Final = "full_attention"
+SLIDING_WINDOW: Final = "sliding_window"
 
 
-def hybrid_groups(events: Sequence[Event]) -> set[int]:
-    """A hybrid model's KV-cache groups other than full attention (sliding window, Mamba, ...): their
-    stores say another ``kv_cache_spec_kind``, or, from a publisher that does not say, name fewer
-    blocks than their tokens fill. vLLM 0.32 announces a sliding-window group's run with every
-    token of it but only the hashes of the blocks it keeps (the window before a point a later
-    request could hit), with no parent (seen on the wire: docs/fidelity.md)."""
-    return {ev.group_idx for ev in events if type(ev) is BlockStored and ev.group_idx is not None and (
-        ev.kv_cache_spec_kind not in (None, FULL_ATTENTION) or len(ev.token_ids) > len(ev.block_hashes) * ev.block_size)}
+def window_store(ev: Event) -> bool:
+    """A sliding-window group's store that says its window (extproc.pick.window_groups places it)."""
+    return type(ev) is BlockStored and ev.kv_cache_spec_kind == SLIDING_WINDOW and bool(ev.kv_cache_spec_sliding_window)
+
+
+def unplaceable_groups(events: Sequence[Event]) -> set[int]:
+    """A hybrid model's KV-cache groups the view cannot follow: a kind other than full attention or a
+    sliding window that says its window (Mamba, ...), or, from a publisher that does not say its
+    kind, stores naming fewer blocks than their tokens fill. vLLM 0.32 announces a sliding-window
+    group's run with every token of it but only the hashes of the blocks it keeps (the window
+    before a point a later request could hit), with no parent (seen on the wire: docs/fidelity.md)."""
+    return {ev.group_idx for ev in events if type(ev) is BlockStored and ev.group_idx is not None
+            and not window_store(ev) and (ev.kv_cache_spec_kind not in (None, FULL_ATTENTION)
+                                          or len(ev.token_ids) > len(ev.block_hashes) * ev.block_size)}
 
 
 def replay_request(start_seq: int) -> list[bytes]:
@@ -162,7 +170,8 @@ def decode_batch(payload: bytes) -> DecodedBatch:
 
 
 _STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                         "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
+                         "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                         "kv_cache_spec_sliding_window")
 _NONES: Final = [None] * len(_STORED_FIELDS)
 
 
@@ -185,7 +194,7 @@ def _event(item: Any) -> Event | None:
         if tag == "BlockRemoved":  # positional, trailing defaults omitted
             return _removed(*(item[1:4] + _NONES)[:3])
         if tag == "BlockStored":
-            return _stored(*(item[1:11] + _NONES)[:10])
+            return _stored(*(item[1:12] + _NONES)[:11])
         if tag == "AllBlocksCleared":
             return _CLEARED
     return None
@@ -195,7 +204,7 @@ _CLEARED: Final = AllBlocksCleared()
 
 
 def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
-            lora_name: Any, extra: Any, group: Any, kind: Any) -> BlockStored | None:
+            lora_name: Any, extra: Any, group: Any, kind: Any, window: Any) -> BlockStored | None:
     if (not _hash_list(hashes) or not (parent is None or _is_hash(parent))
             or not isinstance(tokens, list) or not set(map(type, tokens)) <= _INT
             or not _is_int(block_size) or block_size <= 0
@@ -207,7 +216,7 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
             return None
         extra = tuple(None if e is None else tuple(e) for e in extra)
     return BlockStored(tuple(hashes), parent, tuple(tokens), block_size, lora_id, medium, lora_name,
-                       extra, group, kind if isinstance(kind, str) else None)
+                       extra, group, kind if isinstance(kind, str) else None, window if _is_int(window) else None)
 
 
 def _removed(hashes: Any, medium: Any, group: Any) -> BlockRemoved | None:

@@ -33,8 +33,9 @@ import msgpack
 import xxhash
 
 from extproc.pick.index import IndexStats
-from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, window_store
 from extproc.pick.match_memo import SPAN, MatchMemo
+from extproc.pick.window_groups import WindowGroups
 
 ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed value; only this router compares own hashes
 
@@ -111,6 +112,7 @@ class ApplyResult(NamedTuple):
     malformed: int = 0  # BlockStored runs skipped: token count or extra keys don't fit
     refused: int = 0  # blocks not indexed: the replica's share of max_blocks is full
     unknown_removed: int = 0  # BlockRemoved hashes this replica was not known to hold
+    unplaced: int = 0  # a sliding-window group's hashes not placed (extproc.pick.window_groups)
 
 
 @dataclass(slots=True)
@@ -145,12 +147,18 @@ class EventIndex:
         self._name: dict[int, str] = {}  # bit -> address
         self._owners: dict[int, int] = {}  # own hash -> bit mask of replicas holding it
         self._memo = MatchMemo(span=match_span)  # match's walk states of earlier chains; told of every holder change
+        self.windows = WindowGroups()  # a hybrid model's sliding-window groups; the rest is full attention
 
     # --- reads -------------------------------------------------------------------------
     def match(self, own_hashes: Sequence[int]) -> dict[str, int]:
         """Replica -> how many leading blocks of ``own_hashes`` it holds (only those with >= 1):
         ``index.leading_runs``, resumed where an earlier request sharing the prefix stood."""
         return self._memo.match(own_hashes, self._owners, self._name)
+
+    def window_hit(self, address: str, own_hashes: Sequence[int], held: int, block_size: int) -> int:
+        """Of the ``held`` leading blocks ``match`` found at ``address``, those vLLM would serve once its
+        sliding-window groups are asked too (a hybrid model: extproc.pick.window_groups)."""
+        return self.windows.hit(address, own_hashes, held, block_size)
 
     def holds_block(self, address: str, own_hash: int) -> bool:
         replica = self._replicas.get(address)
@@ -223,7 +231,7 @@ class EventIndex:
     def stats(self) -> IndexStats:
         """entries: resident block copies; chunks: distinct own hashes; bytes: an estimate."""
         blocks = sum(r.blocks for r in self._replicas.values())
-        mapped = sum(len(r.engine) for r in self._replicas.values())
+        mapped = sum(len(r.engine) for r in self._replicas.values()) + self.windows.entries()
         readings = sum(len(r.last_use) for r in self._replicas.values())
         return IndexStats(blocks, len(self._owners), mapped * BYTES_PER_BLOCK + readings * BYTES_PER_READING)
 
@@ -236,8 +244,14 @@ class EventIndex:
         stored = removed = duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
         share = self.share()
         changed = self._memo.log.append if self._memo.active() else None  # holders changed, for the memo
+        windows = self.windows.groups(address)  # its sliding-window groups: their events go there
+        window_events: list[Event] = []
         for event in events:
             if type(event) is BlockStored:
+                if window_store(event):
+                    windows = self.windows.declare(address, event.group_idx, event.kv_cache_spec_sliding_window)
+                    window_events.append(event)
+                    continue
                 hashes, bs = event.block_hashes, event.block_size
                 n = len(hashes)
                 replica.allocated += n
@@ -285,6 +299,9 @@ class EventIndex:
                 stored += n
                 replica.blocks += n
             elif type(event) is BlockRemoved:
+                if windows and event.group_idx in windows:
+                    window_events.append(event)
+                    continue
                 for e in event.block_hashes:
                     h = engine.get(e)
                     held = 0 if h is None else owners.get(h, 0)
@@ -317,14 +334,18 @@ class EventIndex:
             elif type(event) is AllBlocksCleared:
                 self.reset(address)
                 changed = None  # the reset dropped the memo's states: nothing to keep valid
+                window_events.clear()  # the window groups were emptied too
                 cleared += 1
         if len(self._memo.log) > self._memo.max_log:
             self._memo.clear()
+        # after the batch's full-attention events, whose stores place the window groups' hashes
+        unplaced = self.windows.apply(address, window_events, engine) if window_events else 0
         return ApplyResult(stored, removed, duplicates, unknown_parent, cleared, malformed, refused,
-                           unknown)
+                           unknown, unplaced)
 
     def reset(self, address: str) -> None:
         """``address`` holds nothing (restart, sequence gap, AllBlocksCleared)."""
+        self.windows.reset(address)
         replica = self._replicas.get(address)
         if replica is None:
             return
@@ -348,6 +369,7 @@ class EventIndex:
     def remove(self, address: str) -> None:
         """Forget a replica that left the fleet (its bit is reused by the next one)."""
         self.reset(address)
+        self.windows.remove(address)
         replica = self._replicas.pop(address, None)
         if replica is not None:
             self._name.pop(replica.bit, None)

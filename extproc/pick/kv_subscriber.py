@@ -51,7 +51,7 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from extproc.pick.kv_events import (END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request,
-                                    hybrid_groups)
+                                    unplaceable_groups)
 from extproc.pick.partial_view import PARTIAL
 
 log = logging.getLogger("extproc.pick.kv_subscriber")
@@ -119,8 +119,8 @@ class KvSubscriberStats:
     replays_served: int = 0  # replay requests answered up to the end marker
     replayed_batches: int = 0  # batches applied from replay answers
     bad_frames: int = 0
-    # events of a hybrid model's KV-cache groups other than full attention (``kv_events.hybrid_groups``),
-    # set aside: the view is the full-attention groups' (docs/pick-mode.md)
+    # events of a hybrid model's KV-cache groups the view cannot follow (``kv_events.unplaceable_groups``:
+    # Mamba, or a sliding window that does not say its window), set aside (docs/pick-mode.md)
     set_aside_events: int = 0
     apply_s: float = 0.0  # CPU time decoding and applying batches (thread time): the ingest path's share of the core
     resets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
@@ -266,7 +266,7 @@ class KvEventSubscriber:
         self._streams: dict[str, list[_Stream]] = {}
         self._wanted: list[str] = []
         self._dirty: dict[str, bool] = {}  # applied anything since the last reset
-        self._set_aside_groups: dict[str, set[int]] = {}  # address -> its groups other than full attention
+        self._set_aside_groups: dict[str, set[int]] = {}  # address -> its groups the view cannot follow
         self._ctx: zmq.asyncio.Context | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._slice = _IngestSlice()
@@ -530,7 +530,7 @@ class KvEventSubscriber:
         batch = decoded.batch
         events = batch.events
         aside = self._set_aside_groups.get(st.address, set())
-        found = hybrid_groups(events)
+        found = unplaceable_groups(events)
         if not found <= aside:
             self._set_aside(st, found)
             if st.resync:
@@ -545,7 +545,7 @@ class KvEventSubscriber:
         self._dirty[st.address] = True
         stats.batches += 1
         stats.events_skipped += decoded.skipped
-        stats.blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)
+        stats.blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in events)
         now = time.time()
         view.last_event_time = now
         view.lag = now - batch.ts
@@ -561,16 +561,15 @@ class KvEventSubscriber:
         stats.apply_s += time.thread_time() - started
 
     def _set_aside(self, st: _Stream, groups: set[int]) -> None:
-        """A hybrid model: ``groups`` are not full attention. Their events are set aside from now on,
-        and this replica's view, which may hold some of their blocks, is rebuilt from its replay
-        buffer without them: the view is the full-attention groups' blocks."""
+        """A hybrid model: the view cannot follow ``groups`` (``unplaceable_groups``). Their events are
+        set aside from now on, and this replica's view, which may hold some of their blocks, is
+        rebuilt from its replay buffer without them."""
         aside = self._set_aside_groups.setdefault(st.address, set())
         aside |= groups
-        log.warning("replica %s has KV-cache groups %s that are not full attention (a hybrid model: "
-                    "sliding-window or Mamba layers): their events are set aside and its cache view is the "
-                    "full-attention groups'; precise mode can then predict more cached tokens than vLLM finds "
-                    "where those groups no longer hold what a hit needs (docs/pick-mode.md)",
-                    st.address, sorted(aside))
+        log.warning("replica %s has KV-cache groups %s that precise mode cannot follow (a hybrid model's: "
+                    "Mamba, or a sliding window that does not say its window): their events are set aside, so "
+                    "it can predict more cached tokens than vLLM finds where those groups no longer hold what a "
+                    "hit needs (docs/pick-mode.md)", st.address, sorted(aside))
         self._reset(st, "hybrid")
         st.resync = st.replay_url is not None  # without a buffer to rebuild from the view stays partial
 

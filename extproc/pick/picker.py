@@ -126,8 +126,8 @@ class PreciseCollector(Collector):
                 ("replays", "Replay requests sent to the replicas' replay sockets", s.replays_asked),
                 ("replayed_batches", "Batches applied from replay answers", s.replayed_batches),
                 ("bad_frames", "Event frames or payloads that did not decode (skipped)", s.bad_frames),
-                ("set_aside_events", "Events of a hybrid model's KV-cache groups other than full attention, "
-                 "set aside (the view is the full-attention groups')", s.set_aside_events)):
+                ("set_aside_events", "Events of a hybrid model's KV-cache groups the view cannot follow "
+                 "(Mamba, a sliding window that does not say its window), set aside", s.set_aside_events)):
             yield CounterMetricFamily(f"prefix_router_kv_{name}", doc, value=value)
         resets = CounterMetricFamily(
             "prefix_router_kv_view_resets", "Replica cache views emptied, by cause: restart (its sequence "

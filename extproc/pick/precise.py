@@ -122,6 +122,8 @@ class PreciseView:
         evicting: dict[str, int] = {}
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
+            if n:
+                n = self.index.window_hit(address, run, n, size)
             pending = self.pending.get(address)
             kept = 0  # leading blocks requests of ours in flight there use: they stay
             if pending:
