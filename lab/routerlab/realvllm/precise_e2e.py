@@ -137,7 +137,7 @@ class OwnView:
                 self.index.apply(self.addresses[frame.replica], decode_batch(frame.payload).batch.events)
                 self.applied += 1
             found = self.index.match(own)
-        return {a: found.get(a, 0) * size for a in self.addresses}
+            return {a: self.index.window_hit(a, own, found.get(a, 0), size) * size for a in self.addresses}
 
 
 class Stack:
