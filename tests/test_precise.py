@@ -13,7 +13,7 @@ from extproc import metrics
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.kv_events import BlockStored
+from extproc.pick.kv_events import BlockRemoved, BlockStored
 from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
 from extproc.pick.precise import PreciseView, _longest_shared, _shared
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
@@ -155,3 +155,29 @@ def test_shared_leading_blocks_of_two_chains() -> None:
 def test_the_longest_shared_run_is_the_best_of_every_pair(run: list[int], others: list[list[int]]) -> None:
     chains = [list(itertools.accumulate(r, lambda h, t: h * 5 + t + 1)) for r in [run, *others]]  # chain hashes
     assert _longest_shared(chains[0], chains[1:]) == max((_shared(chains[0], o) for o in chains[1:]), default=0)
+
+
+def test_a_hybrid_models_window_groups_bound_the_match_and_the_credit_for_requests_in_flight(
+        tokenizer: ModelTokenizer) -> None:
+    """A replica whose events show a sliding-window group (vLLM 0.32: each store says its kind and
+    window) is matched as vLLM matches it: the full-attention prefix, then the window before the hit
+    point; and a request of ours in flight there adds credit only as far as the window groups' events
+    allow (where it leaves its window is not known before it is stored)."""
+    core, index = core_with(tokenizer)
+    decision = decide(body("How do I roll back?"), {}, PICK)
+    ids = tokenizer.tokens_for(decision.document, "chat")
+    n = (len(ids) - 1) // BS
+    engine = tuple(range(1000, 1000 + n))
+    full = BlockStored(engine, None, tuple(ids[:n * BS]), BS, group_idx=1, kv_cache_spec_kind="full_attention")
+
+    def window(kept: range) -> BlockStored:
+        return BlockStored(tuple(engine[i] for i in kept), None, tuple(ids[:kept.stop * BS]), BS, group_idx=0,
+                           kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=2 * BS)
+
+    index.apply(A, [window(range(n - 2, n)), full])
+    assert core.precise.match(decision).cached[A] == n * BS  # the window before block n is held
+    index.apply(A, [BlockRemoved((engine[n - 1],), group_idx=0), window(range(1, 3))])
+    assert core.precise.match(decision).cached[A] == 3 * BS  # now only the window before block 3
+    core.precise.add_pending(A, core.precise.match(decision).hashes[BS])  # the same prompt in flight there
+    exact = core.precise.match(decision)
+    assert exact.cached[A] == 3 * BS and A not in exact.in_flight

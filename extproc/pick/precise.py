@@ -122,18 +122,22 @@ class PreciseView:
         evicting: dict[str, int] = {}
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
-            if n:
-                n = self.index.window_hit(address, run, n, size)
             pending = self.pending.get(address)
             kept = 0  # leading blocks requests of ours in flight there use: they stay
             if pending:
-                held_blocks = n
+                held_blocks = self.index.window_hit(address, run, n, size) if n else 0
                 kept = _longest_shared(run, pending)
                 n = max(n, kept)
                 while n < len(run) and self.index.holds_block(address, run[n]):
                     n += 1
+                # a hybrid model's window groups, as their events say, bound the credit too: where a
+                # request in flight leaves its window is not known before it is stored
+                n = self.index.window_hit(address, run, n, size)
+                kept = min(kept, n)
                 if n > held_blocks:
                     in_flight[address] = (n - held_blocks) * size
+            elif n:
+                n = self.index.window_hit(address, run, n, size)
             threshold = thresholds.get(address) if thresholds else None
             if threshold is not None and n > kept:
                 left = surviving(run, n, kept, self.index.last_use(address), threshold)
