@@ -120,23 +120,23 @@ class PreciseView:
         cached = dict.fromkeys(covered, 0)
         in_flight: dict[str, int] = {}
         evicting: dict[str, int] = {}
+        windowed = bool(self.index.windows)  # a hybrid model's sliding-window groups (extproc.pick.window_groups)
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             pending = self.pending.get(address)
             kept = 0  # leading blocks requests of ours in flight there use: they stay
             if pending:
-                held_blocks = self.index.window_hit(address, run, n, size) if n else 0
+                held_blocks = self.index.window_hit(address, run, n, size) if windowed and n else n
                 kept = _longest_shared(run, pending)
                 n = max(n, kept)
                 while n < len(run) and self.index.holds_block(address, run[n]):
                     n += 1
-                # a hybrid model's window groups, as their events say, bound the credit too: where a
-                # request in flight leaves its window is not known before it is stored
-                n = self.index.window_hit(address, run, n, size)
-                kept = min(kept, n)
+                if windowed:  # where a request in flight leaves its window is not known before it is stored
+                    n = self.index.window_hit(address, run, n, size)
+                    kept = min(kept, n)
                 if n > held_blocks:
                     in_flight[address] = (n - held_blocks) * size
-            elif n:
+            elif windowed and n:
                 n = self.index.window_hit(address, run, n, size)
             threshold = thresholds.get(address) if thresholds else None
             if threshold is not None and n > kept:

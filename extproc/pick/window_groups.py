@@ -48,6 +48,10 @@ class WindowGroups:
     def groups(self, address: str) -> Mapping[int | None, _Group]:
         return self._groups.get(address, {})
 
+    def __bool__(self) -> bool:
+        """Whether any replica has sliding-window groups (else a match needs no asking)."""
+        return bool(self._groups)
+
     def apply(self, address: str, events: Sequence[Event], engine: Mapping[EngineHash, int]) -> int:
         """A replica's sliding-window stores and removals, in order, after its full-attention events
         of the same batch (``engine``: their engine -> own hash map). Returns the hashes that could
