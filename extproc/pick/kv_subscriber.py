@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -57,6 +57,7 @@ from extproc.pick.partial_view import PARTIAL
 log = logging.getLogger("extproc.pick.kv_subscriber")
 
 CAUSES: Final = ("restart", "reconnect", "gap", "cleared", "left", "hybrid")
+_NO_GROUPS: Final[frozenset[int]] = frozenset()
 DRAIN: Final = 512  # live messages handled per wake-up before yielding to the request path
 # Ingest time, over all streams together, per turn of the event loop: a stream charges each
 # batch's time and yields once the slice is spent; a new slice starts on the loop's next turn
@@ -529,7 +530,7 @@ class KvEventSubscriber:
             return
         batch = decoded.batch
         events = batch.events
-        aside = self._set_aside_groups.get(st.address, set())
+        aside: Set[int] = self._set_aside_groups.get(st.address, _NO_GROUPS)
         found = unplaceable_groups(events)
         if not found <= aside:
             self._set_aside(st, found)

@@ -36,13 +36,16 @@ class WindowGroups:
 
     def __init__(self) -> None:
         self._groups: dict[str, dict[int | None, _Group]] = {}
+        # per replica, window -> the held blocks of its groups of that window (vLLM looks them up together)
+        self._by_window: dict[str, dict[int, list[dict[int, int]]]] = {}
 
     def declare(self, address: str, group: int | None, window: int) -> dict[int | None, _Group]:
         """``group`` of ``address`` is a sliding window of ``window`` tokens (its stores say so);
         returns the replica's groups, whose keys name its sliding-window groups."""
         groups = self._groups.setdefault(address, {})
         if group not in groups:
-            groups[group] = _Group(window)
+            groups[group] = added = _Group(window)
+            self._by_window.setdefault(address, {}).setdefault(window, []).append(added.held)
         return groups
 
     def groups(self, address: str) -> Mapping[int | None, _Group]:
@@ -91,12 +94,9 @@ class WindowGroups:
     def hit(self, address: str, run: Sequence[int], n: int, block_size: int) -> int:
         """How many leading blocks of ``run`` (a request's own hashes) vLLM would serve from
         ``address``'s cache, given that its full-attention groups hold the first ``n``."""
-        groups = self._groups.get(address)
-        if not groups or not n:
+        by_window = self._by_window.get(address)
+        if not by_window or not n:
             return n
-        by_window: dict[int, list[dict[int, int]]] = {}
-        for group in groups.values():
-            by_window.setdefault(group.window, []).append(group.held)
         while True:
             before = n
             for window, helds in by_window.items():
@@ -112,6 +112,7 @@ class WindowGroups:
 
     def remove(self, address: str) -> None:
         self._groups.pop(address, None)
+        self._by_window.pop(address, None)
 
     def entries(self) -> int:
         """Engine hashes mapped over every replica's groups (for the index's memory figure)."""

@@ -111,9 +111,9 @@ def make_tiny_model(
     sliding_window: int = 0,
 ) -> Path:
     """Write the model directory ``out``; returns it. Skips work if already complete.
-    ``sliding_window`` > 0: a hybrid Gemma 3 text model instead (its first layer sliding-window
-    attention over that many tokens, its second full attention), whose KV cache vLLM keeps in two
-    groups."""
+    ``sliding_window`` > 0: a hybrid Gemma 3 text model instead (its layers alternate between
+    sliding-window attention over that many tokens, first, and full attention), whose KV cache vLLM
+    keeps in groups of each kind."""
     out = Path(out)
     if is_complete(out) and not force:
         return out
@@ -157,42 +157,40 @@ def make_tiny_model(
     real_vocab = tok.get_vocab_size()
     # Pad the embedding to a multiple of 64 (harmless, kernels like it).
     padded_vocab = (real_vocab + 63) // 64 * 64
+    torch.manual_seed(seed)
     if sliding_window:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         hybrid = Gemma3TextConfig(
             vocab_size=padded_vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
-            num_hidden_layers=2, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
             head_dim=hidden_size // num_heads, sliding_window=sliding_window,
-            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=max_position_embeddings,
-            query_pre_attn_scalar=hidden_size // num_heads, bos_token_id=bos_id, eos_token_id=eos_id,
-            pad_token_id=pad_id, tie_word_embeddings=True)
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
+            max_position_embeddings=max_position_embeddings, query_pre_attn_scalar=hidden_size // num_heads,
+            bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, tie_word_embeddings=True)
         hybrid.architectures = ["Gemma3ForCausalLM"]
-        torch.manual_seed(seed)
-        Gemma3ForCausalLM(hybrid).to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
-    config = LlamaConfig(
-        vocab_size=padded_vocab,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=False,
-        torch_dtype=dtype,
-    )
-    if not sliding_window:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        model = model.to(getattr(torch, dtype))
-        model.save_pretrained(str(out), safe_serialization=True)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(str(out))
+        model = Gemma3ForCausalLM(hybrid)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=padded_vocab,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            tie_word_embeddings=False,
+            torch_dtype=dtype,
+        ))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out))
 
     (out / MARKER).write_text(json.dumps({
         "seed": seed,
@@ -226,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
     p.add_argument("--sliding-window", type=int, default=0,
-                   help="make a hybrid Gemma 3 text model (a sliding-window layer over this many tokens, then a "
-                        "full-attention layer) with the same tokenizer")
+                   help="make a hybrid Gemma 3 text model (layers alternating between sliding-window attention "
+                        "over this many tokens, first, and full attention) with the same tokenizer")
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out, seed=a.seed, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
