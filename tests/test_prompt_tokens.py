@@ -113,6 +113,25 @@ def test_segments_tokenised_ahead_on_a_thread_then_stored_give_the_uncached_ids(
     assert mt.cache_misses == before and mt.missing(text) == []  # served from what was stored
 
 
+def test_a_text_asked_for_its_missing_segments_is_resumed_and_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Precise mode asks what a request's text misses, then tokenises that same text: the second
+    step takes the first one's resume and plan (counted once), never another text's."""
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    system = "<|system|>" + "a long system prompt " * 50
+    mt.encode(system + "<|user|>first<|assistant|>")
+    text, other = system + "<|user|>second question<|assistant|>", system + "<|user|>a third<|assistant|>"
+    plans: list[int] = []
+    plan = mt._plan
+    monkeypatch.setattr(mt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    hits, resumed = mt.memo.hits, mt.char_sources()[0]
+    assert [seg for _, seg in mt.missing(text)] == ["second question"]
+    assert mt.encode(text) == mt.encode_uncached(text)
+    assert len(plans) == 1 and mt.memo.hits == hits + 1 and mt.char_sources()[0] - resumed == len(system) + 8
+    mt.missing(text)
+    assert mt.encode(other) == mt.encode_uncached(other)  # another text: planned for itself
+    assert len(plans) == 3 and mt.memo.hits == hits + 2
+
+
 def test_new_text_beyond_max_new_chars_is_refused_not_tokenised() -> None:
     mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
     known, new = "You answer about deploys. " * 10, "a brand new question " * 20  # 260 and 420 characters

@@ -97,12 +97,16 @@ class PromptMemo:
         counted in ``hits``/``misses`` if ``count``."""
         found = self._resume(text)
         if count:
-            if found is None:
-                self.misses += 1
-            else:
-                self.hits += 1
-                self.resumed_chars += found.chars
+            self.tally(found)
         return found
+
+    def tally(self, found: Resume | None) -> None:
+        """Count a resume (or its absence) in ``hits``/``misses``."""
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self.resumed_chars += found.chars
 
     def _resume(self, text: str) -> Resume | None:
         head = self._heads.get(text[:HEAD])

@@ -37,7 +37,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import xxhash
 
@@ -145,6 +145,7 @@ class ModelTokenizer:
         self.resumed: tuple[array, int] | None = None
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
         self._rendered: tuple[Mapping[str, Any], str] | None = None  # request_missing's doc and its text
+        self._planned: _Planned | None = None  # ``missing``'s work on its text, for the next ``encode_array`` of it
         self.cache_bytes_used = 0
         self.cache_hits = 0
         self.cache_misses = 0
@@ -232,12 +233,22 @@ class ModelTokenizer:
             return ids
         if not self.caching:
             return array("I", self.encode_uncached(text))
-        resume = self.memo.resume(text) if self.memo is not None else None
+        planned, self._planned = self._planned, None
+        if planned is not None and planned.text is not text:
+            planned = None
+        if planned is None:
+            resume = self.memo.resume(text) if self.memo is not None else None
+        else:  # ``missing`` resumed and planned this very text: counted now, as a resume here is
+            resume = planned.resume
+            if self.memo is not None:
+                self.memo.tally(resume)
         if resume is not None and resume.chars == len(text) == len(resume.prompt.text):  # the same text again
             self.resumed = (resume.prompt.ids, len(resume.prompt.ids))
             return resume.prompt.ids
-        start = resume.chars if resume is not None else 0
-        out, pending, pieces, piece_ends = self._plan(text, start=start)
+        if planned is None:
+            out, pending, pieces, piece_ends = self._plan(text, start=resume.chars if resume is not None else 0)
+        else:
+            out, pending, pieces, piece_ends = self._replanned(planned)
         if pending:
             segments = [(first, seg) for _, first, seg in pending]
             new_chars = sum(len(seg) for _, seg in segments)
@@ -304,12 +315,31 @@ class ModelTokenizer:
 
     def missing(self, text: str) -> list[tuple[bool, str]]:
         """The segments of ``text`` the cache does not hold, as (starts the text, segment): what
-        ``encode_segments`` would tokenise (none when the tokenizer does not cache)."""
+        ``encode_segments`` would tokenise (none when the tokenizer does not cache). The resume and
+        the plan are kept for the next ``encode_array`` of the same text object (precise mode asks
+        this before its pick, which then does not do them again)."""
         if not self.caching:
             return []
         resume = self.memo.resume(text, count=False) if self.memo is not None else None
-        start = resume.chars if resume is not None else 0
-        return [(first, seg) for _, first, seg in self._plan(text, False, start)[1]]
+        plan = self._plan(text, False, resume.chars if resume is not None else 0)
+        self._planned = _Planned(text, resume, *plan)
+        return [(first, seg) for _, first, seg in plan[1]]
+
+    def _replanned(self, planned: _Planned) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str], list[int]]:
+        """``missing``'s plan, its hits counted now, and brought up to date: a segment it found missing
+        may be cached since (the worker tokenised it ahead: counted as a miss when stored)."""
+        out, cache, pending = planned.out, self._cache, []
+        for part, piece in zip(out, planned.pieces, strict=True):
+            if type(part) is array:
+                self.cache_hits += 1
+                self.cache_hit_chars += len(piece)
+        for at, first, seg in planned.pending:
+            hit = cache.get(_key(first, seg))
+            if hit is not None and hit[0] == seg:
+                out[at] = hit[1]
+            else:
+                pending.append((at, first, seg))
+        return out, pending, planned.pieces, planned.ends
 
     def encode_segments(self, segments: list[tuple[bool, str]], words: bool = True) -> list[list[int]] | None:
         """Each segment's ids as it tokenises in its text (None if the split assumption fails, which a
@@ -457,6 +487,17 @@ def _completion_prompt(doc: Mapping[str, Any]) -> str | array:
     if isinstance(prompt, str):
         return prompt
     raise NotTokenizable("bad_request", "prompt is neither a string nor token ids")
+
+
+class _Planned(NamedTuple):
+    """``missing``'s work on one text: its resume and its plan (``ModelTokenizer._plan``'s result)."""
+
+    text: str
+    resume: Resume | None
+    out: list[array | int]
+    pending: list[tuple[int, bool, str]]
+    pieces: list[str]
+    ends: list[int]
 
 
 def _key(first: bool, seg: str) -> tuple[bool, int | str]:
