@@ -181,3 +181,29 @@ def test_a_hybrid_models_window_groups_bound_the_match_and_the_credit_for_reques
     core.precise.add_pending(A, core.precise.match(decision).hashes[BS])  # the same prompt in flight there
     exact = core.precise.match(decision)
     assert exact.cached[A] == 3 * BS and A not in exact.in_flight
+
+
+def test_the_coverage_kept_between_requests_follows_every_change_that_makes_it(tokenizer: ModelTokenizer) -> None:
+    """Which replicas the events cover, which of them partly, and their block sizes are kept from one
+    request to the next: each thing they are made of, changed, changes them at the next request."""
+    class View:
+        def __init__(self, origin: str) -> None:
+            self.origin = origin
+
+    index = EventIndex()
+    views = {A: View("events"), B: View("none")}
+    view = PreciseView(index, {"*": tokenizer}, views)
+    assert view._coverage() == ([A], (), {})
+    first = view._coverage()
+    assert view._coverage() is first  # nothing changed: the same answer, not walked again
+    view.block_size_hint = 16
+    assert view._coverage() == ([A], (), {A: 16})
+    views[B].origin = "partial"
+    assert view._coverage() == ([A, B], (B,), {A: 16, B: 16})
+    index.apply(A, [BlockStored((1,), None, tuple(range(32)), 32)])  # its events name its block size
+    assert view._coverage() == ([A, B], (B,), {A: 32, B: 16})
+    index.remove(A)
+    assert view._coverage() == ([A, B], (B,), {A: 16, B: 16})
+    del views[A]
+    views["10.0.0.3:8000"] = View("replayed")
+    assert view._coverage() == ([B, "10.0.0.3:8000"], (B,), {B: 16, "10.0.0.3:8000": 16})

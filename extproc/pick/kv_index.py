@@ -148,6 +148,7 @@ class EventIndex:
         self._owners: dict[int, int] = {}  # own hash -> bit mask of replicas holding it
         self._memo = MatchMemo(span=match_span)  # match's walk states of earlier chains; told of every holder change
         self.windows = WindowGroups()  # a hybrid model's sliding-window groups; the rest is full attention
+        self.sizes_version = 0  # changes whenever a replica's block size (``block_size``) may have
 
     # --- reads -------------------------------------------------------------------------
     def match(self, own_hashes: Sequence[int]) -> dict[str, int]:
@@ -274,7 +275,9 @@ class EventIndex:
                 except (OverflowError, TypeError, ValueError):  # token ids outside uint32, odd keys
                     malformed += 1
                     continue
-                replica.block_size = bs
+                if replica.block_size != bs:
+                    replica.block_size = bs
+                    self.sizes_version += 1
                 room = share - replica.blocks
                 if room < n:
                     refused += n - max(room, 0)
@@ -373,6 +376,7 @@ class EventIndex:
         replica = self._replicas.pop(address, None)
         if replica is not None:
             self._name.pop(replica.bit, None)
+            self.sizes_version += 1
 
     def _replica(self, address: str) -> _Replica:
         replica = self._replicas.get(address)

@@ -11,6 +11,7 @@ tokenised) stays with the learned view, and the caller says so.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Final, NamedTuple, Protocol
 
@@ -24,6 +25,7 @@ EVENTS: Final = "events"
 PARTIAL: Final = "partial"  # a replica origin: events that miss part of its cache (extproc.pick.partial_view)
 COVERED: Final = frozenset({"events", "replayed", PARTIAL})  # origins whose view comes from events
 ANY_MODEL: Final = "*"
+_origin_of: Final = attrgetter("origin")
 
 
 class Origin(Protocol):
@@ -56,6 +58,7 @@ class PreciseView:
         self.chains = ChainCache()
         self.distrusted: set[str] = set()  # models whose last tokenizer check disagreed with a replica
         self.block_size_hint = 0  # the fleet's block size before a replica's events said it (scraped)
+        self._covered: tuple[tuple, tuple[list[str], tuple[str, ...], dict[str, int]]] = ((), ([], (), {}))
         # The block hash runs of this router's requests still in flight, per replica: they are
         # being computed there, so a request sent now will find them; vLLM announces them only
         # once stored. Runs, not a count per hash: adding and dropping one costs nothing, and a
@@ -148,13 +151,19 @@ class PreciseView:
 
     def _coverage(self) -> tuple[list[str], tuple[str, ...], dict[str, int]]:
         """The covered replicas, those of them whose view is partial, and their block sizes (the
-        scraped hint until a replica's events said it), in one pass: it runs per request over the
-        whole fleet."""
+        scraped hint until a replica's events said it): read only. It runs per request over the
+        whole fleet, so the last answer is kept while the replicas, their origins, the block sizes
+        the events announced and the hint are as they were (compared in C, not walked in Python).
+        """
+        origins = self.origins
+        key = (tuple(origins), tuple(map(_origin_of, origins.values())), self.index.sizes_version, self.block_size_hint)
+        if key == self._covered[0]:
+            return self._covered[1]
         covered: list[str] = []
         partial: list[str] = []
         sizes: dict[str, int] = {}
         block_size, hint = self.index.block_size, self.block_size_hint
-        for address, view in self.origins.items():
+        for address, view in origins.items():
             origin = view.origin
             if origin in COVERED:
                 covered.append(address)
@@ -162,7 +171,9 @@ class PreciseView:
                     partial.append(address)
                 if size := block_size(address) or hint:
                     sizes[address] = size
-        return covered, tuple(partial), sizes
+        found = (covered, tuple(partial), sizes)
+        self._covered = (key, found)
+        return found
 
     def add_pending(self, address: str, run: Sequence[int]) -> None:
         """A request in flight at ``address`` computes the blocks ``run`` (this router's, or another
