@@ -138,11 +138,11 @@ def test_new_text_beyond_max_new_chars_is_refused_not_tokenised() -> None:
     mt.encode(f"<|system|>{known}")
     misses = mt.cache_misses
     with pytest.raises(NotTokenizable) as refused:
-        mt.encode_array(f"<|system|>{known}<|user|>{new}", max_new_chars=400)
+        mt.encode_run(f"<|system|>{known}<|user|>{new}", max_new_chars=400)
     assert refused.value.reason == "tokenizer_busy" and "tokenizer_busy" in REASONS
     assert mt.cache_misses == misses  # nothing was tokenised
     # the cached part does not count, and at the limit it tokenises
-    assert mt.encode_array(f"<|system|>{known}<|user|>{new}", max_new_chars=420).tolist() == mt.encode_uncached(
+    assert mt.encode_run(f"<|system|>{known}<|user|>{new}", max_new_chars=420).array().tolist() == mt.encode_uncached(
         f"<|system|>{known}<|user|>{new}")
     assert mt.missing(f"<|system|>{known}<|user|>{new}") == []
 
@@ -340,8 +340,8 @@ def test_each_conversations_next_turn_resumes_from_its_previous_turn_and_tokenis
             messages.append({"role": "assistant", "content": f"because of scattering, answer {turn}"})
     assert len(mt.memo) == 100  # each conversation's latest turn; the earlier ones were superseded
     _check_memo(mt.memo)
-    same = mt.token_array(doc, "chat")
-    assert mt.token_array(doc, "chat") is same  # the same text again: the remembered ids, not a copy
+    same = mt.token_run(doc, "chat")
+    assert mt.token_run(doc, "chat") is same  # the same text again: the remembered ids, not a copy
 
 
 def _check_memo(memo: PromptMemo) -> None:
@@ -352,8 +352,28 @@ def _check_memo(memo: PromptMemo) -> None:
     for head_text, head in memo._heads.items():
         for key, group in head.keyed.items():
             assert 0 < len(group) <= PER_KEY
+            assert all("".join(p.pieces) == p.text for p in group)
             assert all(p.text[:HEAD] == head_text and memo._key(head.agree, p.text) == key for p in group)
             assert all(p.text.startswith(head.latest.text[:head.agree]) for p in group)
+    for prompt, filed, key, cost in memo._order.values():  # where each is filed, as its drop will find it
+        text = prompt.text
+        assert filed == text[:HEAD] and key == memo._key(memo._heads[filed].agree, text) and cost == _memo_cost(prompt)
+
+
+def test_a_new_question_on_a_remembered_system_prompt_shares_its_pieces_and_ids() -> None:
+    """What the memo keeps of a prompt resumed from another, besides its text, is its own new part: the
+    shared pieces are the same string objects and the ids the same base array (a 32 KB system
+    prompt's ids are not copied per request)."""
+    mt = ModelTokenizer(ASSETS / "tiny-bytelevel")
+    system = "<|system|>" + "You are a careful assistant. " * 400
+    first, second = system + "<|user|>hello<|assistant|>", system + "<|user|>and a second question<|assistant|>"
+    one = mt.encode_run(first)
+    two = mt.encode_run(second)
+    assert two.array().tolist() == mt.encode_uncached(second) and one.array().tolist() == mt.encode_uncached(first)
+    assert two.base is one.base and len(two.tail) < 40  # the question's ids and the generation prompt only
+    p1, p2 = (entry[0] for entry in mt.memo._order.values())
+    assert p2.pieces[1] is p1.pieces[1] and len(p2.pieces[1]) > 10_000  # the system prompt's text, one object
+    _check_memo(mt.memo)
 
 
 def test_a_turn_that_supersedes_the_only_prompt_of_its_head_is_filed_in_its_place() -> None:

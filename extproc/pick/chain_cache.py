@@ -27,7 +27,10 @@ import weakref
 
 import xxhash
 
+from extproc.pick.id_run import IdRun
 from extproc.pick.kv_index import block_hashes, request_extra_keys
+
+Ids = array | IdRun  # a request's ids, known by their identity
 
 SPAN_BLOCKS: Final = 32
 MAX_OWNED: Final = 4096  # chains kept by the identity of their request's ids
@@ -54,10 +57,10 @@ class ChainCache:
         # id(a request's ids) -> (a weak reference to them, (block size, salt) -> their chain)
         self._owned: OrderedDict[int, tuple[weakref.ref, dict[tuple[int, str | None], array]]] = OrderedDict()
 
-    def hashes(self, tokens: Sequence[int], block_size: int, cache_salt: str | None = None,
-               known: tuple[array, int] | None = None, own: array | None = None, blocks: int | None = None) -> array:
+    def hashes(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None = None,
+               known: tuple[Ids, int] | None = None, own: Ids | None = None, blocks: int | None = None) -> array:
         """``known``: (an earlier request's ids, n): ``tokens`` begin with the first n of them;
-        ``own``: this request's ids (of which ``tokens`` are the first), for later ``known``;
+        ``own``: this request's ids (``tokens``, or ids they are the first of), for later ``known``;
         ``blocks``: hash only the first ``blocks`` full blocks (default: all), so a caller leaving out
         the last one need not copy a prefix of ``tokens``."""
         key = (block_size, cache_salt)
@@ -70,8 +73,8 @@ class ChainCache:
             self._own(own, key, out)
         return out
 
-    def _known(self, tokens: Sequence[int], block_size: int, key: tuple[int, str | None],
-               known: tuple[array, int], blocks: int) -> array | None:
+    def _known(self, tokens: Sequence[int] | IdRun, block_size: int, key: tuple[int, str | None],
+               known: tuple[Ids, int], blocks: int) -> array | None:
         """The chain from the earlier request's, or None if this cache no longer holds it."""
         base, n = known
         entry = self._owned.get(id(base))
@@ -79,16 +82,17 @@ class ChainCache:
         if chain is None:
             return None
         have = min(len(chain), n // block_size, blocks)
-        last = slice((have - 1) * block_size, have * block_size)
-        if not have or tokens[last] != base[last]:  # the caller's word, checked on one block
+        # the caller's word, checked on one block
+        if not have or _range(tokens, (have - 1) * block_size, have * block_size) != _range(
+                base, (have - 1) * block_size, have * block_size):
             return None
         self._owned.move_to_end(id(base))
         out = chain[:have]
         if blocks > have:
-            out.extend(block_hashes(tokens[have * block_size: blocks * block_size], block_size, None, out[-1]))
+            out.extend(block_hashes(_range(tokens, have * block_size, blocks * block_size), block_size, None, out[-1]))
         return out
 
-    def _own(self, ids: array, key: tuple[int, str | None], chain: array) -> None:
+    def _own(self, ids: Ids, key: tuple[int, str | None], chain: array) -> None:
         at = id(ids)
         entry = self._owned.get(at)
         if entry is None or entry[0]() is not ids:
@@ -101,7 +105,9 @@ class ChainCache:
             self._owned.move_to_end(at)
         entry[1][key] = chain
 
-    def _probed(self, tokens: Sequence[int], block_size: int, cache_salt: str | None, blocks: int) -> array:
+    def _probed(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None, blocks: int) -> array:
+        if isinstance(tokens, IdRun):
+            tokens = tokens.array()
         spans = blocks // self.span
         if not spans:
             return array("Q", block_hashes(tokens[: blocks * block_size], block_size,
@@ -162,3 +168,8 @@ class ChainCache:
         if not entry[0]:
             del self._lists[id(chain)]
             self.held -= entry[1]
+
+
+
+def _range(tokens: Sequence[int] | IdRun, start: int, stop: int) -> Sequence[int]:
+    return tokens.range(start, stop) if isinstance(tokens, IdRun) else tokens[start:stop]

@@ -75,7 +75,7 @@ class PreciseView:
         model whose tokenizer a run-time check found wrong, unless ``checking`` it again, and for
         more than ``max_new_chars`` characters the tokenizer's cache does not hold, 0: no limit)."""
         tokenizer, doc, kind = self._resolve(decision, checking)
-        return tokenizer.token_array(doc, kind, max_new_chars)
+        return tokenizer.token_run(doc, kind, max_new_chars).array()
 
     def missing(self, decision: Decision, checking: bool = False) -> tuple[ModelTokenizer, list[tuple[bool, str]]]:
         """The tokenizer for the request and the segments of its text that tokenizer's cache does not
@@ -110,7 +110,7 @@ class PreciseView:
         ``EvictionForecast.threshold``); raises NotTokenizable, also for more than ``max_new_chars``
         new characters to tokenise (0: no limit)."""
         tokenizer, doc, kind = self._resolve(decision, False)
-        ids = tokenizer.token_array(doc, kind, max_new_chars)
+        ids = tokenizer.token_run(doc, kind, max_new_chars)
         known = tokenizer.resumed  # the earlier prompt whose ids these begin with, if the memo found one
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
         covered, partial, sizes = self._coverage()

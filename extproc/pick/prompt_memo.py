@@ -12,7 +12,10 @@ token and end past the shared part (then the split there could differ); the call
 the rest. Texts are filed by their first ``HEAD`` characters and, past where those texts part, by
 up to ``KEY`` more cut before the next added token (a conversation's first message), so a
 conversation's previous turn is found in one lookup however many conversations share its system
-prompt. Exact by construction
+prompt. A remembered prompt's pieces are the objects of the prompt it was resumed from and its
+ids share that prompt's (id_run.py): what it adds to memory is its text and its new part. Its
+bytes are counted as if it held all of its ids (an upper bound: an ids array lives only while a
+prompt counted for it does). Exact by construction
 (tests/test_prompt_tokens.py: memo == tokenizer on texts cut anywhere and on generated
 conversations). Pure, bounded in bytes, not thread-safe (the event loop's).
 """
@@ -23,9 +26,10 @@ import sys
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from extproc.pick.added_split import AddedTokenSplit
+from extproc.pick.id_run import IdRun
 
 HEAD: Final = 256  # the characters a text is filed under: texts that differ sooner share little
 KEY: Final = 64  # characters past where a head's texts part that tell them apart (a conversation's first turn)
@@ -37,7 +41,7 @@ class Prompt(NamedTuple):
     tokens), with where each piece ends, the ids up to its end, and whether it is an added token."""
 
     text: str
-    ids: array
+    ids: IdRun
     pieces: list[str]
     ends: array
     ids_at: array
@@ -86,7 +90,11 @@ class PromptMemo:
         # what an added token could still become past the shared part: its proper prefixes
         self._open = frozenset(a[:i] for a in split.contents for i in range(1, len(a)))
         self._heads: dict[str, _Head] = {}
-        self._order: OrderedDict[int, Prompt] = OrderedDict()  # id -> prompt, least recently used first
+        # id(prompt) -> [prompt, the head it is filed under, its key there, its bytes], least recently used first
+        self._order: OrderedDict[int, list[Any]] = OrderedDict()
+        # what the last ``_resume`` found for its text, which ``remember`` files next: (text, its head
+        # or None, its key there, how far it agrees with the head's latest prompt or -1 if not computed)
+        self._found: tuple[str, _Head | None, str, int] | None = None
         self.bytes = 0
         self.hits = 0  # texts resumed from a remembered one
         self.misses = 0
@@ -111,15 +119,20 @@ class PromptMemo:
     def _resume(self, text: str) -> Resume | None:
         head = self._heads.get(text[:HEAD])
         if head is None:
+            self._found = (text, None, "", -1)
             return None
         best, shared, n = None, 0, len(text)
-        for prompt in head.keyed.get(self._key(head.agree, text), ()):  # one ``text`` extends whole: its previous turn
+        key = self._key(head.agree, text)
+        for prompt in head.keyed.get(key, ()):  # one ``text`` extends whole: its previous turn
             m = len(prompt.text)
             if shared < m <= n and text.startswith(prompt.text):
                 best, shared = prompt, m
         if best is None:  # the latest, as far as whole pieces match
             best = head.latest
             shared = _agreeing(text, best)
+            self._found = (text, head, key, shared)
+        else:
+            self._found = (text, head, key, -1)
         whole = shared == len(best.text)
         pieces, ends, added = best.pieces, best.ends, best.added
         k = bisect_right(ends, shared)  # pieces wholly inside the shared part
@@ -155,46 +168,61 @@ class PromptMemo:
         return shared
 
     def remember(self, prompt: Prompt, supersedes: Prompt | None = None) -> None:
-        """File ``prompt``; ``supersedes``: the remembered one it extends whole (dropped)."""
+        """File ``prompt``; ``supersedes``: the remembered one it extends whole (dropped).
+        What ``resume`` found for the same text is used, not looked up again, unless dropping
+        ``supersedes`` changed it."""
+        found, self._found = self._found, None
         text = prompt.text
         if not text:
             return
         if supersedes is not None:
             self._drop(supersedes)
-        head = self._heads.get(text[:HEAD])  # (a text the memo holds is resumed whole, never filed again)
-        if head is None:
-            head = self._heads[text[:HEAD]] = _Head(prompt)
+            found = None
+        filed = text[:HEAD]
+        if found is None or found[0] is not text:
+            head, key, agree = self._heads.get(filed), None, -1
         else:
-            agree = _agreeing(text, head.latest, head.agree)
+            _, head, key, agree = found
+        if head is None:  # (a text the memo holds is resumed whole, never filed again)
+            head = self._heads[filed] = _Head(prompt)
+            key = None
+        else:
+            agree = min(agree, head.agree) if agree >= 0 else _agreeing(text, head.latest, head.agree)
             if agree < head.agree:  # texts that part sooner: key everything again past that point
                 keyed: dict[str, list[Prompt]] = {}
                 for group in head.keyed.values():
                     for other in group:
-                        keyed.setdefault(self._key(agree, other.text), []).append(other)
+                        entry = self._order[id(other)]
+                        entry[2] = self._key(agree, other.text)
+                        keyed.setdefault(entry[2], []).append(other)
                 head.agree, head.keyed = agree, keyed
+                key = None
             head.latest = prompt
-        group = head.keyed.setdefault(self._key(head.agree, text), [])
+        if key is None:
+            key = self._key(head.agree, text)
+        group = head.keyed.setdefault(key, [])
         group.insert(0, prompt)
-        self._order[id(prompt)] = prompt
-        self.bytes += _cost(prompt)
+        cost = _cost(prompt)
+        self._order[id(prompt)] = [prompt, filed, key, cost]
+        self.bytes += cost
         if len(group) > PER_KEY:
             self._drop(group[-1])
         while self.bytes > self.max_bytes and self._order:
-            self._drop(next(iter(self._order.values())))
+            self._drop(next(iter(self._order.values()))[0])
 
     def _drop(self, prompt: Prompt) -> None:
-        if self._order.pop(id(prompt), None) is None:
+        entry = self._order.pop(id(prompt), None)
+        if entry is None:
             return
-        self.bytes -= _cost(prompt)
-        text = prompt.text
-        head = self._heads[text[:HEAD]]
-        key = self._key(head.agree, text)
+        _, filed, key, cost = entry
+        self.bytes -= cost
+        head = self._heads[filed]
         group = head.keyed[key]
         group[:] = [p for p in group if p is not prompt]
         if not group:
             del head.keyed[key]
             if not head.keyed:
-                del self._heads[text[:HEAD]]
+                del self._heads[filed]
                 return
         if head.latest is prompt:
             head.latest = next(iter(head.keyed.values()))[0]
@@ -202,6 +230,7 @@ class PromptMemo:
     def clear(self) -> None:
         self._heads.clear()
         self._order.clear()
+        self._found = None
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -220,8 +249,8 @@ def _agreeing(text: str, prompt: Prompt, enough: int = sys.maxsize) -> int:
 
 
 def _cost(prompt: Prompt) -> int:
-    """Bytes a remembered prompt holds: its text and its pieces (1 or 4 bytes a character), its ids, and
-    each piece's offsets and object."""
+    """Bytes counted for a remembered prompt: its text and its pieces (1 or 4 bytes a character), its ids
+    (all of them, shared or not), and each piece's offsets and object."""
     text = prompt.text
     return (2 * len(text) * (1 if text.isascii() else 4) + 4 * len(prompt.ids)
             + 80 * len(prompt.pieces) + 300)

@@ -43,6 +43,7 @@ import xxhash
 
 from extproc.pick.added_split import AddedTokenSplit
 from extproc.pick.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
+from extproc.pick.id_run import IdRun
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
 from extproc.pick.not_tokenizable import REASONS, NotTokenizable
 from extproc.pick.prompt_memo import Prompt, PromptMemo, Resume
@@ -142,10 +143,10 @@ class ModelTokenizer:
         # ~100 KB a 32 KB conversation, so the default holds the latest turn of ~600 of them)
         self.memo = PromptMemo(self.cache_limit, self._split) if self.caching else None  # type: ignore[arg-type]
         # the last ids returned began with these of an earlier prompt's: (its ids, how many), or None
-        self.resumed: tuple[array, int] | None = None
+        self.resumed: tuple[IdRun, int] | None = None
         self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
         self._rendered: tuple[Mapping[str, Any], str] | None = None  # request_missing's doc and its text
-        self._planned: _Planned | None = None  # ``missing``'s work on its text, for the next ``encode_array`` of it
+        self._planned: _Planned | None = None  # ``missing``'s work on its text, for the next ``encode_run`` of it
         self.cache_bytes_used = 0
         self.cache_hits = 0
         self.cache_misses = 0
@@ -209,30 +210,30 @@ class ModelTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=...).ids``, served from the segment cache."""
-        return self.encode_array(text, add_special_tokens=add_special_tokens).tolist()
+        return self.encode_run(text, add_special_tokens=add_special_tokens).array().tolist()
 
-    def encode_array(self, text: str, *, add_special_tokens: bool = False, max_new_chars: int = 0) -> array:
-        """``encode`` as an ``array('I')``: cached segments join by memory copy, and precise mode
-        hashes the ids' bytes, so a 17,000-token prompt never becomes a list of int objects.
+    def encode_run(self, text: str, *, add_special_tokens: bool = False, max_new_chars: int = 0) -> IdRun:
+        """``encode``'s ids as an :class:`IdRun`: the part an earlier prompt's ids share is not
+        copied, and precise mode hashes the ids' bytes, so a 17,000-token prompt never becomes a
+        list of int objects.
 
         ``max_new_chars`` (0: no limit): raise NotTokenizable("tokenizer_busy") rather than tokenise
         more than this many characters the cache does not hold (precise mode's request path: what
         is longer was to be tokenised ahead, off the event loop, by extproc.pick.tokenize_ahead).
 
         A text that extends a recent one is tokenised from where they part (the prompt memo, which
-        ``resumed`` then names); the same text again gets the memo's own array: read it, never
-        change it.
+        ``resumed`` then names); the same text again gets the memo's own run. Read it, never change it.
         """
         self.resumed = None
         if add_special_tokens:
             if self._special_affix is None:
-                return array("I", self.encode_uncached(text, add_special_tokens=True))
+                return IdRun(array("I", self.encode_uncached(text, add_special_tokens=True)))
             prefix, suffix = self._special_affix
-            ids = array("I", prefix) + self.encode_array(text, max_new_chars=max_new_chars) + array("I", suffix)
+            inner = self.encode_run(text, max_new_chars=max_new_chars).array()
             self.resumed = None  # shifted by the prefix: not the memo's ids
-            return ids
+            return IdRun(array("I", prefix) + inner + array("I", suffix))
         if not self.caching:
-            return array("I", self.encode_uncached(text))
+            return IdRun(array("I", self.encode_uncached(text)))
         planned, self._planned = self._planned, None
         if planned is not None and planned.text is not text:
             planned = None
@@ -257,7 +258,7 @@ class ModelTokenizer:
                                      "to tokenise on the request path")
             encoded = self.encode_segments(segments)
             if encoded is None:
-                return array("I", self.encode_uncached(text))
+                return IdRun(array("I", self.encode_uncached(text)))
             for (at, _, _), value in zip(pending, self.store_segments(segments, encoded), strict=True):
                 out[at] = value
         prompt = _assembled(text, resume, out, pieces, piece_ends)
@@ -316,7 +317,7 @@ class ModelTokenizer:
     def missing(self, text: str) -> list[tuple[bool, str]]:
         """The segments of ``text`` the cache does not hold, as (starts the text, segment): what
         ``encode_segments`` would tokenise (none when the tokenizer does not cache). The resume and
-        the plan are kept for the next ``encode_array`` of the same text object (precise mode asks
+        the plan are kept for the next ``encode_run`` of the same text object (precise mode asks
         this before its pick, which then does not do them again)."""
         if not self.caching:
             return []
@@ -427,19 +428,23 @@ class ModelTokenizer:
         :class:`NotTokenizable` when it cannot say."""
         return self.token_array(doc, path_kind).tolist()
 
-    def token_array(self, doc: Mapping[str, Any], path_kind: PathKind, max_new_chars: int = 0) -> array:
-        """``tokens_for`` as an ``array('I')`` (what precise mode hashes); ``max_new_chars``: as
-        ``encode_array``'s."""
+    def token_array(self, doc: Mapping[str, Any], path_kind: PathKind) -> array:
+        """``tokens_for`` as one ``array('I')`` (the memo's own when the ids are all of it: read it only)."""
+        return self.token_run(doc, path_kind).array()
+
+    def token_run(self, doc: Mapping[str, Any], path_kind: PathKind, max_new_chars: int = 0) -> IdRun:
+        """``tokens_for`` as an :class:`IdRun` (what precise mode hashes); ``max_new_chars``: as
+        ``encode_run``'s."""
         self.resumed = None
         prompt = self._prompt(doc, path_kind)
         if isinstance(prompt, array):
-            return prompt
+            return IdRun(prompt)
         add_special = request_bool(doc, "add_special_tokens", path_kind == "completions")  # vLLM's defaults
-        return self.encode_array(prompt, add_special_tokens=add_special, max_new_chars=max_new_chars)
+        return self.encode_run(prompt, add_special_tokens=add_special, max_new_chars=max_new_chars)
 
     def request_missing(self, doc: Mapping[str, Any], path_kind: PathKind) -> list[tuple[bool, str]]:
-        """``missing`` of the text ``token_array`` would tokenise for ``doc`` (none for token ids);
-        raises NotTokenizable as it does. The rendered chat text is kept for the next ``token_array``
+        """``missing`` of the text ``token_run`` would tokenise for ``doc`` (none for token ids);
+        raises NotTokenizable as it does. The rendered chat text is kept for the next ``token_run``
         of the same ``doc`` (precise mode asks this, then picks: one render, not two)."""
         prompt = self._prompt(doc, path_kind)
         if isinstance(prompt, array):
@@ -509,24 +514,26 @@ def _key(first: bool, seg: str) -> tuple[bool, int | str]:
 
 def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces: list[str],
                piece_ends: list[int]) -> Prompt:
-    """The text's prompt for the memo: what ``resume`` took from an earlier one, then the planned
-    pieces (``out``: their ids, an added token's one id or a segment's array)."""
+    """The text's prompt for the memo: what ``resume`` took from an earlier one (its ids shared, not
+    copied), then the planned pieces (``out``: their ids, an added token's one id or a segment's array)."""
     if resume is None:
-        ids, texts, ends, ids_at, added = array("I"), [], array("q"), array("q"), bytearray()
+        at, texts, ends, ids_at, added = 0, [], array("q"), array("q"), bytearray()
     else:
         before, k = resume.prompt, resume.pieces
-        ids, texts = before.ids[:resume.ids], before.pieces[:k]
+        at, texts = resume.ids, before.pieces[:k]
         ends, ids_at, added = before.ends[:k], before.ids_at[:k], before.added[:k]
+    new = array("I")
     for part, piece, end in zip(out, pieces, piece_ends, strict=True):
         if isinstance(part, int):
-            ids.append(part)
+            new.append(part)
         else:
-            ids.extend(part)
+            new.extend(part)
         texts.append(piece)
         ends.append(end)
-        ids_at.append(len(ids))
+        ids_at.append(at + len(new))
         added.append(isinstance(part, int))
-    return Prompt(text, ids, texts, ends, ids_at, added)
+    return Prompt(text, IdRun(new) if resume is None else resume.prompt.ids.extended(at, new), texts, ends,
+                  ids_at, added)
 
 
 def _ids(prompt: list[Any]) -> array:

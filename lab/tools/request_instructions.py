@@ -13,6 +13,8 @@ Modes, 8 replicas, a ``--kb`` chat body each request with a new 30-word question
 - ``pick``: pick mode's decide() + choice (the microbench's pick row, 300 prompts warmed).
 - ``precise``: precise mode's decide() + choice (the microbench's precise row).
 - ``precise-served``: the same with ``PreciseView.missing`` first, as the adapter's ``prepare`` asks.
+- ``precise-turn``: precise mode's decide() + choice for a conversation's next turn after 40 (the
+  microbench's turns table: 32 conversations on one 8 KB system prompt; ``--kb`` is not used).
 
 Run: ``.venv/bin/python lab/tools/request_instructions.py --mode precise`` (needs valgrind; each
 mode takes about a minute).
@@ -48,6 +50,13 @@ def request(mode: str, kb: int) -> Callable[[], None]:
         return mb.pick_request(kb, 8, WARM)[1]
     settings = RouteSettings(mode="pick")
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
+    if mode == "precise-turn":
+        warm, turns = mb.conversation_bodies(40, MAX_REQUESTS + 20 + WARM)
+        core = mb.precise_core(tokenizer, 8, tokenizer.token_array(json.loads(warm[0]), "chat").tolist())
+        for body in warm:
+            core.release(core.pick(decide(body, {}, settings), settings))
+        bodies = iter(turns)
+        return lambda: core.release(core.pick(decide(next(bodies), {}, settings), settings))
     system = json.loads(mb.chat_body(kb * 1024, 0))["messages"][0]["content"]
     bodies = iter(mb.questions(system, MAX_REQUESTS + 20 + WARM + 1))
     core = mb.precise_core(tokenizer, 8, tokenizer.token_array(json.loads(next(bodies)), "chat").tolist())
@@ -85,7 +94,7 @@ def counts(mode: str, kb: int, n: int) -> dict[str, int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("pick", "precise", "precise-served"), default="precise")
+    p.add_argument("--mode", choices=("pick", "precise", "precise-served", "precise-turn"), default="precise")
     p.add_argument("--kb", type=int, default=32, help="the body's size")
     p.add_argument("--requests", type=int, default=100, help="requests between the two runs")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
