@@ -170,6 +170,5 @@ class ChainCache:
             self.held -= entry[1]
 
 
-
 def _range(tokens: Sequence[int] | IdRun, start: int, stop: int) -> Sequence[int]:
     return tokens.range(start, stop) if isinstance(tokens, IdRun) else tokens[start:stop]

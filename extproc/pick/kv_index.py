@@ -148,7 +148,7 @@ class EventIndex:
         self._owners: dict[int, int] = {}  # own hash -> bit mask of replicas holding it
         self._memo = MatchMemo(span=match_span)  # match's walk states of earlier chains; told of every holder change
         self.windows = WindowGroups()  # a hybrid model's sliding-window groups; the rest is full attention
-        self.sizes_version = 0  # changes whenever a replica's block size (``block_size``) may have
+        self.sizes_version = 0  # changes whenever a replica's block size (``block_size``) may have changed
 
     # --- reads -------------------------------------------------------------------------
     def match(self, own_hashes: Sequence[int]) -> dict[str, int]:
