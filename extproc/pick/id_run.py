@@ -1,10 +1,11 @@
 """A prompt's token ids that share an earlier prompt's without copying them.
 
 Requests share long prefixes (a system prompt, a conversation's history), and the prompt memo
-(prompt_memo.py) resumes a new prompt's ids from an earlier one's. Copying the 17,000 ids of a
-32 KB prompt for every request, and keeping each copy in the memo, was a fifth of a request's
-data references (lab/tools/request_instructions.py, cachegrind: -17 % data references and -6 %
-instructions a request at 32 KB without the copy, -13 % and -3 % on a conversation's 41st turn).
+(prompt_memo.py) resumes a new prompt's ids from an earlier one's, and copied the 17,000 ids of a
+32 KB prompt for every request, keeping each copy in the memo (lab/tools/request_instructions.py,
+cachegrind, this module and the memo filing a prompt with what resuming it found, together:
+-17 % data references and -6 % instructions a request at 32 KB, -13 % and -3 % on a
+conversation's 41st turn).
 An :class:`IdRun` is instead the first ``n`` ids of a ``base`` array that several prompts share,
 then this prompt's own ``tail``. Neither array is ever changed once built. Pure.
 """

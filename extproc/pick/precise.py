@@ -126,10 +126,10 @@ class PreciseView:
         windowed = bool(self.index.windows)  # a hybrid model's sliding-window groups (extproc.pick.window_groups)
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
+            held_blocks = self.index.window_hit(address, run, n, size) if windowed and n else n
             pending = self.pending.get(address)
             kept = 0  # leading blocks requests of ours in flight there use: they stay
-            if pending:
-                held_blocks = self.index.window_hit(address, run, n, size) if windowed and n else n
+            if pending:  # continued from the full-attention groups' blocks, then bounded by the windows
                 kept = _longest_shared(run, pending)
                 n = max(n, kept)
                 while n < len(run) and self.index.holds_block(address, run[n]):
@@ -139,8 +139,8 @@ class PreciseView:
                     kept = min(kept, n)
                 if n > held_blocks:
                     in_flight[address] = (n - held_blocks) * size
-            elif windowed and n:
-                n = self.index.window_hit(address, run, n, size)
+            else:
+                n = held_blocks
             threshold = thresholds.get(address) if thresholds else None
             if threshold is not None and n > kept:
                 left = surviving(run, n, kept, self.index.last_use(address), threshold)

@@ -247,9 +247,12 @@ class ModelTokenizer:
             self.resumed = (resume.prompt.ids, len(resume.prompt.ids))
             return resume.prompt.ids
         if planned is None:
-            out, pending, pieces, piece_ends = self._plan(text, start=resume.chars if resume is not None else 0)
+            out, pending, pieces, piece_ends = self._plan(text, resume.chars if resume is not None else 0)
         else:
-            out, pending, pieces, piece_ends = self._replanned(planned)
+            out, pending, pieces, piece_ends = planned.out, planned.pending, planned.pieces, planned.ends
+        self._count_hits(out, pieces)
+        if planned is not None:  # a segment it found missing may be cached since (tokenised ahead)
+            pending = self._still_missing(out, pending)
         if pending:
             segments = [(first, seg) for _, first, seg in pending]
             new_chars = sum(len(seg) for _, seg in segments)
@@ -273,12 +276,11 @@ class ModelTokenizer:
         """Whether texts are tokenised segment by segment through the cache (else whole, every time)."""
         return self.cache_enabled and self.cache_limit > 0 and self._split is not None
 
-    def _plan(self, text: str, count: bool = True, start: int = 0
-              ) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str], list[int]]:
+    def _plan(self, text: str, start: int = 0) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str], list[int]]:
         """``text`` from ``start`` (0, or where an added token ends) split at its added tokens: the
         pieces in order (added-token ids, cached ids, and -1 where a segment is not cached), those
         segments as (index in the pieces, whether it starts the text, text), and each piece's text and
-        where it ends in ``text``. Counts the cache hits if ``count``."""
+        where it ends in ``text`` (``_count_hits`` counts the hits when they are used)."""
         out: list[array | int] = []
         pending: list[tuple[int, bool, str]] = []
         pos = start
@@ -305,9 +307,6 @@ class ModelTokenizer:
             hit = cache.get(key)
             if hit is not None and hit[0] == seg:
                 cache.move_to_end(key)
-                if count:
-                    self.cache_hits += 1
-                    self.cache_hit_chars += len(seg)
                 out.append(hit[1])
             else:
                 pending.append((len(out), first, seg))
@@ -322,25 +321,28 @@ class ModelTokenizer:
         if not self.caching:
             return []
         resume = self.memo.resume(text, count=False) if self.memo is not None else None
-        plan = self._plan(text, False, resume.chars if resume is not None else 0)
+        plan = self._plan(text, resume.chars if resume is not None else 0)
         self._planned = _Planned(text, resume, *plan)
         return [(first, seg) for _, first, seg in plan[1]]
 
-    def _replanned(self, planned: _Planned) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str], list[int]]:
-        """``missing``'s plan, its hits counted now, and brought up to date: a segment it found missing
-        may be cached since (the worker tokenised it ahead: counted as a miss when stored)."""
-        out, cache, pending = planned.out, self._cache, []
-        for part, piece in zip(out, planned.pieces, strict=True):
+    def _count_hits(self, out: list[array | int], pieces: list[str]) -> None:
+        """Count a plan's segments the cache held (``out``'s arrays; a segment stored after the plan
+        was counted as a miss when stored)."""
+        for part, piece in zip(out, pieces, strict=True):
             if type(part) is array:
                 self.cache_hits += 1
                 self.cache_hit_chars += len(piece)
-        for at, first, seg in planned.pending:
-            hit = cache.get(_key(first, seg))
+
+    def _still_missing(self, out: list[array | int], pending: list[tuple[int, bool, str]]) -> list[tuple[int, bool, str]]:
+        """Of a plan's missing segments, those the cache still does not hold (the others go into ``out``)."""
+        left = []
+        for at, first, seg in pending:
+            hit = self._cache.get(_key(first, seg))
             if hit is not None and hit[0] == seg:
                 out[at] = hit[1]
             else:
-                pending.append((at, first, seg))
-        return out, pending, planned.pieces, planned.ends
+                left.append((at, first, seg))
+        return left
 
     def encode_segments(self, segments: list[tuple[bool, str]], words: bool = True) -> list[list[int]] | None:
         """Each segment's ids as it tokenises in its text (None if the split assumption fails, which a
