@@ -150,6 +150,9 @@ def test_the_router_checks_its_tokenizer_against_the_replicas_own(stack: Stack) 
                "a tokenizer check")
     assert metric(stack.metrics_port, "prefix_router_tokenizer_checks_total", result="mismatch") == 0
     assert metric(stack.metrics_port, "prefix_router_tokenizer_trusted", model=MODEL) == 1
+    # the chat texts were spliced (the tiny template only copies contents), and no splice disagreed with Jinja
+    assert metric(stack.metrics_port, "prefix_router_chat_renders_total", how="spliced") >= 1
+    assert metric(stack.metrics_port, "prefix_router_chat_renders_total", how="disagreed") == 0
 
 
 def test_a_router_given_the_wrong_tokenizer_notices_and_routes_on_the_learned_view(stack: Stack) -> None:

@@ -164,6 +164,16 @@ class PreciseCollector(Collector):
             for source, n in zip(("memo", "segment", "new"), tok.char_sources(), strict=True):
                 chars.add_metric([model, source], n)
         yield chars
+        renders = CounterMetricFamily("prefix_router_chat_renders", "Chat templates rendered, by how: spliced (the "
+                                      "contents joined into the text the template was proven to write around "
+                                      "them, extproc.pick.chat_splice), jinja, or disagreed (a structure whose first "
+                                      "splice differed from Jinja's text: Jinja's since)", labels=["model", "how"])
+        for model, tok in precise.tokenizers.items():
+            splice = tok.splice
+            renders.add_metric([model, "spliced"], splice.spliced if splice is not None else 0)
+            renders.add_metric([model, "jinja"], tok.jinja_renders)
+            renders.add_metric([model, "disagreed"], splice.disagreed if splice is not None else 0)
+        yield renders
         check = self.picker.tokenizer_check
         if check is not None:
             checks = CounterMetricFamily("prefix_router_tokenizer_checks", "Run-time checks of the router's "

@@ -42,6 +42,7 @@ from typing import Any, Literal, NamedTuple
 import xxhash
 
 from extproc.pick.added_split import AddedTokenSplit
+from extproc.pick.chat_splice import ChatSplice
 from extproc.pick.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
 from extproc.pick.id_run import IdRun
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
@@ -54,6 +55,9 @@ __all__ = ["REASONS", "ModelTokenizer", "NotTokenizable", "PathKind", "Tokenizer
 log = logging.getLogger(__name__)
 
 PathKind = Literal["chat", "completions"]
+
+
+_HASHED_CHARS = 256  # segments longer than this are keyed by their xxh3-128 (``_key``)
 
 
 class TokenizerError(ValueError):
@@ -125,6 +129,8 @@ class ModelTokenizer:
                 raise TokenizerError(f"{cfg_path}: chat_template is neither a string nor a list with a 'default'")
         self.chat_template = source
         self._template: Any = None
+        self.splice: ChatSplice | None = None  # renders by splicing where the template only copies contents
+        self.jinja_renders = 0  # chat texts rendered by Jinja (not spliced)
         self.content_format: Literal["string", "openai"] = "string"
         if source is not None:
             try:
@@ -132,6 +138,7 @@ class ModelTokenizer:
             except Exception as e:  # noqa: BLE001 - jinja2 syntax errors
                 raise TokenizerError(f"{where}: the chat template does not compile: {e}") from e
             self.content_format = detect_content_format(env, source) if content_format == "auto" else content_format
+            self.splice = ChatSplice(env, source, self._template, self._render_with)
 
         self._setup_split()
         self._setup_post_processor()
@@ -456,8 +463,17 @@ class ModelTokenizer:
         return self.missing(prompt)
 
     def render_chat(self, doc: Mapping[str, Any]) -> str:
-        """The chat template rendered for a chat completions body, as vLLM renders it."""
-        return render_chat(self._template, self.special_tokens, self.content_format, doc)
+        """The chat template rendered for a chat completions body, as vLLM renders it (spliced where
+        extproc.pick.chat_splice proved the same text)."""
+        if self.splice is not None:
+            text = self.splice.render(doc)
+            if text is not None:
+                return text
+        self.jinja_renders += 1
+        return self._render_with(self._template, doc)
+
+    def _render_with(self, template: Any, doc: Mapping[str, Any]) -> str:
+        return render_chat(template, self.special_tokens, self.content_format, doc)
 
     def _prompt(self, doc: Mapping[str, Any], path_kind: PathKind) -> str | array:
         """What the request's ids come from: the text to tokenise (the rendered chat template, or a
@@ -508,10 +524,13 @@ class _Planned(NamedTuple):
 
 
 def _key(first: bool, seg: str) -> tuple[bool, int | str]:
-    """A segment's cache key: an ASCII text by its xxh3-128 (its bytes are its characters, so
+    """A segment's cache key: a long ASCII text by its xxh3-128 (its bytes are its characters, so
     hashing them costs ~1/5 of ``hash(str)`` over a 32 KB system prompt; a hit compares the
-    texts, so a collision is a miss, never a wrong answer), any other text by itself."""
-    return (first, xxhash.xxh3_128_intdigest(seg.encode("ascii"))) if seg.isascii() else (first, seg)
+    texts, so a collision is a miss, never a wrong answer), any other text by itself (a short
+    one's ``hash`` is cheaper than encoding it for xxh3)."""
+    if len(seg) > _HASHED_CHARS and seg.isascii():
+        return first, xxhash.xxh3_128_intdigest(seg.encode("ascii"))
+    return first, seg
 
 
 def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces: list[str],

@@ -36,6 +36,17 @@ import regex
 log = logging.getLogger(__name__)
 
 GPT2_PATTERN: Final = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_PATTERN: Final = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN: Final = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Patterns under which ``head + " " + word`` (head ending in a non-space, word non-empty without
+# whitespace) cuts into head's pre-tokens then those of ``" " + word``: in these a match holds a
+# space only as its first character (a space run, or the optional space or non-letter before a
+# word), no match reaches from a non-space into a following space, and nothing looks behind, so
+# the matches never cross the space and the one starting there sees only the word after it. A
+# question's words then come from a dict without the regex (tests/test_word_tokens.py).
+SPACE_SEPARABLE: Final = frozenset({GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN})
 MAX_WORDS: Final = 100_000  # pre-tokens remembered; past it the cache starts again
 BYTES_PER_WORD: Final = 260  # a pre-token and its ids (tracemalloc: ~240 for 3-10 letter words), ~26 MB at the bound
 _PLAIN: Final = re.compile(r"[\t\n\r\x20-\x7e]*")  # the text this path takes
@@ -65,7 +76,10 @@ class WordTokens:
         self._whole = self._pattern.groups == 0  # findall returns whole matches
         self._bpe = bpe  # the tokenizer's model.tokenize: byte-mapped pre-token -> tokens
         self._chars = _ascii_chars()
-        self._ids: dict[str, list[int]] = {}
+        self._ids: dict[str, list[int]] = {}  # pre-token -> its ids
+        self._separable = pattern in SPACE_SEPARABLE
+        self._spaced: dict[str, list[int]] = {}  # word -> the ids of " " + word (SPACE_SEPARABLE patterns)
+        self._heads: dict[str, list[int]] = {}  # what comes before such words -> its ids
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> "WordTokens | None":
@@ -87,12 +101,38 @@ class WordTokens:
 
     def encode(self, text: str) -> list[int] | None:
         """``text``'s ids as the tokenizer gives them, or None for text this path does not take."""
-        # isascii and isprintable: C scans that settle most texts without the regex (no tabs or line breaks)
-        if not text.isascii() or not (text.isprintable() or _PLAIN.fullmatch(text)):
+        if not text.isascii():
             return None
+        if len(self) > MAX_WORDS:
+            self.clear()
+        if self._separable:
+            head, _, rest = text.partition(" ")
+            # head + " w1 w2 ...": words of non-space characters between single spaces, after a head
+            # that ends in one (see SPACE_SEPARABLE); a word's ids are those of " " + word, the
+            # head's its own (a question's first word, after the line break a template puts before it)
+            if head and rest and head[-1] not in "\t\n\r" and rest.isprintable() and (
+                    head.isprintable() or _PLAIN.fullmatch(head)):
+                words = rest.split(" ")
+                if "" not in words:
+                    out = self._heads.get(head)
+                    if out is None:
+                        out = self._heads[head] = self._of(head)
+                    out = out.copy()
+                    spaced = self._spaced
+                    for word in words:
+                        got = spaced.get(word)
+                        if got is None:
+                            got = spaced[word] = self._of(" " + word)
+                        out += got
+                    return out
+        # isprintable: a C scan that settles most texts without the regex (no tabs or line breaks)
+        if not (text.isprintable() or _PLAIN.fullmatch(text)):
+            return None
+        return self._of(text)
+
+    def _of(self, text: str) -> list[int]:
+        """Plain ASCII ``text``'s ids, pre-token by pre-token (a new list)."""
         ids = self._ids
-        if len(ids) > MAX_WORDS:
-            ids.clear()
         pieces = self._pattern.findall(text) if self._whole else []
         if sum(map(len, pieces)) != len(text):  # capture groups, or text the regex leaves between matches
             pieces = _isolated(self._pattern, text)
@@ -106,9 +146,11 @@ class WordTokens:
 
     def clear(self) -> None:
         self._ids.clear()
+        self._spaced.clear()
+        self._heads.clear()
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._ids) + len(self._spaced) + len(self._heads)
 
 
 _ASCII_CLASSES: Final = {r"\p{L}": "A-Za-z", r"\p{N}": "0-9"}
