@@ -197,10 +197,11 @@ CACHE_VIEW = Counter(
 
 
 @lru_cache(maxsize=64)
+@lru_cache(maxsize=256)  # a few (view, reason) pairs; every precise-mode request counts one
 def cache_view_counter(view: str, reason: str) -> Counter:
     return CACHE_VIEW.labels(view, reason)
 
-PRECISE_SECONDS = Histogram(
+PRECISE_SECONDS = LoopHistogram(  # observed in PickCore's request path, on the event loop
     "prefix_router_precise_match_seconds",
     "Precise mode's work per request: render the chat template, tokenise (with the segment cache), "
     "hash the blocks and match them against the event index",

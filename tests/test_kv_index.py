@@ -358,7 +358,9 @@ def test_the_match_memo_gives_exactly_the_walk_over_random_event_streams(seed: i
             hashes = own(chain())
             assert index.match(hashes) == leading_runs(hashes, index._owners, index._name)
             sets = {id(p): len(p) for state in memo._states.values() for p in state.blocks}
-            assert memo.held == sum(sets.values()) and len(memo._states) <= memo.max_states
+            ends = sum(len(end.walked) for end in memo._ends.values())
+            assert memo.held == sum(sets.values()) + ends and len(memo._states) <= memo.max_states
+            assert memo._ends.keys() <= memo._states.keys()
             assert memo.held <= memo.max_hashes or len(memo._states) <= 1
 
 

@@ -43,7 +43,7 @@ _TYPE_TESTS: Final = frozenset({"string", "defined", "undefined", "none", "mappi
 _LOOP_SAFE: Final = frozenset({"index", "index0", "revindex", "revindex0", "first", "last", "length",
                                "depth", "depth0"})
 _DICT_NAMES: Final = frozenset(dir(dict))
-_REQUEST_FIELDS: Final = ("tools", "documents", "chat_template_kwargs", "reasoning_effort", "chat_template")
+_REQUEST_FIELDS: Final = frozenset({"tools", "documents", "chat_template_kwargs", "reasoning_effort", "chat_template"})
 MAX_STRUCTURES: Final = 4096  # skeletons kept (a conversation adds one per turn count); past it they start again
 _MARK: Final = "\u2003"  # whitespace that trim removes and no template writes around a marker
 _MARKER: Final = re.compile(f"({_MARK}?)\x00(\\d+)\x01({_MARK}?)")
@@ -159,9 +159,10 @@ class ChatSplice:
 
 def _structure(doc: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]] | None:
     """What a spliced text depends on besides the contents, or None for a body splicing does not take."""
-    for field in _REQUEST_FIELDS:
-        if doc.get(field) is not None and (field != "chat_template_kwargs" or doc[field]):
-            return None
+    if not doc.keys().isdisjoint(_REQUEST_FIELDS):  # one C call for the usual body, which has none of them
+        for field in _REQUEST_FIELDS:
+            if doc.get(field) is not None and (field != "chat_template_kwargs" or doc[field]):
+                return None
     generation, final = doc.get("add_generation_prompt"), doc.get("continue_final_message")
     if generation not in (None, True, False) or type(generation) is int or final not in (None, False) \
             or type(final) is int:  # 0 and 1 equal False and True: request_bool refuses them

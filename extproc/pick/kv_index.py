@@ -65,8 +65,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     if n <= 0:
         return []
     step = 4 * block_size
-    data = array("I", token_ids[:n * block_size] if len(token_ids) != n * block_size else token_ids)
-    raw = data.tobytes()
+    whole = token_ids[:n * block_size] if len(token_ids) != n * block_size else token_ids
+    raw = (whole if type(whole) is array and whole.typecode == "I" else array("I", whole)).tobytes()
     out: list[int] = []
     append = out.append
     if not extra_keys or not any(extra_keys):

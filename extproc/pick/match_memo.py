@@ -31,6 +31,19 @@ class _State(NamedTuple):
     blocks: tuple[frozenset[int], ...]  # every hash of the prefix (pieces may reach past it)
 
 
+class _End(NamedTuple):
+    """The walk from a state, up to the block where its last holders stopped: requests on one system
+    prompt part from each other at the same block (where their question starts), so the next one
+    compares the hashes before that block in C and goes on from there, instead of looking each
+    block up again."""
+
+    walked: Sequence[int]  # the hashes from the state's boundary up to (not including) that block
+    alive: int  # the replicas holding all of them
+    stopped: dict[int, int]
+    seq: int
+    blocks: frozenset[int]
+
+
 class MatchMemo:
     """Walk states of earlier chains, keyed by (hash at a boundary, blocks before it)."""
 
@@ -42,8 +55,9 @@ class MatchMemo:
         self.max_hashes = max_hashes  # hashes the states' prefix sets may hold (~60 bytes each)
         self.log: list[int] = []  # hashes whose holders changed, in order (the index appends)
         self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
+        self._ends: dict[tuple[int, int], _End] = {}  # a state's key -> where the last walk from it stopped
         self._sets: dict[int, list[int]] = {}  # id(prefix set) -> [states holding it, its size]
-        self.held = 0  # hashes in the distinct prefix sets held
+        self.held = 0  # hashes in the distinct prefix sets held, and in the walks' ends
         self.hits = 0
         self.misses = 0
 
@@ -53,6 +67,7 @@ class MatchMemo:
 
     def clear(self) -> None:
         self._states.clear()
+        self._ends.clear()
         self._sets.clear()
         self.held = 0
         self.log.clear()
@@ -63,17 +78,19 @@ class MatchMemo:
             self.clear()
         n, span = len(hashes), self.span
         start, alive, stopped, pieces = 0, 0, {}, ()
+        resumed = None
         for k in range(n - n % span, 0, -span):
             key = (hashes[k - 1], k)
             state = self._states.get(key)
             if state is None:
                 continue
-            if self._valid(state, k):
+            if self._valid(state.seq, state.blocks, k):
                 self._states.move_to_end(key)
                 start, alive, stopped, pieces = k, state.alive, dict(state.stopped), state.blocks
+                resumed = key
                 self.hits += 1
             else:
-                self._drop(self._states.pop(key))
+                self._drop(key, self._states.pop(key))
             break
         if not start:
             self.misses += 1
@@ -83,11 +100,22 @@ class MatchMemo:
         if start == 0 and n:
             alive = get(hashes[0], 0)
             depth = 1 if alive else 0
+        known = self._ends.get(resumed) if resumed is not None else None
+        if known is not None:
+            walked = len(known.walked)
+            if start + walked < n and hashes[start:start + walked] == known.walked \
+                    and self._valid(known.seq, (known.blocks,), walked):
+                depth, alive, stopped = start + walked, known.alive, dict(known.stopped)
+            else:
+                known = None
+        last = 0  # the replicas that held every block up to the one where the walk stopped
         while alive and depth < n:
             end = min(n, (depth // span + 1) * span)
             for h in hashes[depth:end]:
                 now = get(h, 0) & alive
                 if now != alive:
+                    if not now:
+                        last = alive
                     for bit in _bits(alive & ~now):
                         stopped[bit] = depth
                     alive = now
@@ -103,34 +131,50 @@ class MatchMemo:
                 blocks = (frozenset().union(*blocks),)
             for end, at_alive, at_stopped in boundaries:
                 self._put((hashes[end - 1], end), _State(at_alive, at_stopped, seq, blocks))
+        if last and known is None and start < depth < start + span and resumed in self._states:
+            self._end(resumed, hashes[start:depth], last, {b: d for b, d in stopped.items() if d < depth})
         out = {name[bit]: held for bit, held in stopped.items()}
         for bit in _bits(alive):
             out[name[bit]] = n
         return out
 
-    def _valid(self, state: _State, k: int) -> bool:
-        since = len(self.log) - state.seq
+    def _end(self, key: tuple[int, int], walked: Sequence[int], alive: int, stopped: dict[int, int]) -> None:
+        """Remember the walk from the state at ``key`` up to where it stopped (its hashes counted in ``held``)."""
+        old = self._ends.get(key)
+        self.held += len(walked) - (len(old.walked) if old is not None else 0)
+        self._ends[key] = _End(walked, alive, stopped, len(self.log), frozenset(walked))
+        self._shrink()
+
+    def _valid(self, seq: int, blocks: tuple[frozenset[int], ...], k: int) -> bool:
+        """Whether no hash of ``blocks`` (``k`` of them, or more) changed holders since ``seq``."""
+        since = len(self.log) - seq
         if since == 0:
             return True
         if since > 2 * k:  # checking would cost more than walking again
             return False
-        changed = self.log[state.seq:]
-        return all(piece.isdisjoint(changed) for piece in state.blocks)
+        changed = self.log[seq:]
+        return all(piece.isdisjoint(changed) for piece in blocks)
 
     def _put(self, key: tuple[int, int], state: _State) -> None:
         old = self._states.pop(key, None)
         if old is not None:
-            self._drop(old)
+            self._drop(key, old)
         self._states[key] = state
         for piece in state.blocks:
             entry = self._sets.setdefault(id(piece), [0, len(piece)])
             if not entry[0]:
                 self.held += entry[1]
             entry[0] += 1
-        while self._states and (len(self._states) > self.max_states or self.held > self.max_hashes):
-            self._drop(self._states.popitem(last=False)[1])
+        self._shrink()
 
-    def _drop(self, state: _State) -> None:
+    def _shrink(self) -> None:
+        while self._states and (len(self._states) > self.max_states or self.held > self.max_hashes):
+            self._drop(*self._states.popitem(last=False))
+
+    def _drop(self, key: tuple[int, int], state: _State) -> None:
+        end = self._ends.pop(key, None)
+        if end is not None:
+            self.held -= len(end.walked)
         for piece in state.blocks:
             entry = self._sets[id(piece)]
             entry[0] -= 1

@@ -254,10 +254,11 @@ class ModelTokenizer:
             self.resumed = (resume.prompt.ids, len(resume.prompt.ids))
             return resume.prompt.ids
         if planned is None:
-            out, pending, pieces, piece_ends = self._plan(text, resume.chars if resume is not None else 0)
+            out, pending, pieces, piece_ends, hits, hit_chars = self._plan(text, resume.chars if resume is not None else 0)
         else:
-            out, pending, pieces, piece_ends = planned.out, planned.pending, planned.pieces, planned.ends
-        self._count_hits(out, pieces)
+            out, pending, pieces, piece_ends, hits, hit_chars = planned[2:]
+        self.cache_hits += hits  # counted when used (a plan ``missing`` made may not be)
+        self.cache_hit_chars += hit_chars
         if planned is not None:  # a segment it found missing may be cached since (tokenised ahead)
             pending = self._still_missing(out, pending)
         if pending:
@@ -283,42 +284,42 @@ class ModelTokenizer:
         """Whether texts are tokenised segment by segment through the cache (else whole, every time)."""
         return self.cache_enabled and self.cache_limit > 0 and self._split is not None
 
-    def _plan(self, text: str, start: int = 0) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str], list[int]]:
+    def _plan(self, text: str, start: int = 0) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str],
+                                                         list[int], int, int]:
         """``text`` from ``start`` (0, or where an added token ends) split at its added tokens: the
         pieces in order (added-token ids, cached ids, and -1 where a segment is not cached), those
         segments as (index in the pieces, whether it starts the text, text), and each piece's text and
-        where it ends in ``text`` (``_count_hits`` counts the hits when they are used)."""
+        where it ends in ``text``; and how many segments the cache held, and their characters."""
         out: list[array | int] = []
         pending: list[tuple[int, bool, str]] = []
-        pos = start
-        parts: list[Any] = []
+        pieces: list[str] = []
         ends: list[int] = []
-        for begin, end in self._split.spans(text, start):  # type: ignore[union-attr]  # caching: a split
+        added_ids, cache = self._added_ids, self._cache
+        pos, hits, hit_chars = start, 0, 0
+        # every added token's span, then the text's end (-1: no added token there)
+        for begin, end in [*self._split.spans(text, start), (len(text), -1)]:  # type: ignore[union-attr]  # caching
             if begin > pos:
-                parts.append((pos == 0, text[pos:begin]))
+                seg = text[pos:begin]
+                key = _key(pos == 0, seg)
+                hit = cache.get(key)
+                if hit is not None and hit[0] == seg:
+                    cache.move_to_end(key)
+                    out.append(hit[1])
+                    hits += 1
+                    hit_chars += len(seg)
+                else:
+                    pending.append((len(out), pos == 0, seg))
+                    out.append(-1)  # placeholder, replaced by the caller
+                pieces.append(seg)
                 ends.append(begin)
-            parts.append(text[begin:end])
+            if end < 0:
+                break
+            piece = text[begin:end]
+            out.append(added_ids[piece])
+            pieces.append(piece)
             ends.append(end)
             pos = end
-        if pos < len(text):
-            parts.append((pos == 0, text[pos:]))
-            ends.append(len(text))
-        added_ids = self._added_ids
-        cache = self._cache
-        for part in parts:
-            if isinstance(part, str):
-                out.append(added_ids[part])
-                continue
-            first, seg = part
-            key = _key(first, seg)
-            hit = cache.get(key)
-            if hit is not None and hit[0] == seg:
-                cache.move_to_end(key)
-                out.append(hit[1])
-            else:
-                pending.append((len(out), first, seg))
-                out.append(-1)  # placeholder, replaced by the caller
-        return out, pending, [p if isinstance(p, str) else p[1] for p in parts], ends
+        return out, pending, pieces, ends, hits, hit_chars
 
     def missing(self, text: str) -> list[tuple[bool, str]]:
         """The segments of ``text`` the cache does not hold, as (starts the text, segment): what
@@ -331,14 +332,6 @@ class ModelTokenizer:
         plan = self._plan(text, resume.chars if resume is not None else 0)
         self._planned = _Planned(text, resume, *plan)
         return [(first, seg) for _, first, seg in plan[1]]
-
-    def _count_hits(self, out: list[array | int], pieces: list[str]) -> None:
-        """Count a plan's segments the cache held (``out``'s arrays; a segment stored after the plan
-        was counted as a miss when stored)."""
-        for part, piece in zip(out, pieces, strict=True):
-            if type(part) is array:
-                self.cache_hits += 1
-                self.cache_hit_chars += len(piece)
 
     def _still_missing(self, out: list[array | int], pending: list[tuple[int, bool, str]]) -> list[tuple[int, bool, str]]:
         """Of a plan's missing segments, those the cache still does not hold (the others go into ``out``)."""
@@ -521,6 +514,8 @@ class _Planned(NamedTuple):
     pending: list[tuple[int, bool, str]]
     pieces: list[str]
     ends: list[int]
+    hits: int
+    hit_chars: int
 
 
 def _key(first: bool, seg: str) -> tuple[bool, int | str]:
@@ -537,24 +532,23 @@ def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces:
                piece_ends: list[int]) -> Prompt:
     """The text's prompt for the memo: what ``resume`` took from an earlier one (its ids shared, not
     copied), then the planned pieces (``out``: their ids, an added token's one id or a segment's array)."""
-    if resume is None:
-        at, texts, ends, ids_at, added = 0, [], array("q"), array("q"), bytearray()
-    else:
-        before, k = resume.prompt, resume.pieces
-        at, texts = resume.ids, before.pieces[:k]
-        ends, ids_at, added = before.ends[:k], before.ids_at[:k], before.added[:k]
+    at = resume.ids if resume is not None else 0
     new = array("I")
-    for part, piece, end in zip(out, pieces, piece_ends, strict=True):
-        if isinstance(part, int):
+    ids_at = array("q")
+    added = bytearray()
+    for part in out:
+        if type(part) is int:
             new.append(part)
+            added.append(1)
         else:
-            new.extend(part)
-        texts.append(piece)
-        ends.append(end)
+            new += part
+            added.append(0)
         ids_at.append(at + len(new))
-        added.append(isinstance(part, int))
-    return Prompt(text, IdRun(new) if resume is None else resume.prompt.ids.extended(at, new), texts, ends,
-                  ids_at, added)
+    if resume is None:
+        return Prompt(text, IdRun(new), pieces, array("q", piece_ends), ids_at, added)
+    before, k = resume.prompt, resume.pieces
+    return Prompt(text, before.ids.extended(at, new), before.pieces[:k] + pieces,
+                  before.ends[:k] + array("q", piece_ends), before.ids_at[:k] + ids_at, before.added[:k] + added)
 
 
 def _ids(prompt: list[Any]) -> array:

@@ -110,12 +110,13 @@ class WordTokens:
             # head + " w1 w2 ...": words of non-space characters between single spaces, after a head
             # that ends in one (see SPACE_SEPARABLE); a word's ids are those of " " + word, the
             # head's its own (a question's first word, after the line break a template puts before it)
-            if head and rest and head[-1] not in "\t\n\r" and rest.isprintable() and (
-                    head.isprintable() or _PLAIN.fullmatch(head)):
+            if head and rest and head[-1] not in "\t\n\r" and rest.isprintable():
                 words = rest.split(" ")
                 if "" not in words:
                     out = self._heads.get(head)
                     if out is None:
+                        if not (head.isprintable() or _PLAIN.fullmatch(head)):
+                            return None  # the rest is plain: the head is what is not
                         out = self._heads[head] = self._of(head)
                     out = out.copy()
                     spaced = self._spaced
