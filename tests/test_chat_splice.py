@@ -1,4 +1,4 @@
-"""extproc.pick.chat_splice: a spliced chat text is Jinja's text, and templates that read a content are left to Jinja."""
+"""extproc.pick.chat_splice: a spliced chat text is Jinja's text; templates that read a content are left to Jinja."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = ("{% for message in messages %}"
+          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 # Llama 3's shape: the system message taken out and trimmed, every content trimmed, a default system text
 LLAMA3_LIKE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system_message = messages[0]['content'] | trim %}"
                "{% set messages = messages[1:] %}{% else %}{% set system_message = 'You are helpful.' %}{% endif %}"

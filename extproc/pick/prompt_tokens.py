@@ -254,7 +254,8 @@ class ModelTokenizer:
             self.resumed = (resume.prompt.ids, len(resume.prompt.ids))
             return resume.prompt.ids
         if planned is None:
-            out, pending, pieces, piece_ends, hits, hit_chars = self._plan(text, resume.chars if resume is not None else 0)
+            plan = self._plan(text, resume.chars if resume is not None else 0)
+            out, pending, pieces, piece_ends, hits, hit_chars = plan
         else:
             out, pending, pieces, piece_ends, hits, hit_chars = planned[2:]
         self.cache_hits += hits  # counted when used (a plan ``missing`` made may not be)

@@ -210,9 +210,15 @@ class Stack:
             "router_batches_total": self.metric("prefix_router_kv_batches_total"),
             "envoy": self.arm.envoy_stats(),
             # the router's own run-time check of its token ids against a replica's POST /tokenize
-            "tokenizer_checks": {s.labels.get("result", ""): s.value for s in promtext.fetch_metrics(
-                f"http://127.0.0.1:{self.mport}") if s.name == "prefix_router_tokenizer_checks_total"},
+            "tokenizer_checks": self.counts("prefix_router_tokenizer_checks_total", "result"),
+            # chat texts spliced (extproc.pick.chat_splice), rendered by Jinja, and splices Jinja disagreed with
+            "chat_renders": self.counts("prefix_router_chat_renders_total", "how"),
         }
+
+    def counts(self, name: str, label: str) -> dict[str, float]:
+        """The router's samples of ``name`` by the value of ``label``."""
+        return {s.labels.get(label, ""): s.value for s in promtext.fetch_metrics(f"http://127.0.0.1:{self.mport}")
+                if s.name == name}
 
 
 def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int,

@@ -2,8 +2,9 @@
 
 Prompts are rendered and tokenised by the router's own
 :class:`extproc.pick.prompt_tokens.ModelTokenizer` (exactly what vLLM computes for that
-model), so a replica's cache, ``usage.prompt_tokens``, ``cached_tokens`` and KV-cache events all
-follow from the token ids a real vLLM replica would compute. A request it cannot tokenise
+model; its chat texts always rendered by Jinja, never spliced, so the router's splicing is checked
+against Jinja's text), so a replica's cache, ``usage.prompt_tokens``, ``cached_tokens`` and
+KV-cache events all follow from the token ids a real vLLM replica would compute. A request it cannot tokenise
 (:class:`NotTokenizable`) is answered with a 400, as vLLM answers a request its renderer refuses.
 
 Generated tokens cycle through the ids of the stand-in's filler text encoded once with this
@@ -35,6 +36,7 @@ class HfTokenizer:
 
         self.model_dir = Path(model_dir)
         self.model = ModelTokenizer(self.model_dir)  # raises TokenizerError on a bad directory
+        self.model.splice = None  # rendered by Jinja, as vLLM renders: the router's splices are checked against it
         self._tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = self.model.encode(standin.FILLER_TEXT)
