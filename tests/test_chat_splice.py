@@ -142,6 +142,8 @@ def test_bodies_outside_the_spliced_shape_are_rendered_by_jinja(tmp_path: Path) 
         {**base, "tools": [{"type": "function", "function": {"name": "f"}}]},
         {**base, "continue_final_message": True, "add_generation_prompt": False},
         {**base, "add_generation_prompt": 1},  # not a boolean: refused, as by Jinja's path
+        {**base, "add_generation_prompt": 1.0},
+        {**base, "continue_final_message": 0},
         {**base, "chat_template_kwargs": {"bos_token": "B"}},
         {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
@@ -174,3 +176,17 @@ def test_structures_kept_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert mt.render_chat(doc) == _jinja(mt, doc)
         assert len(mt.splice._skeletons) <= 3
     assert mt.splice.spliced == 7
+
+
+def test_a_template_the_walk_cannot_take_is_rendered_by_jinja(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    def fails(self: object) -> None:
+        raise ValueError("names' kinds do not settle")
+
+    monkeypatch.setattr("extproc.pick.chat_splice._Instrument.run", fails)
+    with caplog.at_level("INFO", logger="extproc.pick.chat_splice"):
+        mt = _with_template(tmp_path, CHATML)
+    assert mt.splice is not None and not mt.splice.enabled and "not spliced" in caplog.text
+    doc = {"messages": [{"role": "user", "content": "x"}]}
+    assert mt.render_chat(doc) == _jinja(mt, doc)
+    assert (mt.splice.spliced, mt.splice.disagreed, mt.jinja_renders) == (0, 0, 1)

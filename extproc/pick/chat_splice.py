@@ -63,6 +63,10 @@ class ChatSplice:
         self._template = template
         self._flagged = False
         self._probe: Any = None
+        self._skeletons: dict[tuple[bool, tuple[str, ...]], Skeleton | None] = {}
+        self._checked: set[tuple[bool, tuple[str, ...]]] = set()
+        self.spliced = 0  # requests rendered by splicing
+        self.disagreed = 0  # structures whose first splice differed from Jinja's text (left to Jinja)
         try:
             tree = env.parse(source)
             _Instrument(tree).run()
@@ -72,10 +76,6 @@ class ChatSplice:
             return
         probe.globals = {**template.globals, **self._helpers()}
         self._probe = probe
-        self._skeletons: dict[tuple[bool, tuple[str, ...]], Skeleton | None] = {}
-        self._checked: set[tuple[bool, tuple[str, ...]]] = set()
-        self.spliced = 0  # requests rendered by splicing
-        self.disagreed = 0  # structures whose first splice differed from Jinja's text (left to Jinja)
 
     @property
     def enabled(self) -> bool:
@@ -164,9 +164,8 @@ def _structure(doc: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]] | None:
             if doc.get(field) is not None and (field != "chat_template_kwargs" or doc[field]):
                 return None
     generation, final = doc.get("add_generation_prompt"), doc.get("continue_final_message")
-    if generation not in (None, True, False) or type(generation) is int or final not in (None, False) \
-            or type(final) is int:  # 0 and 1 equal False and True: request_bool refuses them
-        return None
+    if not (generation is None or type(generation) is bool) or not (final is None or final is False):
+        return None  # continue_final_message, or a flag that is not a boolean (request_bool refuses it)
     messages = doc.get("messages")
     if type(messages) is not list or not messages:
         return None
