@@ -19,8 +19,8 @@ import regex
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from extproc.pick.prompt_tokens import ModelTokenizer
-from extproc.pick.word_tokens import (BYTES_PER_WORD, GPT2_PATTERN, LLAMA3_PATTERN, MAX_WORDS, QWEN2_PATTERN,
-                                      SPACE_SEPARABLE, WordTokens, _ascii_pattern)
+from extproc.pick.word_tokens import (BYTES_PER_WORD, GPT2_PATTERN, LLAMA3_PATTERN, MAX_WORD_CHARS, MAX_WORDS,
+                                      QWEN2_PATTERN, SPACE_SEPARABLE, WordTokens, _ascii_pattern)
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 WORDS = ["the", "The", "cat", "sat", "on", "mat", "hello", "world", "it's", "we'll", "DON'T", "snake_case",
@@ -131,6 +131,17 @@ def test_the_cache_starts_again_past_its_bound(monkeypatch: pytest.MonkeyPatch) 
     assert len(words) > 3
     assert words.encode("six") == TINY.encode("six", add_special_tokens=False).ids
     assert len(words) == 1 and MAX_WORDS > 3
+
+
+def test_long_words_are_tokenised_each_time_not_remembered() -> None:
+    """The bytes bound holds for any text: a long word (a URL, base64) is not kept in the dicts."""
+    words = WordTokens.for_tokenizer(TINY)
+    assert words is not None
+    long = "x" * 3 * MAX_WORD_CHARS
+    for text in (f"{long} and {long}y z", f"a {long}", long, f"{long}!!"):
+        want = TINY.encode(text, add_special_tokens=False).ids
+        assert words.encode(text) == want and words.encode(text) == want
+    assert words._ids and all(len(k) <= MAX_WORD_CHARS for d in (words._ids, words._spaced, words._heads) for k in d)
 
 
 def test_bytes_per_word_estimate_is_close_to_measured() -> None:

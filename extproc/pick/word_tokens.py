@@ -48,6 +48,7 @@ QWEN2_PATTERN: Final = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|
 # question's words then come from a dict without the regex (tests/test_word_tokens.py).
 SPACE_SEPARABLE: Final = frozenset({GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN})
 MAX_WORDS: Final = 100_000  # pre-tokens remembered; past it the cache starts again
+MAX_WORD_CHARS: Final = 64  # longer pre-tokens and words are tokenised each time, not remembered (the bytes bound)
 BYTES_PER_WORD: Final = 260  # a pre-token and its ids (tracemalloc: ~240 for 3-10 letter words), ~26 MB at the bound
 _PLAIN: Final = re.compile(r"[\t\n\r\x20-\x7e]*")  # the text this path takes
 PROBES: Final = (
@@ -117,13 +118,17 @@ class WordTokens:
                     if out is None:
                         if not (head.isprintable() or _PLAIN.fullmatch(head)):
                             return None  # the rest is plain: the head is what is not
-                        out = self._heads[head] = self._of(head)
+                        out = self._of(head)
+                        if len(head) <= MAX_WORD_CHARS:
+                            self._heads[head] = out
                     out = out.copy()
                     spaced = self._spaced
                     for word in words:
                         got = spaced.get(word)
                         if got is None:
-                            got = spaced[word] = self._of(" " + word)
+                            got = self._of(" " + word)
+                            if len(word) <= MAX_WORD_CHARS:
+                                spaced[word] = got
                         out += got
                     return out
         # isprintable: a C scan that settles most texts without the regex (no tabs or line breaks)
@@ -141,7 +146,9 @@ class WordTokens:
         for piece in pieces:
             got = ids.get(piece)
             if got is None:
-                got = ids[piece] = [t.id for t in self._bpe(piece.translate(self._chars))]
+                got = [t.id for t in self._bpe(piece.translate(self._chars))]
+                if len(piece) <= MAX_WORD_CHARS:
+                    ids[piece] = got
             out += got
         return out
 
