@@ -197,7 +197,6 @@ CACHE_VIEW = Counter(
 
 
 @lru_cache(maxsize=64)
-@lru_cache(maxsize=256)  # a few (view, reason) pairs; every precise-mode request counts one
 def cache_view_counter(view: str, reason: str) -> Counter:
     return CACHE_VIEW.labels(view, reason)
 

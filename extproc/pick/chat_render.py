@@ -178,16 +178,24 @@ def render_chat(template: Any, special_tokens: Mapping[str, Any], content_format
     return text
 
 
+def plain_role(message: Any) -> str | None:
+    """The role of a common message, ``{"role": str, "content": str}`` and not a developer's (which
+    also gets ``tools``), else None: the shape taken without the general walk (and spliced,
+    extproc.pick.chat_splice)."""
+    if type(message) is dict and len(message) == 2:
+        role = message.get("role")
+        if type(role) is str and type(message.get("content")) is str and role != "developer":
+            return role
+    return None
+
+
 def parse_message(message: Any, content_format: Literal["string", "openai"]) -> dict[str, Any]:
     """One message as vLLM's chat parser hands it to the template."""
-    # The common message, {"role": str, "content": str}, without the general walk (the same result;
-    # a developer message also gets ``tools``).
-    if type(message) is dict and len(message) == 2:
-        role, content = message.get("role"), message.get("content")
-        if type(role) is str and type(content) is str and role != "developer":
-            if content_format == "string" or role == "tool":
-                return {"role": role, "content": content}
-            return {"role": role, "content": [{"type": "text", "text": content}]}
+    role = plain_role(message)
+    if role is not None:  # the general walk's result, without the walk
+        if content_format == "string" or role == "tool":
+            return {"role": role, "content": message["content"]}
+        return {"role": role, "content": [{"type": "text", "text": message["content"]}]}
     return _parse_message(message, content_format)
 
 

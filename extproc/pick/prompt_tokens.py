@@ -71,14 +71,15 @@ class ModelTokenizer:
 
     ``cache_bytes`` bounds the segment cache and, as much again, the prompt memo (0 disables both);
     ``content_format`` is vLLM's ``--chat-template-content-format`` ("auto" detects it from the
-    template as vLLM does).
+    template as vLLM does); ``splice``: chat texts spliced where the template only copies contents
+    (extproc.pick.chat_splice; False: always rendered by Jinja, as the simulator renders them).
     ``cache_hits``/``cache_misses`` count segments, ``cache_hit_chars``/``cache_miss_chars`` their
     characters; ``cache_bytes_used``/``cache_entries`` the cache's size; ``cache_enabled`` whether
     this tokenizer allows it.
     """
 
     def __init__(self, model_dir: str | Path, *, cache_bytes: int = 64 << 20,
-                 content_format: Literal["auto", "string", "openai"] = "auto") -> None:
+                 content_format: Literal["auto", "string", "openai"] = "auto", splice: bool = True) -> None:
         from tokenizers import Tokenizer
 
         d = Path(model_dir)
@@ -138,7 +139,8 @@ class ModelTokenizer:
             except Exception as e:  # noqa: BLE001 - jinja2 syntax errors
                 raise TokenizerError(f"{where}: the chat template does not compile: {e}") from e
             self.content_format = detect_content_format(env, source) if content_format == "auto" else content_format
-            self.splice = ChatSplice(env, source, self._template, self._render_with)
+            if splice:
+                self.splice = ChatSplice(env, source, self._template, self._render_with)
 
         self._setup_split()
         self._setup_post_processor()

@@ -35,8 +35,9 @@ class HfTokenizer:
         from tokenizers import Tokenizer
 
         self.model_dir = Path(model_dir)
-        self.model = ModelTokenizer(self.model_dir)  # raises TokenizerError on a bad directory
-        self.model.splice = None  # rendered by Jinja, as vLLM renders: the router's splices are checked against it
+        # raises TokenizerError on a bad directory; rendered by Jinja, as vLLM renders, never spliced:
+        # the router's splices are checked against it
+        self.model = ModelTokenizer(self.model_dir, splice=False)
         self._tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = self.model.encode(standin.FILLER_TEXT)
