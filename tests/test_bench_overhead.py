@@ -26,7 +26,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.ext_authz import SERVICE as AUTHZ_SERVICE
 from extproc.cli import main as cli_main
+from extproc.core.settings import RouteSettings
+from extproc.pick.prompt_tokens import ModelTokenizer
 from extproc.process.health import SERVICE
+from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench import microbench, noop_extproc, overhead
 from routerlab.harness import envoy_config
 from routerlab.harness.procs import Process, free_ports, python_module
@@ -347,6 +350,26 @@ def test_microbench_reports_normalise_key_and_the_pick_choice_per_size() -> None
                 "pick_choice_us", "pick_total_us"):
         assert row[key] > 0, key
     assert row["body_bytes"] == pytest.approx(2048, abs=64)
+
+
+def test_the_precise_microbench_times_a_full_prompt_memo_on_questions_it_has_not_seen() -> None:
+    tokenizer = ModelTokenizer(TINY_BYTELEVEL, cache_bytes=1 << 20)
+    system = json.loads(microbench.chat_body(2048, 0))["messages"][0]["content"]
+    first = microbench.questions(system, 1)[0]
+    core = microbench.precise_core(tokenizer, 2, tokenizer.token_array(json.loads(first), "chat").tolist())
+    assert tokenizer.memo is not None and tokenizer.memo.bytes < 0.5 * tokenizer.memo.max_bytes
+    warmed = microbench.fill_memo(core, tokenizer, system, RouteSettings(mode="pick"))
+    assert 0 < warmed < microbench.MAX_WARM
+    assert tokenizer.memo.bytes >= 0.95 * tokenizer.memo.max_bytes
+    # the microbench builds its core on question 0 and times 1, 2, ...
+    timed = [json.loads(b)["messages"][1]["content"].rsplit(" ", 1)[1] for b in microbench.questions(system, 4)[1:]]
+    warm = json.loads(microbench.questions(system, 1, first=microbench.WARM_NUMBERS)[0])["messages"][1]["content"]
+    assert timed == ["(1)", "(2)", "(3)"] and warm.endswith(f"({microbench.WARM_NUMBERS})")
+    words = tokenizer.words
+    assert words is not None
+    for word in timed:  # the warm-up left the timed questions' last word new to the word cache
+        known = len(words)
+        assert words.encode(" " + word) == tokenizer.encode_uncached(" " + word) and len(words) > known
 
 
 def test_the_bare_http_floor_answers_pipelined_checks_with_empty_200s_and_counts_them() -> None:
