@@ -83,6 +83,35 @@ def test_long_new_text_is_tokenised_on_the_worker_while_the_loop_serves_then_the
     assert choice.prompt_tokens == len(tokenizer.encode_uncached(tokenizer.render_chat(decision.document)))
 
 
+def test_long_new_text_of_words_seen_before_is_tokenised_on_the_loop_by_the_word_cache() -> None:
+    core, tokenizer, ahead = setup(inline_chars=200)
+    tokenizer.encode(tokenizer.render_chat(json.loads(chat("warm"))))  # the system prompt is known now
+    old = " ".join(SYSTEM.split()[:8])
+    tokenizer.encode("\n" + old)  # its words are known to the word cache too
+    long = " ".join([old] * 6) + " rolled back"  # 400 characters, two new words
+    assert len(long) > 200
+    on_worker: list[int] = []
+    encode = tokenizer.encode_segments
+    tokenizer.encode_segments = lambda s, words=True: on_worker.append(1) or encode(s, words)  # type: ignore[method-assign]
+    done, by_words = (metrics.TOKENIZE_AHEAD.labels(k)._value.get() for k in ("done", "words"))
+    decision = decide(chat(long), {}, PICK)
+    try:
+        assert asyncio.run(ahead.prepare(decision)) == 0
+        misses = tokenizer.cache_misses
+        choice = core.pick(decision, PICK)
+        assert tokenizer.cache_misses == misses  # the pick found it cached
+        # words mostly new: more than the budget of 200 - 400 // 4 characters allows (5 new ones), so the worker
+        fresh = decide(chat(" ".join(f"zq{i}x" for i in range(60))), {}, PICK)
+        assert asyncio.run(ahead.prepare(fresh)) == 0
+    finally:
+        ahead.close()
+    assert on_worker == [1]  # only the second request's text went to the worker
+    assert metrics.TOKENIZE_AHEAD.labels("words")._value.get() == by_words + 1
+    assert metrics.TOKENIZE_AHEAD.labels("done")._value.get() == done + 1
+    assert choice.prompt_tokens == len(tokenizer.encode_uncached(tokenizer.render_chat(decision.document)))
+    assert core.pick(fresh, PICK).prompt_tokens == len(tokenizer.encode_uncached(tokenizer.render_chat(fresh.document)))
+
+
 def test_short_new_text_is_left_to_the_pick() -> None:
     core, tokenizer, ahead = setup(inline_chars=200)
     tokenizer.encode(tokenizer.render_chat(json.loads(chat("warm"))))  # the system prompt is known now

@@ -110,6 +110,27 @@ def test_a_question_comes_word_by_word_where_the_pattern_allows_it() -> None:
         assert words.encode(question) == tokenizer.encode(question, add_special_tokens=False).ids  # from the dict
 
 
+@pytest.mark.parametrize("tokenizer", [TINY, GAPPY], ids=["gpt2-regex", "gappy-split"])
+def test_encode_all_stops_past_its_budget_of_new_words_and_keeps_what_it_learnt(tokenizer: Tokenizer) -> None:
+    words = WordTokens.for_tokenizer(tokenizer)
+    assert words is not None
+    texts = ["\nthe cat sat on the mat", "\nhello world (42) it's 2024", "\nthe cat sat (42)"]
+    want = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    assert words.encode_all(texts, 0) is None and len(words) == 0  # every word is new: the first one stops it
+    assert words.encode_all(texts, 2) is None
+    learnt = len(words)
+    assert 0 < learnt  # what it tokenised before stopping stays
+    spent = 0
+    while (got := words.encode_all(texts, spent)) is None:
+        spent += 1
+        assert spent < 100
+    assert got == want and len(words) > learnt
+    assert words.encode_all(texts, 0) == want  # nothing is new any more
+    assert words.encode_all(["\nthe caf\u00e9"], 10) is None  # not this path's text
+    assert words.encode("\nnew words after a stop") == tokenizer.encode("\nnew words after a stop",
+                                                                        add_special_tokens=False).ids
+
+
 def test_a_pattern_re_cannot_take_stays_with_regex() -> None:
     assert _ascii_pattern(r"\p{L}+|\p{M}") is None  # a property other than L and N
     assert _ascii_pattern(r"(\p{L}") is None

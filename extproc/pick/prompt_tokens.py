@@ -368,6 +368,12 @@ class ModelTokenizer:
                 out[i] = ids
         return out  # type: ignore[return-value]  # every slot filled
 
+    def encode_words(self, segments: list[tuple[bool, str]], max_new: int) -> list[list[int]] | None:
+        """``encode_segments``' result from the word cache alone, with at most ``max_new`` new words or
+        pre-tokens (``WordTokens.encode_all``); None without a word cache, for text it does not take,
+        or past that many (for the loop's thread only)."""
+        return self.words.encode_all([seg for _, seg in segments], max_new) if self.words is not None else None
+
     def store_segments(self, segments: list[tuple[bool, str]], encoded: list[list[int]]) -> list[array]:
         """Cache ``encode_segments``' result (on the loop's thread: the cache is not thread-safe)."""
         stored = []

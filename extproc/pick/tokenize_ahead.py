@@ -28,6 +28,12 @@ from extproc.pick.precise import PreciseView
 from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 
 RATE_WEIGHT: Final = 0.2  # of the newest job in the measured characters per second
+# The word cache against the tokenizer's own encode (the tiny byte-level BPE, about 3,300 characters of
+# words seen before, and 100 new 7-letter words, timed here): 0.029 us a character single-spaced and
+# 0.064 in paragraphs (the regex path) against the tokenizer's 0.25-0.27, so a quarter of its time at
+# most; a new word or pre-token 5.2 us, some 20 characters of the tokenizer's.
+WORD_CHAR_RATIO: Final = 4
+NEW_WORD_CHARS: Final = 20
 
 
 class TokenizeAhead:
@@ -55,11 +61,28 @@ class TokenizeAhead:
         chars = sum(len(seg) for _, seg in segments)
         if chars <= self.inline_chars:
             return 0
+        if self._by_words(tokenizer, segments, chars):
+            return 0
         if not self._admits(chars):
             metrics.TOKENIZE_AHEAD.labels("busy").inc()
             return self.inline_chars
         await self._run(tokenizer, segments, chars)
         return 0
+
+    def _by_words(self, tokenizer: ModelTokenizer, segments: list[tuple[bool, str]], chars: int) -> bool:
+        """Tokenise the new text here, on the loop, when the word cache can do it in no more time than
+        ``inline_chars`` characters through the tokenizer (which the pick would tokenise here too):
+        a text of words mostly seen before (a long user message, a document quoted again) then
+        costs a quarter of the tokenizer's time or less, and no thread hop. Stored for the pick to find."""
+        budget = self.inline_chars - chars // WORD_CHAR_RATIO  # in characters of the tokenizer's time
+        if budget < NEW_WORD_CHARS:
+            return False
+        encoded = tokenizer.encode_words(segments, budget // NEW_WORD_CHARS)
+        if encoded is None:
+            return False
+        tokenizer.store_segments(segments, encoded)
+        metrics.TOKENIZE_AHEAD.labels("words").inc()
+        return True
 
     def _admits(self, chars: int) -> bool:
         """Whether a job of ``chars`` would be done within ``max_wait_s`` at the measured speed, queue

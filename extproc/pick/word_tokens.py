@@ -28,7 +28,7 @@ import json
 import logging
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import regex
@@ -81,6 +81,7 @@ class WordTokens:
         self._separable = pattern in SPACE_SEPARABLE
         self._spaced: dict[str, list[int]] = {}  # word -> the ids of " " + word (SPACE_SEPARABLE patterns)
         self._heads: dict[str, list[int]] = {}  # what comes before such words -> its ids
+        self._new_left: int | None = None  # ``encode_all``'s budget of new things while it runs
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> "WordTokens | None":
@@ -118,6 +119,8 @@ class WordTokens:
                     if out is None:
                         if not (head.isprintable() or _PLAIN.fullmatch(head)):
                             return None  # the rest is plain: the head is what is not
+                        if self._new_left is not None:
+                            self._spend()
                         out = self._of(head)
                         if len(head) <= MAX_WORD_CHARS:
                             self._heads[head] = out
@@ -126,6 +129,8 @@ class WordTokens:
                     for word in words:
                         got = spaced.get(word)
                         if got is None:
+                            if self._new_left is not None:
+                                self._spend()
                             got = self._of(" " + word)
                             if len(word) <= MAX_WORD_CHARS:
                                 spaced[word] = got
@@ -135,6 +140,29 @@ class WordTokens:
         if not (text.isprintable() or _PLAIN.fullmatch(text)):
             return None
         return self._of(text)
+
+    def encode_all(self, texts: Sequence[str], max_new: int) -> list[list[int]] | None:
+        """``encode`` of each text, or None when one is not this path's text or the texts hold more
+        than ``max_new`` things not seen before (a new word's regex pass, a new pre-token's BPE). What
+        is new before that point is remembered."""
+        self._new_left = max_new
+        try:
+            out = []
+            for text in texts:
+                ids = self.encode(text)
+                if ids is None:
+                    return None
+                out.append(ids)
+            return out
+        except _TooNew:
+            return None
+        finally:
+            self._new_left = None
+
+    def _spend(self) -> None:
+        if self._new_left is not None and self._new_left <= 0:
+            raise _TooNew
+        self._new_left -= 1  # type: ignore[operator]  # callers check it is set
 
     def _of(self, text: str) -> list[int]:
         """Plain ASCII ``text``'s ids, pre-token by pre-token (a new list)."""
@@ -146,6 +174,8 @@ class WordTokens:
         for piece in pieces:
             got = ids.get(piece)
             if got is None:
+                if self._new_left is not None:
+                    self._spend()
                 got = [t.id for t in self._bpe(piece.translate(self._chars))]
                 if len(piece) <= MAX_WORD_CHARS:
                     ids[piece] = got
@@ -159,6 +189,10 @@ class WordTokens:
 
     def __len__(self) -> int:
         return len(self._ids) + len(self._spaced) + len(self._heads)
+
+
+class _TooNew(Exception):
+    """``encode_all``'s texts hold more new things than its budget."""
 
 
 _ASCII_CLASSES: Final = {r"\p{L}": "A-Za-z", r"\p{N}": "0-9"}
