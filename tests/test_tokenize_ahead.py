@@ -88,7 +88,7 @@ def test_long_new_text_of_words_seen_before_is_tokenised_on_the_loop_by_the_word
     tokenizer.encode(tokenizer.render_chat(json.loads(chat("warm"))))  # the system prompt is known now
     old = " ".join(SYSTEM.split()[:8])
     tokenizer.encode("\n" + old)  # its words are known to the word cache too
-    long = " ".join([old] * 6) + " rolled back"  # 400 characters, two new words
+    long = " ".join([old] * 6) + " rolled back"  # 323 characters, two new words
     assert len(long) > 200
     on_worker: list[int] = []
     encode = tokenizer.encode_segments
@@ -100,7 +100,7 @@ def test_long_new_text_of_words_seen_before_is_tokenised_on_the_loop_by_the_word
         misses = tokenizer.cache_misses
         choice = core.pick(decision, PICK)
         assert tokenizer.cache_misses == misses  # the pick found it cached
-        # words mostly new: more than the budget of 200 - 400 // 4 characters allows (5 new ones), so the worker
+        # 60 new words in 349 characters: more than a budget of 200 - 349 // 4 characters allows (5), so the worker
         fresh = decide(chat(" ".join(f"zq{i}x" for i in range(60))), {}, PICK)
         assert asyncio.run(ahead.prepare(fresh)) == 0
     finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -81,7 +82,7 @@ class WordTokens:
         self._separable = pattern in SPACE_SEPARABLE
         self._spaced: dict[str, list[int]] = {}  # word -> the ids of " " + word (SPACE_SEPARABLE patterns)
         self._heads: dict[str, list[int]] = {}  # what comes before such words -> its ids
-        self._new_left: int | None = None  # ``encode_all``'s budget of new things while it runs
+        self._new_left: float = math.inf  # new things ``encode_all`` may still take while it runs (none: no bound)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> "WordTokens | None":
@@ -119,8 +120,7 @@ class WordTokens:
                     if out is None:
                         if not (head.isprintable() or _PLAIN.fullmatch(head)):
                             return None  # the rest is plain: the head is what is not
-                        if self._new_left is not None:
-                            self._spend()
+                        self._spend()
                         out = self._of(head)
                         if len(head) <= MAX_WORD_CHARS:
                             self._heads[head] = out
@@ -129,8 +129,7 @@ class WordTokens:
                     for word in words:
                         got = spaced.get(word)
                         if got is None:
-                            if self._new_left is not None:
-                                self._spend()
+                            self._spend()
                             got = self._of(" " + word)
                             if len(word) <= MAX_WORD_CHARS:
                                 spaced[word] = got
@@ -157,12 +156,13 @@ class WordTokens:
         except _TooNew:
             return None
         finally:
-            self._new_left = None
+            self._new_left = math.inf
 
     def _spend(self) -> None:
-        if self._new_left is not None and self._new_left <= 0:
+        """One new word or pre-token, within ``encode_all``'s budget."""
+        if self._new_left < 1:
             raise _TooNew
-        self._new_left -= 1  # type: ignore[operator]  # callers check it is set
+        self._new_left -= 1
 
     def _of(self, text: str) -> list[int]:
         """Plain ASCII ``text``'s ids, pre-token by pre-token (a new list)."""
@@ -174,8 +174,7 @@ class WordTokens:
         for piece in pieces:
             got = ids.get(piece)
             if got is None:
-                if self._new_left is not None:
-                    self._spend()
+                self._spend()
                 got = [t.id for t in self._bpe(piece.translate(self._chars))]
                 if len(piece) <= MAX_WORD_CHARS:
                     ids[piece] = got
