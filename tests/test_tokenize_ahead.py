@@ -15,7 +15,7 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.kv_index import EventIndex
 from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
 from extproc.pick.tokenize_ahead import TokenizeAhead
 from routerlab.assets import TINY_BYTELEVEL
 
@@ -156,3 +156,38 @@ def test_the_stall_bench_runs_both_ways_and_counts_every_request() -> None:
         assert r["short_ms"]["n"] == 10 and r["long_ms"]["n"] == 2
         assert sum(r["long_views"].values()) == 2
         assert 0 < r["short_ms"]["p50"] <= r["short_ms"]["max"]
+
+
+def test_a_chat_trace_through_the_worker_and_the_word_cache_keeps_every_prompt_exact() -> None:
+    """The real-vLLM end-to-end trace (variants included), its new text before each pick taken by the
+    worker or the word cache: every prompt's ids as an uncached tokenizer gives them."""
+    from routerlab.realvllm.chat_trace import build_chat_trace
+
+    core, tokenizer, ahead = setup(inline_chars=128)
+    reference = ModelTokenizer(TINY_BYTELEVEL, cache_bytes=0)
+    before = {k: metrics.TOKENIZE_AHEAD.labels(k)._value.get() for k in ("done", "words")}
+    checked = 0
+
+    async def main() -> None:
+        nonlocal checked
+        for request in build_chat_trace(240, 0, variants=0.3):
+            body = request.body if isinstance(request.body, bytes) else json.dumps(request.body).encode()
+            decision = decide(body, {}, PICK)
+            choice = core.pick(decision, PICK, await ahead.prepare(decision))
+            core.release(choice)
+            assert decision.document is not None
+            kind = "chat" if "messages" in decision.document else "completions"
+            try:
+                want = reference.token_array(decision.document, kind)
+            except NotTokenizable:  # a body no tokenizer takes (routed on the learned view)
+                continue
+            assert choice.prompt_tokens == len(want) and tokenizer.token_array(decision.document, kind) == want
+            checked += 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        ahead.close()
+    assert checked >= 200
+    for outcome in ("done", "words"):  # both ways were taken
+        assert metrics.TOKENIZE_AHEAD.labels(outcome)._value.get() > before[outcome], outcome
