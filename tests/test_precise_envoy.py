@@ -121,17 +121,27 @@ def test_a_request_that_cannot_be_tokenised_is_routed_on_the_learned_view(stack:
     assert after == before + 1
 
 
-def test_a_long_new_prompt_is_tokenised_off_the_loop_and_routed_on_the_events(stack: Stack) -> None:
-    system = "You review ACME change requests for risk and answer in three short bullet points. " * 9  # 747 chars
+@pytest.mark.parametrize("outcome,system", [
+    # 120 words never seen (767 chars): more new words than the word cache may take, so the worker
+    ("done", " ".join(f"rq{i:03d}z" for i in range(120)) + " ACME change requests."),
+    # one sentence nine times (747 chars): its words are seen after the first, so the word cache on the loop
+    ("words", "You review ACME change requests for risk and answer in three short bullet points. " * 9),
+], ids=["new-words-on-the-worker", "words-seen-on-the-loop"])
+def test_a_long_new_prompt_is_tokenised_before_the_pick_and_routed_on_the_events(stack: Stack, outcome: str,
+                                                                                 system: str) -> None:
     body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": "Is a schema migration risky?"}]}).encode()
     assert len(system) > INLINE_CHARS
-    done = metric(stack.metrics_port, "prefix_router_tokenize_ahead_total", outcome="done")
+    if outcome == "words":  # a short request first (tokenised in its pick) brings the sentence's words
+        sentence = system[:system.index(".") + 1]
+        assert send(stack.port, body=json.dumps({"model": MODEL, "max_tokens": 4, "messages": [
+            {"role": "user", "content": sentence}]}).encode()).status == 200
+    before = metric(stack.metrics_port, "prefix_router_tokenize_ahead_total", outcome=outcome)
     events = metric(stack.metrics_port, "prefix_router_cache_view_total", view="events", reason="covered")
     stack.caught_up()
     reply = send(stack.port, body=body)
     assert reply.status == 200, reply.body
-    assert metric(stack.metrics_port, "prefix_router_tokenize_ahead_total", outcome="done") == done + 1
+    assert metric(stack.metrics_port, "prefix_router_tokenize_ahead_total", outcome=outcome) == before + 1
     assert metric(stack.metrics_port, "prefix_router_cache_view_total", view="events", reason="covered") == events + 1
     assert metric(stack.metrics_port, "prefix_router_cache_view_total", reason="tokenizer_busy") == 0
     # the text tokenised ahead is what vLLM computed: the router's prompt length is the replica's

@@ -100,7 +100,7 @@ def test_long_new_text_of_words_seen_before_is_tokenised_on_the_loop_by_the_word
         misses = tokenizer.cache_misses
         choice = core.pick(decision, PICK)
         assert tokenizer.cache_misses == misses  # the pick found it cached
-        # 60 new words in 349 characters: more than a budget of 200 - 349 // 4 characters allows (5), so the worker
+        # 60 new words in 349 characters: more than the word cache may take (10 a part at 200 characters), so the worker
         fresh = decide(chat(" ".join(f"zq{i}x" for i in range(60))), {}, PICK)
         assert asyncio.run(ahead.prepare(fresh)) == 0
     finally:

@@ -124,11 +124,27 @@ def test_encode_all_stops_past_its_budget_of_new_words_and_keeps_what_it_learnt(
     while (got := words.encode_all(texts, spent)) is None:
         spent += 1
         assert spent < 100
-    assert got == want and len(words) > learnt
-    assert words.encode_all(texts, 0) == want  # nothing is new any more
+    assert got[0] == want and 0 < got[1] <= spent and len(words) > learnt
+    assert words.encode_all(texts, 0) == (want, 0)  # nothing is new any more
     assert words.encode_all(["\nthe caf\u00e9"], 10) is None  # not this path's text
     assert words.encode("\nnew words after a stop") == tokenizer.encode("\nnew words after a stop",
                                                                         add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("tokenizer", [TINY, LLAMA3_STYLE, QWEN2_STYLE, GAPPY],
+                         ids=["gpt2-regex", "llama3-split", "qwen2-split", "gappy-split"])
+@settings(max_examples=300, deadline=None)
+@given(text=plain, size=st.integers(1, 12))
+def test_slices_tokenise_one_after_the_other_as_the_whole_text(tokenizer: Tokenizer, text: str, size: int) -> None:
+    words = WordTokens.for_tokenizer(tokenizer)
+    assert words is not None
+    parts = words.slices(text, size)
+    assert "".join(parts) == text and (all(parts) or text == "")
+    if tokenizer is GAPPY:
+        assert parts == [text]  # not a separable pattern: never cut
+    want = tokenizer.encode(text, add_special_tokens=False).ids
+    got = words.encode_all(parts, 10_000)
+    assert got is not None and [i for ids in got[0] for i in ids] == want
 
 
 def test_a_pattern_re_cannot_take_stays_with_regex() -> None:

@@ -368,11 +368,18 @@ class ModelTokenizer:
                 out[i] = ids
         return out  # type: ignore[return-value]  # every slot filled
 
-    def encode_words(self, segments: list[tuple[bool, str]], max_new: int) -> list[list[int]] | None:
-        """``encode_segments``' result from the word cache alone, with at most ``max_new`` new words or
-        pre-tokens (``WordTokens.encode_all``); None without a word cache, for text it does not take,
-        or past that many (for the loop's thread only)."""
-        return self.words.encode_all([seg for _, seg in segments], max_new) if self.words is not None else None
+    def word_slices(self, segments: list[tuple[bool, str]], size: int) -> list[tuple[int, str]] | None:
+        """The segments as (segment's index, part) in parts the word cache tokenises one at a time (about
+        ``size`` characters: ``WordTokens.slices``), or None without a word cache."""
+        if self.words is None:
+            return None
+        return [(i, part) for i, (_, seg) in enumerate(segments) for part in self.words.slices(seg, size)]
+
+    def encode_words(self, texts: list[str], max_new: int) -> tuple[list[list[int]], int] | None:
+        """``texts``' ids from the word cache alone, with how many new words or pre-tokens they held, at
+        most ``max_new`` (``WordTokens.encode_all``); None without a word cache, for text it does not
+        take, or past that many (for the loop's thread only)."""
+        return self.words.encode_all(texts, max_new) if self.words is not None else None
 
     def store_segments(self, segments: list[tuple[bool, str]], encoded: list[list[int]]) -> list[array]:
         """Cache ``encode_segments``' result (on the loop's thread: the cache is not thread-safe)."""

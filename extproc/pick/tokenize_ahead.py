@@ -61,7 +61,7 @@ class TokenizeAhead:
         chars = sum(len(seg) for _, seg in segments)
         if chars <= self.inline_chars:
             return 0
-        if self._by_words(tokenizer, segments, chars):
+        if await self._by_words(tokenizer, segments, chars):
             return 0
         if not self._admits(chars):
             metrics.TOKENIZE_AHEAD.labels("busy").inc()
@@ -69,17 +69,29 @@ class TokenizeAhead:
         await self._run(tokenizer, segments, chars)
         return 0
 
-    def _by_words(self, tokenizer: ModelTokenizer, segments: list[tuple[bool, str]], chars: int) -> bool:
-        """Tokenise the new text here, on the loop, when the word cache can do it in no more time than
-        ``inline_chars`` characters through the tokenizer (which the pick would tokenise here too):
-        a text of words mostly seen before (a long user message, a document quoted again) then
-        costs a quarter of the tokenizer's time or less, and no thread hop. Stored for the pick to find."""
-        budget = self.inline_chars - chars // WORD_CHAR_RATIO  # in characters of the tokenizer's time
-        if budget < NEW_WORD_CHARS:
+    async def _by_words(self, tokenizer: ModelTokenizer, segments: list[tuple[bool, str]], chars: int) -> bool:
+        """Tokenise the new text here, on the loop, by the word cache, when it costs no more than the
+        tokenizer would: a text of words mostly seen before (a long user message, a retrieved document
+        quoted again) then takes a quarter of the tokenizer's time or less, and no thread. It goes in
+        parts of ``inline_chars`` characters' worth of the tokenizer's time (``WordTokens.slices``),
+        other requests served between them, each part allowed as many new words again; past either
+        bound (too many new words, a part it cannot cut), the worker as before. Stored for the pick."""
+        size = self.inline_chars * WORD_CHAR_RATIO
+        parts = tokenizer.word_slices(segments, size)
+        if parts is None or any(len(part) > 2 * size for _, part in parts):
             return False
-        encoded = tokenizer.encode_words(segments, budget // NEW_WORD_CHARS)
-        if encoded is None:
-            return False
+        left = (chars - chars // WORD_CHAR_RATIO) // NEW_WORD_CHARS  # new words within the tokenizer's time
+        each = self.inline_chars // NEW_WORD_CHARS  # and within one part's hold on the loop
+        encoded: list[list[int]] = [[] for _ in segments]
+        for n, (i, part) in enumerate(parts):
+            if n:
+                await asyncio.sleep(0)  # the other requests' turn
+            got = tokenizer.encode_words([part], min(left, each))
+            if got is None:
+                return False
+            (ids,), new = got
+            encoded[i] += ids
+            left -= new
         tokenizer.store_segments(segments, encoded)
         metrics.TOKENIZE_AHEAD.labels("words").inc()
         return True

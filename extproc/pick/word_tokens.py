@@ -51,6 +51,7 @@ SPACE_SEPARABLE: Final = frozenset({GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN}
 MAX_WORDS: Final = 100_000  # pre-tokens remembered; past it the cache starts again
 MAX_WORD_CHARS: Final = 64  # longer pre-tokens and words are tokenised each time, not remembered (the bytes bound)
 BYTES_PER_WORD: Final = 260  # a pre-token and its ids (tracemalloc: ~240 for 3-10 letter words), ~26 MB at the bound
+_SPACES: Final = " \t\n\r\x0b\x0c"  # what the patterns' \s matches in ASCII text
 _PLAIN: Final = re.compile(r"[\t\n\r\x20-\x7e]*")  # the text this path takes
 PROBES: Final = (
     "Hello world", "  two  spaces\tand a tab\n\nnew lines  \n", "It's we'll they've I'm you'd don't",
@@ -140,10 +141,10 @@ class WordTokens:
             return None
         return self._of(text)
 
-    def encode_all(self, texts: Sequence[str], max_new: int) -> list[list[int]] | None:
-        """``encode`` of each text, or None when one is not this path's text or the texts hold more
-        than ``max_new`` things not seen before (a new word's regex pass, a new pre-token's BPE). What
-        is new before that point is remembered."""
+    def encode_all(self, texts: Sequence[str], max_new: int) -> tuple[list[list[int]], int] | None:
+        """``encode`` of each text and how many things not seen before they held (a new word's regex
+        pass, a new pre-token's BPE), or None when one is not this path's text or they held more than
+        ``max_new``. What is new before that point is remembered."""
         self._new_left = max_new
         try:
             out = []
@@ -152,11 +153,30 @@ class WordTokens:
                 if ids is None:
                     return None
                 out.append(ids)
-            return out
+            return out, max_new - int(self._new_left)
         except _TooNew:
             return None
         finally:
             self._new_left = math.inf
+
+    def slices(self, text: str, size: int) -> list[str]:
+        """``text`` cut into parts of about ``size`` characters or more whose ids, one after the other,
+        are the text's: under a SPACE_SEPARABLE pattern, before a single space that follows a
+        non-space and precedes one (no pre-token crosses it, and none after it looks back); else the
+        whole text."""
+        if not self._separable or len(text) <= size:
+            return [text]
+        out, start, n = [], 0, len(text)
+        while n - start > size:
+            p = text.find(" ", start + size)
+            while p > 0 and (p + 1 >= n or text[p - 1] in _SPACES or text[p + 1] in _SPACES):
+                p = text.find(" ", p + 1)
+            if p <= 0:
+                break
+            out.append(text[start:p])
+            start = p
+        out.append(text[start:])
+        return out
 
     def _spend(self) -> None:
         """One new word or pre-token, within ``encode_all``'s budget."""
