@@ -45,6 +45,7 @@ class TokenizeAhead:
         self.max_wait_s = max_wait_s
         self.queued_chars = 0  # of the jobs submitted and not finished
         self.chars_per_s = 0.0  # the worker's measured speed (0 until a job has finished)
+        self.on_loop = 0  # long texts the word cache is tokenising on the loop, in parts (at most one)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
 
     async def prepare(self, decision: Decision, checking: bool = False) -> int:
@@ -74,12 +75,25 @@ class TokenizeAhead:
         tokenizer would: a text of words mostly seen before (a long user message, a retrieved document
         quoted again) then takes a quarter of the tokenizer's time or less, and no thread. It goes in
         parts of ``inline_chars`` characters' worth of the tokenizer's time (``WordTokens.slices``),
-        other requests served between them, each part allowed as many new words again; past either
-        bound (too many new words, a part it cannot cut), the worker as before. Stored for the pick."""
+        other requests served between them, each part allowed as many new words again, and one such
+        text at a time: under load the next goes to the worker, which runs beside the loop (the
+        tokenizer releases the GIL), and past its queue to the learned view, as before. Past either
+        bound (too many new words, a part it cannot cut), the worker too. Stored for the pick."""
         size = self.inline_chars * WORD_CHAR_RATIO
         parts = tokenizer.word_slices(segments, size)
         if parts is None or any(len(part) > 2 * size for _, part in parts):
             return False
+        long = len(parts) > 1
+        if long and self.on_loop:  # one long text on the loop at a time; the next to the worker
+            return False
+        self.on_loop += long
+        try:
+            return await self._in_parts(tokenizer, segments, chars, parts)
+        finally:
+            self.on_loop -= long
+
+    async def _in_parts(self, tokenizer: ModelTokenizer, segments: list[tuple[bool, str]], chars: int,
+                        parts: list[tuple[int, str]]) -> bool:
         left = (chars - chars // WORD_CHAR_RATIO) // NEW_WORD_CHARS  # new words within the tokenizer's time
         each = self.inline_chars // NEW_WORD_CHARS  # and within one part's hold on the loop
         encoded: list[list[int]] = [[] for _ in segments]
