@@ -191,3 +191,30 @@ def test_a_chat_trace_through_the_worker_and_the_word_cache_keeps_every_prompt_e
     assert checked >= 200
     for outcome in ("done", "words"):  # both ways were taken
         assert metrics.TOKENIZE_AHEAD.labels(outcome)._value.get() > before[outcome], outcome
+
+
+def test_one_long_text_at_a_time_goes_in_parts_on_the_loop_the_next_to_the_worker() -> None:
+    """Two long texts of words seen before arrive together: the first is tokenised on the loop in parts
+    (the second request's prepare runs between them), the second goes to the worker, beside the loop."""
+    core, tokenizer, ahead = setup(inline_chars=100)  # parts of 400 characters, 5 new words a part
+    tokenizer.encode(tokenizer.render_chat(json.loads(chat("warm"))))
+    sentence = SYSTEM.split(".")[0] + "."
+    tokenizer.encode("\n" + sentence)  # its words are seen
+    first, second = (decide(chat(" ".join([sentence] * 16) + f" ({n})"), {}, PICK) for n in (1, 2))
+    counts = {k: metrics.TOKENIZE_AHEAD.labels(k)._value.get() for k in ("done", "words")}
+
+    async def main() -> list[int]:
+        return list(await asyncio.gather(ahead.prepare(first), ahead.prepare(second)))
+
+    try:
+        assert asyncio.run(main()) == [0, 0]
+    finally:
+        ahead.close()
+    assert ahead.on_loop == 0
+    assert metrics.TOKENIZE_AHEAD.labels("words")._value.get() == counts["words"] + 1
+    assert metrics.TOKENIZE_AHEAD.labels("done")._value.get() == counts["done"] + 1
+    for decision in (first, second):  # both exact, found cached by the pick
+        misses = tokenizer.cache_misses
+        choice = core.pick(decision, PICK)
+        assert tokenizer.cache_misses == misses
+        assert choice.prompt_tokens == len(tokenizer.encode_uncached(tokenizer.render_chat(decision.document)))
