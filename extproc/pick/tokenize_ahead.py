@@ -75,16 +75,17 @@ class TokenizeAhead:
         tokenizer would: a text of words mostly seen before (a long user message, a retrieved document
         quoted again) then takes a quarter of the tokenizer's time or less, and no thread. It goes in
         parts of ``inline_chars`` characters' worth of the tokenizer's time (``WordTokens.slices``),
-        other requests served between them, each part allowed as many new words again, and one such
-        text at a time: under load the next goes to the worker, which runs beside the loop (the
-        tokenizer releases the GIL), and past its queue to the learned view, as before. Past either
+        other requests served between them, each part allowed as many new words again, and only while
+        no other long text is being tokenised (here or on the worker): under load long texts go to
+        the worker, which runs beside the loop (the tokenizer releases the GIL), and past its queue
+        to the learned view, as before, so the loop's time stays the other requests'. Past either
         bound (too many new words, a part it cannot cut), the worker too. Stored for the pick."""
         size = self.inline_chars * WORD_CHAR_RATIO
         parts = tokenizer.word_slices(segments, size)
         if parts is None or any(len(part) > 2 * size for _, part in parts):
             return False
         long = len(parts) > 1
-        if long and self.on_loop:  # one long text on the loop at a time; the next to the worker
+        if long and (self.on_loop or self.queued_chars):  # a long text is being tokenised already: the worker
             return False
         self.on_loop += long
         try:
