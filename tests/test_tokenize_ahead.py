@@ -218,3 +218,21 @@ def test_one_long_text_at_a_time_goes_in_parts_on_the_loop_the_next_to_the_worke
         choice = core.pick(decision, PICK)
         assert tokenizer.cache_misses == misses
         assert choice.prompt_tokens == len(tokenizer.encode_uncached(tokenizer.render_chat(decision.document)))
+
+
+def test_while_the_worker_is_busy_a_long_text_goes_to_it_not_in_parts_on_the_loop() -> None:
+    core, tokenizer, ahead = setup(inline_chars=100)
+    tokenizer.encode(tokenizer.render_chat(json.loads(chat("warm"))))
+    sentence = SYSTEM.split(".")[0] + "."
+    tokenizer.encode("\n" + sentence)
+    decision = decide(chat(" ".join([sentence] * 16) + " (3)"), {}, PICK)
+    ahead.queued_chars, ahead.chars_per_s = 1_000, 1e9  # another request's text on the worker, done soon
+    counts = {k: metrics.TOKENIZE_AHEAD.labels(k)._value.get() for k in ("done", "words")}
+    try:
+        assert asyncio.run(ahead.prepare(decision)) == 0
+    finally:
+        ahead.close()
+    assert metrics.TOKENIZE_AHEAD.labels("words")._value.get() == counts["words"]
+    assert metrics.TOKENIZE_AHEAD.labels("done")._value.get() == counts["done"] + 1
+    assert core.pick(decision, PICK).prompt_tokens == len(tokenizer.encode_uncached(
+        tokenizer.render_chat(decision.document)))
