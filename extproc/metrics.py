@@ -211,8 +211,7 @@ TOKENIZE_AHEAD = Counter(
     "prefix_router_tokenize_ahead_total",
     "Precise-mode requests (and tokenizer-check samples) whose new text was longer than "
     "--tokenize-inline-chars: tokenised on the worker thread before the pick (done), by the word cache on "
-    "the loop where that takes no longer than --tokenize-inline-chars characters through the tokenizer "
-    "(words), or not queued "
+    "the loop where that takes less of the tokenizer's time (words), or not queued "
     "because the worker's queue would have made it wait longer than --tokenize-queue-seconds (busy: "
     "the pick used the learned view, the check skipped the sample)",
     ["outcome"],
