@@ -6,7 +6,10 @@ that stalls every other request meanwhile (docs/overhead.md, "Precise mode"). Th
 tokenizer releases the GIL while it encodes, so the adapter awaits ``prepare`` before the pick:
 a request with more than ``inline_chars`` new characters has them tokenised on one worker thread
 while the loop serves the others, stored in the cache on the loop, and its pick then finds them
-cached. Shorter new text is tokenised in the pick itself (the thread hop would cost more).
+cached. Shorter new text is tokenised in the pick itself (the thread hop would cost more). Text the
+word cache (extproc.pick.word_tokens) can do in less of the tokenizer's time is tokenised by it on the
+loop instead, before the pick: in one go, or in parts with other requests served between them while
+no other long text is being tokenised.
 
 The worker's queue is bounded by time: ``max_wait_s`` at the rate measured on the jobs done so
 far. A request that would wait longer is not queued; ``prepare`` returns ``inline_chars`` and the
@@ -49,7 +52,8 @@ class TokenizeAhead:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
 
     async def prepare(self, decision: Decision, checking: bool = False) -> int:
-        """Tokenise the request's long new text off the loop; returns the pick's ``max_new_chars``:
+        """Tokenise the request's long new text before the pick (by the word cache on the loop where
+        that is cheaper, else on the worker); returns the pick's ``max_new_chars``:
         0 (no limit) or, when the worker is too busy to take it, ``inline_chars``. ``checking``: for
         the run-time tokenizer check (extproc.pick.tokenizer_check), which tokenises a distrusted
         model's requests too."""
