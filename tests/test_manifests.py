@@ -58,11 +58,13 @@ VARIANTS = {
     "": CORE, "base": CORE, "pick": CORE, "precise": CORE | SHARED,
     "istio": CORE | ISTIO, "istio-pick": CORE | ISTIO,
     "envoy-gateway": CORE | ENVOY_GATEWAY, "envoy-gateway-pick": CORE | ENVOY_GATEWAY,
+    "istio-precise": CORE | ISTIO | SHARED, "envoy-gateway-precise": CORE | ENVOY_GATEWAY | SHARED,
     "fast": CORE, "istio-fast": CORE | ISTIO_FAST, "envoy-gateway-fast": CORE | ENVOY_GATEWAY_FAST,
     "observability": OBSERVABILITY,
 }
 ROUTER_VARIANTS = sorted(v for v in VARIANTS if v != "observability")  # those that deploy the router
-PICK = {"pick", "istio-pick", "envoy-gateway-pick", "precise"}
+PRECISE_VARIANTS = ("precise", "istio-precise", "envoy-gateway-precise")  # components/precise on a pick overlay
+PICK = {"pick", "istio-pick", "envoy-gateway-pick", *PRECISE_VARIANTS}
 MESH_PICK = PICK - {"pick", "precise"}
 PRECISE = DEPLOY / "precise"
 # Kubernetes versions the core kinds must validate against: the oldest these manifests claim
@@ -191,7 +193,8 @@ def merge(into: Any, value: Any) -> Any:
 # ---------------------------------------------------------------------------- rendering
 
 def test_every_kustomization_under_deploy_is_a_known_variant() -> None:
-    found = {str(p.parent.relative_to(DEPLOY)).replace(".", "") for p in DEPLOY.rglob("kustomization.yaml")}
+    found = {str(p.parent.relative_to(DEPLOY)).replace(".", "") for p in DEPLOY.rglob("kustomization.yaml")
+             if yaml.safe_load(p.read_text())["kind"] == "Kustomization"}  # not the components they include
     assert found == set(VARIANTS)
 
 
@@ -484,7 +487,7 @@ def istio_gateway(docs: tuple[Doc, ...], variant: str) -> envoy_config.Config:
     return cfg
 
 
-@pytest.mark.parametrize("variant", ["istio", "istio-pick"])
+@pytest.mark.parametrize("variant", ["istio", "istio-pick", "istio-precise"])
 def test_istio_patches_turn_a_gateway_into_the_reference_config(variant: str, tmp_path: Path) -> None:
     docs = render(variant)
     rule = one(docs, "DestinationRule")
@@ -514,7 +517,7 @@ def test_istio_patches_turn_a_gateway_into_the_reference_config(variant: str, tm
     assert rules and all("connectionPool" not in d["spec"].get("trafficPolicy", {}) for d in rules)
 
 
-@pytest.mark.parametrize("variant", ["istio", "istio-pick"])
+@pytest.mark.parametrize("variant", ["istio", "istio-pick", "istio-precise"])
 def test_istio_metadata_is_what_the_router_runs_with(variant: str) -> None:
     docs = render(variant)
     server, route = router_settings(docs)
@@ -662,7 +665,7 @@ def eg_gateway_patched(docs: tuple[Doc, ...], variant: str) -> envoy_config.Conf
     return cfg
 
 
-@pytest.mark.parametrize("variant", ["envoy-gateway", "envoy-gateway-pick"])
+@pytest.mark.parametrize("variant", ["envoy-gateway", "envoy-gateway-pick", "envoy-gateway-precise"])
 def test_envoy_gateway_policies_say_what_the_reference_says(variant: str, tmp_path: Path) -> None:
     docs = render(variant)
     ref = reference(variant)
@@ -763,12 +766,32 @@ def test_stateful_session_header_is_the_routers_pick_header(variant: str) -> Non
 
 # ---------------------------------------------------------------------------- precise mode
 
-def test_precise_router_subscribes_with_a_mounted_tokenizer() -> None:
-    docs = render("precise")
+def pick_overlay(variant: str) -> str:
+    """The pick-mode overlay a precise one adds components/precise to."""
+    return variant.replace("precise", "pick")
+
+
+@pytest.mark.parametrize("variant", PRECISE_VARIANTS)
+def test_precise_is_its_pick_overlay_with_the_component_alone(variant: str) -> None:
+    """What a precise overlay changes in its pick overlay: the router Deployment (events, tokenizer),
+    and the Redis' three resources added; every mesh resource and the rest of the router as they were."""
+    docs, pick = render(variant), render(pick_overlay(variant))
+    ident = lambda d: (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"])  # noqa: E731
+    added = {ident(d) for d in docs} - {ident(d) for d in pick}
+    assert added == {(k, "default", "prefix-router-redis") for k in ("Deployment", "Service", "NetworkPolicy")}
+    changed = {ident(d) for d in docs if d not in pick} - added
+    assert changed == {("Deployment", "default", "prefix-router")}
+    assert router_settings(docs)[1] == router_settings(pick)[1]  # the same route settings: the Envoy side is pick's
+
+
+@pytest.mark.parametrize("variant", PRECISE_VARIANTS)
+def test_precise_router_subscribes_with_a_mounted_tokenizer(variant: str) -> None:
+    docs = render(variant)
     server, route = router_settings(docs)  # the router's own parser: kv events need endpoints and a tokenizer
     assert route.mode == "pick" and route.cache_view == "auto"  # auto: the events, since it subscribes
     assert server.kv_events and server.endpoints_dns and not server.kv_ports_relative
-    assert render("pick") != docs and server.endpoints_dns == router_settings(render("pick"))[0].endpoints_dns
+    pick = render(pick_overlay(variant))
+    assert pick != docs and server.endpoints_dns == router_settings(pick)[0].endpoints_dns
     deployment = one(docs, "Deployment", "prefix-router")
     assert deployment["spec"]["replicas"] == 2  # each copy subscribes to every vLLM pod
     pod = deployment["spec"]["template"]["spec"]
@@ -788,8 +811,9 @@ def test_precise_router_subscribes_with_a_mounted_tokenizer() -> None:
     assert {e["name"] for e in init["env"]} >= {"MODEL", "REVISION"}
 
 
-def test_precise_routers_share_their_requests_in_flight_over_the_redis_it_deploys() -> None:
-    docs = render("precise")
+@pytest.mark.parametrize("variant", PRECISE_VARIANTS)
+def test_precise_routers_share_their_requests_in_flight_over_the_redis_it_deploys(variant: str) -> None:
+    docs = render(variant)
     server, _ = router_settings(docs)
     url = urllib.parse.urlsplit(server.share_in_flight)
     service, namespace, *rest = url.hostname.split(".")
@@ -809,7 +833,7 @@ def test_precise_routers_share_their_requests_in_flight_over_the_redis_it_deploy
     router_labels = one(docs, "Deployment", "prefix-router")["spec"]["template"]["metadata"]["labels"]
     assert rule["from"][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
     assert [p["port"] for p in rule["ports"]] == [url.port]
-    assert not router_settings(render("pick"))[0].share_in_flight  # one router's pick mode needs none
+    assert not router_settings(render(pick_overlay(variant)))[0].share_in_flight  # one router's pick mode needs none
 
 
 def test_precise_vllm_patch_publishes_where_the_router_subscribes(tmp_path: Path) -> None:
