@@ -420,6 +420,27 @@ def test_the_allocation_clock_counts_every_announced_block_and_events_leave_read
     assert plain.last_use(A)(chain[3], -1) == -1 and plain.allocations(A) == 4
 
 
+def test_a_steps_readings_are_its_end_clock_one_int_for_all() -> None:
+    """A decode step announces a block for each of many requests in one batch: every reading is the
+    clock after the whole step (the requests held their blocks through it), one int object for all,
+    and a block stored and removed within the step keeps no reading."""
+    index = EventIndex(stamp_events=True)
+    a, b, c = (list(range(k * 100, k * 100 + 2 * BS)) for k in (1, 2, 3))
+    index.apply(A, [stored([1], a[:BS]), stored([2], b[:BS]), stored([3], c[:BS])])  # prompts, one step
+    assert index.allocations(A) == 3
+    index.apply(A, [stored([11], a[BS:], parent=1), stored([12], b[BS:], parent=2),
+                    stored([13], c[BS:], parent=3), BlockRemoved((13,))])  # decode step: one block each
+    assert index.allocations(A) == 6
+    get = index.last_use(A)
+    readings = [get(h, None) for t in (a, b) for h in own(t)]
+    assert readings == [6, 6, 6, 6]
+    assert len({id(r) for r in readings}) == 1  # shared: a reading costs its dict entry only
+    assert get(own(c)[1], None) is None and get(own(c)[0], None) == 6
+    plain = EventIndex()
+    plain.apply(A, [stored([1], a[:BS]), stored([2], b[:BS])])
+    assert plain.last_use(A)(own(a)[0], None) is None and plain.allocations(A) == 2
+
+
 def test_a_block_refused_for_room_leaves_no_reading() -> None:
     """Past its share a replica's new blocks are not indexed, so no BlockRemoved would ever clear a
     reading of them: only the blocks it holds are read."""

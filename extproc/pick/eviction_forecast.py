@@ -8,9 +8,9 @@ that block held; a request's blocks go back to the queue's tail when it ends. So
 - the allocation clock: blocks the replica has allocated so far, as its BlockStored events
   count them (``EventIndex.allocations``);
 - when each chain was last in use, as a reading of that clock: when a BlockStored stored its
-  last block or chained onto it (a request was using it then; vLLM frees a request's blocks to
-  the queue's tail when it ends). Every router sees the same events, so router replicas read
-  the same;
+  last block or chained onto it, read at the end of that event's batch (a request was using it
+  through that engine step; vLLM frees a request's blocks to the queue's tail when it ends).
+  Every router sees the same events, so router replicas read the same;
 - the replica's free queue now, ``free`` blocks (its KV not used by running requests,
   scraped): about ``clock - t`` blocks were freed after a block freed at ``t`` (what is
   allocated is freed again), and vLLM frees a request's blocks tail first, so block ``i`` of a

@@ -124,7 +124,8 @@ class LearnedIndex:
                 touch(h)
             else:
                 lru[h] = None
-                owners[h] = owners.get(h, 0) | bit
+                held = owners.get(h, 0)
+                owners[h] = held | bit if held else bit  # alone: share the replica's int, not a new one
         self._trim(address)
 
     def _drop(self, h: int, bit: int) -> None:

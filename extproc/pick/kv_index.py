@@ -182,7 +182,11 @@ class EventIndex:
     def last_use(self, address: str) -> Callable[[int, None], int | None]:
         """``get`` of own hash -> the allocation clock when ``address`` last used the chain up to that
         block, as its events tell (with ``stamp_events``): a BlockStored stored it as its last block
-        or chained onto it (``extproc.pick.eviction_forecast``). Sparse: most blocks have no entry."""
+        or chained onto it (``extproc.pick.eviction_forecast``). Sparse: most blocks have no entry.
+
+        The clock is read at the end of the event's batch (one engine step): the request held its
+        blocks through the step, so that is the later, closer bound on when it freed them, and one
+        int serves every reading of the step (a decode step stores a block for each of many requests)."""
         replica = self._replicas.get(address)
         return replica.last_use.get if replica else _no_reading
 
@@ -247,6 +251,13 @@ class EventIndex:
         changed = self._memo.log.append if self._memo.active() else None  # holders changed, for the memo
         windows = self.windows.groups(address)  # its sliding-window groups: their events go there
         window_events: list[Event] = []
+        stamp = 0
+        if self.stamp_events:
+            events = events if isinstance(events, (list, tuple)) else list(events)
+            stamp = replica.allocated  # the clock after this batch: readings of its blocks
+            for e in events:
+                if type(e) is BlockStored and not window_store(e):
+                    stamp += len(e.block_hashes)
         for event in events:
             if type(event) is BlockStored:
                 if window_store(event):
@@ -282,10 +293,10 @@ class EventIndex:
                 if room < n:
                     refused += n - max(room, 0)
                     n = max(room, 0)
-                if self.stamp_events and n:  # the chain up to its last block is in use now (eviction forecast)
-                    last_use[own[n - 1]] = replica.allocated
+                if stamp and n:  # the chain up to its last block is in use in this step (eviction forecast)
+                    last_use[own[n - 1]] = stamp
                     if parent != ROOT:
-                        last_use[parent] = replica.allocated
+                        last_use[parent] = stamp
                 for i in range(n):
                     e = hashes[i]
                     h = engine.get(e)
@@ -296,7 +307,7 @@ class EventIndex:
                         extra[h] = extra.get(h, 0) + 1
                         duplicates += 1
                     else:
-                        owners[h] = held | bit
+                        owners[h] = held | bit if held else bit  # alone: share the replica's int, not a new one
                         if changed:
                             changed(h)
                 stored += n

@@ -2,7 +2,7 @@
 
 Builds the view of ``--replicas`` replicas x ``--blocks`` blocks of ``--block-size`` tokens
 (default: 64 x 84,000 x 16, the KV of a 70B model on 8x H100 per replica, design.md section 5)
-from msgpack event batches of one ``--run``-block BlockStored each, as vLLM sends them, through
+from msgpack event batches of ``--per-batch`` ``--run``-block BlockStored each, as vLLM sends them, through
 the router's own ``decode_batch`` and ``EventIndex.apply``; then times a lookup of a prompt one
 replica holds. Prints one line per figure. Run: ``.venv/bin/python lab/tools/event_view_scale.py``
 (about 1 GB of memory at the defaults).
@@ -29,7 +29,10 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--blocks", type=int, default=84_000, help="blocks per replica")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--run", type=int, default=16, help="blocks per BlockStored event (one batch each)")
+    p.add_argument("--run", type=int, default=16, help="blocks per BlockStored event")
+    p.add_argument("--per-batch", type=int, default=1,
+                   help="BlockStored events per batch (an engine step sends one for each request that filled a "
+                        "block in it: a decode step of R running requests, about R / block size)")
     p.add_argument("--eviction-forecast", choices=("on", "off"), default="on",
                    help="keep the eviction forecast's readings from the events, as the router does by default")
     a = p.parse_args()
@@ -37,12 +40,16 @@ def main() -> int:
     base, busy = rss_mb(), 0.0
     for r in range(a.replicas):
         address, parent = f"10.1.{r // 250}.{r % 250}:8000", None
-        for run in range(a.blocks // a.run):
-            first = run * a.run * a.block_size
-            tokens = [t ^ r for t in range(first, first + a.run * a.block_size)]  # distinct per replica
-            hashes = [(r << 40) + run * a.run + i for i in range(a.run)]
-            payload = msgpack.packb([time.time(), [["BlockStored", hashes, parent, tokens, a.block_size]], 0])
-            parent = hashes[-1]
+        runs = a.blocks // a.run
+        for step in range(0, runs, a.per_batch):
+            events = []
+            for run in range(step, min(step + a.per_batch, runs)):
+                first = run * a.run * a.block_size
+                tokens = [t ^ r for t in range(first, first + a.run * a.block_size)]  # distinct per replica
+                hashes = [(r << 40) + run * a.run + i for i in range(a.run)]
+                events.append(["BlockStored", hashes, parent, tokens, a.block_size])
+                parent = hashes[-1]
+            payload = msgpack.packb([time.time(), events, 0])
             started = time.perf_counter()
             index.apply(address, decode_batch(payload).batch.events)
             busy += time.perf_counter() - started
@@ -52,7 +59,7 @@ def main() -> int:
     print(f"memory: the process grew {grown:,.0f} MB = {grown * 2**20 / stats.entries:.0f} bytes per block "
           f"(the index's estimate: {stats.bytes / 2**20:,.0f} MB)")
     print(f"ingest: {stats.entries / busy:,.0f} blocks/s through decode_batch + apply "
-          f"(batches of one {a.run}-block BlockStored)")
+          f"(batches of {a.per_batch} {a.run}-block BlockStored)")
     held, replica = 2000 // a.block_size * a.block_size, min(7, a.replicas - 1)
     own = block_hashes([t ^ replica for t in range(held)], a.block_size)  # one replica's first blocks
     n = 2000
