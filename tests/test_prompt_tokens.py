@@ -348,7 +348,7 @@ def _check_memo(memo: PromptMemo) -> None:
     """The memo's books: every prompt filed once, under its head and key, and its bytes counted."""
     filed = [p for head in memo._heads.values() for group in head.keyed.values() for p in group]
     assert sorted(map(id, filed)) == sorted(memo._order) and len(filed) == len(memo)
-    assert memo.bytes == sum(map(_memo_cost, filed)) <= memo.max_bytes
+    assert memo.bytes == sum(_memo_cost(p.text, p) for p in filed) <= memo.max_bytes
     for head_text, head in memo._heads.items():
         for key, group in head.keyed.items():
             assert 0 < len(group) <= PER_KEY
@@ -357,7 +357,7 @@ def _check_memo(memo: PromptMemo) -> None:
             assert all(p.text.startswith(head.latest.text[:head.agree]) for p in group)
     for prompt, filed, key, cost in memo._order.values():  # where each is filed, as its drop will find it
         text = prompt.text
-        assert filed == text[:HEAD] and key == memo._key(memo._heads[filed].agree, text) and cost == _memo_cost(prompt)
+        assert filed == text[:HEAD] and key == memo._key(memo._heads[filed].agree, text) and cost == _memo_cost(text, prompt)
 
 
 def test_a_new_question_on_a_remembered_system_prompt_shares_its_pieces_and_ids() -> None:

@@ -13,9 +13,13 @@ the rest. Texts are filed by their first ``HEAD`` characters and, past where tho
 up to ``KEY`` more cut before the next added token (a conversation's first message), so a
 conversation's previous turn is found in one lookup however many conversations share its system
 prompt. A remembered prompt's pieces are the objects of the prompt it was resumed from and its
-ids share that prompt's (id_run.py): what it adds to memory is its text and its new part. Its
-bytes are counted as if it held all of its ids (an upper bound: an ids array lives only while a
-prompt counted for it does). Exact by construction
+ids share that prompt's (id_run.py): what it adds to memory is its new part. It keeps no text of
+its own (the pieces are the text) unless it extends a remembered prompt whole (a conversation's
+turn after its first, whose next turn is compared with it whole: one compare of the kept text, where
+joining a long conversation's pieces reads hundreds of objects). A one-off request's text, new
+memory every request, is then freed with the request and its memory reused by the next. Its bytes
+are counted as if it held all of its pieces and ids, and its kept text (an upper bound: a piece or
+an ids array lives only while a prompt counted for it does). Exact by construction
 (tests/test_prompt_tokens.py: memo == tokenizer on texts cut anywhere and on generated
 conversations). Pure, bounded in bytes, not thread-safe (the event loop's).
 """
@@ -40,12 +44,22 @@ class Prompt(NamedTuple):
     """A tokenised text: its ids (shared: never changed) and its pieces (the text split at its added
     tokens), with where each piece ends, the ids up to its end, and whether it is an added token."""
 
-    text: str
     ids: IdRun
     pieces: list[str]
     ends: array
     ids_at: array
     added: bytearray
+    kept: str | None = None  # the text itself, kept for a conversation's turn (see the module)
+
+    @property
+    def chars(self) -> int:
+        """The text's length (the last piece's end)."""
+        return self.ends[-1] if self.ends else 0
+
+    @property
+    def text(self) -> str:
+        """The text: ``kept``, else joined from the pieces."""
+        return self.kept if self.kept is not None else "".join(self.pieces)
 
 
 class Resume(NamedTuple):
@@ -74,7 +88,7 @@ class _Head:
     __slots__ = ("agree", "keyed", "latest")
 
     def __init__(self, prompt: Prompt) -> None:
-        self.agree = len(prompt.text)
+        self.agree = prompt.chars
         self.keyed: dict[str, list[Prompt]] = {}
         self.latest = prompt
 
@@ -124,8 +138,8 @@ class PromptMemo:
         best, shared, n = None, 0, len(text)
         key = self._key(head.agree, text)
         for prompt in head.keyed.get(key, ()):  # one ``text`` extends whole: its previous turn
-            m = len(prompt.text)
-            if shared < m <= n and text.startswith(prompt.text):
+            m = prompt.chars
+            if shared < m <= n and text.startswith(prompt.text):  # joined: one C compare, not one per piece
                 best, shared = prompt, m
         if best is None:  # the latest, as far as whole pieces match
             best = head.latest
@@ -133,7 +147,7 @@ class PromptMemo:
             self._found = (text, head, key, shared)
         else:
             self._found = (text, head, key, -1)
-        whole = shared == len(best.text)
+        whole = shared == best.chars
         pieces, ends, added = best.pieces, best.ends, best.added
         k = bisect_right(ends, shared)  # pieces wholly inside the shared part
         if k == len(pieces) and shared == n:  # the same text
@@ -167,12 +181,11 @@ class PromptMemo:
             q = text.find(first, q + 1, shared)
         return shared
 
-    def remember(self, prompt: Prompt, supersedes: Prompt | None = None) -> None:
+    def remember(self, text: str, prompt: Prompt, supersedes: Prompt | None = None) -> None:
         """File ``prompt``; ``supersedes``: the remembered one it extends whole (dropped).
         What ``resume`` found for the same text is used, not looked up again, unless dropping
         ``supersedes`` changed it."""
         found, self._found = self._found, None
-        text = prompt.text
         if not text:
             return
         if supersedes is not None:
@@ -193,7 +206,7 @@ class PromptMemo:
                 for group in head.keyed.values():
                     for other in group:
                         entry = self._order[id(other)]
-                        entry[2] = self._key(agree, other.text)
+                        entry[2] = self._key(0, _slice(other, agree, agree + KEY + self._split.longest))
                         keyed.setdefault(entry[2], []).append(other)
                 head.agree, head.keyed = agree, keyed
                 key = None
@@ -202,7 +215,7 @@ class PromptMemo:
             key = self._key(head.agree, text)
         group = head.keyed.setdefault(key, [])
         group.insert(0, prompt)
-        cost = _cost(prompt)
+        cost = _cost(text, prompt)
         self._order[id(prompt)] = [prompt, filed, key, cost]
         self.bytes += cost
         if len(group) > PER_KEY:
@@ -248,9 +261,20 @@ def _agreeing(text: str, prompt: Prompt, enough: int = sys.maxsize) -> int:
     return shared
 
 
-def _cost(prompt: Prompt) -> int:
-    """Bytes counted for a remembered prompt: its text and its pieces (1 or 4 bytes a character), its ids
-    (all of them, shared or not), and each piece's offsets and object."""
-    text = prompt.text
-    return (2 * len(text) * (1 if text.isascii() else 4) + 4 * len(prompt.ids)
+def _slice(prompt: Prompt, start: int, stop: int) -> str:
+    """``prompt.text[start:stop]`` from the pieces it overlaps alone."""
+    ends, pieces = prompt.ends, prompt.pieces
+    i = bisect_right(ends, start)
+    begin = ends[i - 1] if i else 0  # where piece i starts
+    j = i
+    while j < len(pieces) and (ends[j - 1] if j else 0) < stop:
+        j += 1
+    return "".join(pieces[i:j])[start - begin:stop - begin]
+
+
+def _cost(text: str, prompt: Prompt) -> int:
+    """Bytes counted for a remembered prompt (``text``: its text): its pieces and its kept text (1 or 4
+    bytes a character, shared or not), its ids (all of them, shared or not), and each piece's offsets
+    and object."""
+    return ((1 if prompt.kept is None else 2) * len(text) * (1 if text.isascii() else 4) + 4 * len(prompt.ids)
             + 80 * len(prompt.pieces) + 300)

@@ -252,7 +252,7 @@ class ModelTokenizer:
             resume = planned.resume
             if self.memo is not None:
                 self.memo.tally(resume)
-        if resume is not None and resume.chars == len(text) == len(resume.prompt.text):  # the same text again
+        if resume is not None and resume.chars == len(text) == resume.prompt.chars:  # the same text again
             self.resumed = (resume.prompt.ids, len(resume.prompt.ids))
             return resume.prompt.ids
         if planned is None:
@@ -277,7 +277,7 @@ class ModelTokenizer:
                 out[at] = value
         prompt = _assembled(text, resume, out, pieces, piece_ends)
         if self.memo is not None:
-            self.memo.remember(prompt, resume.prompt if resume is not None and resume.whole else None)
+            self.memo.remember(text, prompt, resume.prompt if resume is not None and resume.whole else None)
         if resume is not None:
             self.resumed = (resume.prompt.ids, resume.ids)
         return prompt.ids
@@ -547,7 +547,8 @@ def _key(first: bool, seg: str) -> tuple[bool, int | str]:
 def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces: list[str],
                piece_ends: list[int]) -> Prompt:
     """The text's prompt for the memo: what ``resume`` took from an earlier one (its ids shared, not
-    copied), then the planned pieces (``out``: their ids, an added token's one id or a segment's array)."""
+    copied), then the planned pieces (``out``: their ids, an added token's one id or a segment's array);
+    the text itself kept only when it extends that one whole (a conversation's turn: prompt_memo.py)."""
     at = resume.ids if resume is not None else 0
     new = array("I")
     ids_at = array("q")
@@ -561,10 +562,11 @@ def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces:
             added.append(0)
         ids_at.append(at + len(new))
     if resume is None:
-        return Prompt(text, IdRun(new), pieces, array("q", piece_ends), ids_at, added)
+        return Prompt(IdRun(new), pieces, array("q", piece_ends), ids_at, added)
     before, k = resume.prompt, resume.pieces
-    return Prompt(text, before.ids.extended(at, new), before.pieces[:k] + pieces,
-                  before.ends[:k] + array("q", piece_ends), before.ids_at[:k] + ids_at, before.added[:k] + added)
+    return Prompt(before.ids.extended(at, new), before.pieces[:k] + pieces,
+                  before.ends[:k] + array("q", piece_ends), before.ids_at[:k] + ids_at, before.added[:k] + added,
+                  text if resume.whole else None)
 
 
 def _ids(prompt: list[Any]) -> array:
