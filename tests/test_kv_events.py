@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import msgpack
 import pytest
 
 from extproc.pick.kv_events import (
-    END_OF_REPLAY, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
+    END_OF_REPLAY, KEY_MASK, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
     replay_request, unplaceable_groups, window_store,
 )
 
@@ -28,10 +30,12 @@ def test_positional_events_with_int_hashes() -> None:
     batch, skipped = decode_batch(packed([1.5, events, 0]))
     assert skipped == 0 and batch.ts == 1.5 and batch.data_parallel_rank == 0
     stored, second, removed, cleared = batch.events
-    assert stored == BlockStored((BIG, 7), None, tuple(range(32)), 16, None, "GPU", None,
+    key = BIG & KEY_MASK  # a hash is kept as its low 60 bits: a 32-byte int, not 48
+    assert key != BIG and key.bit_length() <= 60 and sys.getsizeof(key) <= 32 < sys.getsizeof(BIG)
+    assert stored == BlockStored((key, 7), None, tuple(range(32)), 16, None, "GPU", None,
                                  (("salt",), None))
     assert second == BlockStored((9,), 7, tuple(range(32, 48)), 16)
-    assert removed == BlockRemoved((BIG,), "GPU")
+    assert removed == BlockRemoved((key,), "GPU")
     assert cleared == AllBlocksCleared()
     assert isinstance(stored.token_ids, tuple) and isinstance(stored.block_hashes, tuple)
 
@@ -49,9 +53,10 @@ def test_map_events_with_bytes_hashes_and_unknown_fields() -> None:
     batch, skipped = decode_batch(packed({"ts": 2, "events": events, "data_parallel_rank": None,
                                           "extra": True}))
     assert skipped == 0 and batch.ts == 2.0 and batch.data_parallel_rank is None
-    assert batch.events[0] == BlockStored((h1, h2), None, tuple(range(8)), 4, 3, None, "adapter",
+    k1, k2 = (int.from_bytes(h[-8:], "big") & KEY_MASK for h in (h1, h2))  # a bytes hash as an int key too
+    assert batch.events[0] == BlockStored((k1, k2), None, tuple(range(8)), 4, 3, None, "adapter",
                                           (("adapter",), ("adapter",)), 1, "full_attention")
-    assert batch.events[1] == BlockRemoved((h2,), "CPU", 1)
+    assert batch.events[1] == BlockRemoved((k2,), "CPU", 1)
     assert batch.events[2] == AllBlocksCleared()
 
 

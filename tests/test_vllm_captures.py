@@ -14,9 +14,10 @@ import gzip
 import json
 from pathlib import Path
 
+import msgpack
 import pytest
 
-from extproc.pick.kv_events import BlockRemoved, BlockStored, decode_batch, parse_frames
+from extproc.pick.kv_events import KEY_MASK, BlockRemoved, BlockStored, decode_batch, parse_frames
 from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
 from extproc.pick.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
@@ -60,12 +61,18 @@ def test_vllm_032_sends_map_events_and_the_asked_hash_type(capture: dict) -> Non
     stored = [e for e in events if isinstance(e, BlockStored)]
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert stored and removed  # the trace evicted
+    sent = [h for f in map(RawFrame.from_json, capture["frames"])
+            for e in msgpack.unpackb(parse_frames([f.topic, f.seq, f.payload]).payload)[1]
+            if e["type"] in ("BlockStored", "BlockRemoved") for h in e["block_hashes"]]  # as on the wire
     kind = int if hashes == "int" else bytes
-    assert all(type(h) is kind for e in stored + removed for h in e.block_hashes)
+    assert sent and all(type(h) is kind for h in sent)
     if hashes == "bytes":
-        assert {len(h) for e in stored for h in e.block_hashes} == {32}  # sha256 digests
+        assert {len(h) for h in sent} == {32}  # sha256 digests
     else:
-        assert all(0 <= h < 2 ** 64 for e in stored for h in e.block_hashes)
+        assert all(0 <= h < 2 ** 64 for h in sent) and max(sent).bit_length() > 60
+    # decoded, each is its key: the low 60 bits (of a bytes hash's last 8 bytes), one per hash sent
+    assert [h for e in events if isinstance(e, (BlockStored, BlockRemoved)) for h in e.block_hashes] == [
+        (h if kind is int else int.from_bytes(h[-8:], "big")) & KEY_MASK for h in sent]
     assert {e.block_size for e in stored} == {capture["meta"]["block_size"]}
 
 

@@ -33,7 +33,9 @@ import msgpack
 import xxhash
 
 from extproc.pick.index import IndexStats
-from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, window_store
+from extproc.pick.kv_events import (
+    KEY_MASK, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, window_store,
+)
 from extproc.pick.match_memo import SPAN, MatchMemo
 from extproc.pick.window_groups import WindowGroups
 
@@ -55,9 +57,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
                  extra_keys: Sequence[Sequence | None] | None = None, parent: int = ROOT) -> list[int]:
     """Own chain hash of every FULL block of ``token_ids``, continuing from ``parent``.
 
-    h_i = xxh3_64(block tokens as u32 LE + msgpack(list(extra_i)), seed = h_{i-1}) (h_{-1} =
+    h_i = xxh3_64(block tokens as u32 LE + msgpack(list(extra_i)), seed = h_{i-1}) & KEY_MASK (h_{-1} =
     ``parent``, ROOT for a chain's first block), so a hash names the whole prefix up to its block's end and a salt or
-    LoRA on block 0 changes every hash after it. Seeding with the parent rather than hashing it
+    LoRA on block 0 changes every hash after it. 60 bits, as the engine hashes' keys (kv_events): a
+    32-byte int per resident block where 64 bits take 48, and 5.4 M blocks collide with odds of 1e-5. Seeding with the parent rather than hashing it
     in halves the work per block: this runs over every block of every precise-mode request. Lists and tuples in extra keys pack identically (events arrive as
     lists, requests build tuples). Token ids outside uint32 raise OverflowError.
     """
@@ -72,7 +75,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     if not extra_keys or not any(extra_keys):
         view = memoryview(raw)
         for start in range(0, n * step, step):
-            parent = _hash(view[start:start + step], parent)
+            parent = _hash(view[start:start + step], parent) & KEY_MASK
             append(parent)
         return out
     last: object = None
@@ -81,7 +84,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
         extra = extra_keys[i] if i < len(extra_keys) else None
         if extra is not last:  # a request's lora-only keys are one shared tuple
             last, last_bytes = extra, msgpack.packb(list(extra)) if extra else b""
-        parent = _hash(raw[start:start + step] + last_bytes, parent)
+        parent = _hash(raw[start:start + step] + last_bytes, parent) & KEY_MASK
         append(parent)
     return out
 

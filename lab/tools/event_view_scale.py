@@ -19,6 +19,12 @@ from extproc.pick.kv_events import decode_batch
 from extproc.pick.kv_index import EventIndex, block_hashes
 
 
+def _engine_hash(n: int) -> int:
+    """A distinct 64-bit int per ``n`` (an odd multiplier is a bijection mod 2**64): vLLM's int block
+    hashes are 64-bit (its captures: 62-64 bits), 36-byte ints in CPython where a small count takes 32."""
+    return (n * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
@@ -46,7 +52,7 @@ def main() -> int:
             for run in range(step, min(step + a.per_batch, runs)):
                 first = run * a.run * a.block_size
                 tokens = [t ^ r for t in range(first, first + a.run * a.block_size)]  # distinct per replica
-                hashes = [(r << 40) + run * a.run + i for i in range(a.run)]
+                hashes = [_engine_hash((r << 40) + run * a.run + i) for i in range(a.run)]
                 events.append(["BlockStored", hashes, parent, tokens, a.block_size])
                 parent = hashes[-1]
             payload = msgpack.packb([time.time(), events, 0])
