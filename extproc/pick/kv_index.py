@@ -43,8 +43,10 @@ ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed valu
 
 # Memory per resident block (the engine -> own entry, both hashes as ints, the holders entry),
 # measured with tracemalloc on CPython 3.11 for blocks no other replica holds (shared blocks
-# share the holders entry): 131-176 bytes with int engine hashes as dicts fill between
-# resizes, 160-206 with 32-byte bytes hashes. tests/test_kv_index.py checks it stays close.
+# share the holders entry): 126-168 bytes as dicts fill between resizes, int and bytes engine
+# hashes alike (both decoded to 60-bit ints). tracemalloc counts what was asked for, not the
+# allocator's size classes; a process holding 5.4 M blocks grew 131 bytes a block
+# (lab/tools/event_view_scale.py). tests/test_kv_index.py checks the estimate stays close.
 BYTES_PER_BLOCK: Final = 180
 # Per eviction forecast reading (a dict entry keyed by an own hash the engine map holds too), measured
 # the same way: 80 bytes is an upper bound (the key's int is its own object where nothing else holds it).
