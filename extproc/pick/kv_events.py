@@ -239,6 +239,7 @@ def engine_key(h: int | bytes) -> int:
 
 
 def _keys(hashes: list[int | bytes]) -> tuple[int, ...]:
+    """Each hash's ``engine_key``: int hashes in one comprehension, without a call each."""
     try:
         return tuple([h & KEY_MASK for h in hashes])
     except TypeError:  # bytes hashes

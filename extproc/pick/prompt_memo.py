@@ -139,7 +139,7 @@ class PromptMemo:
         key = self._key(head.agree, text)
         for prompt in head.keyed.get(key, ()):  # one ``text`` extends whole: its previous turn
             m = prompt.chars
-            if shared < m <= n and text.startswith(prompt.text):  # joined: one C compare, not one per piece
+            if shared < m <= n and text.startswith(prompt.text):  # kept or joined: one C compare, not one a piece
                 best, shared = prompt, m
         if best is None:  # the latest, as far as whole pieces match
             best = head.latest
@@ -182,7 +182,7 @@ class PromptMemo:
         return shared
 
     def remember(self, text: str, prompt: Prompt, supersedes: Prompt | None = None) -> None:
-        """File ``prompt``; ``supersedes``: the remembered one it extends whole (dropped).
+        """File ``prompt``, the tokenised ``text``; ``supersedes``: the remembered one it extends whole (dropped).
         What ``resume`` found for the same text is used, not looked up again, unless dropping
         ``supersedes`` changed it."""
         found, self._found = self._found, None
