@@ -80,7 +80,7 @@ def test_cli_rejects_unknown_arms_and_parameters(tmp_path: Path) -> None:
 
 def test_scale_out_newcomer_takes_traffic_and_the_leaver_drains_without_failures() -> None:
     report = run_bench(BenchConfig(scenario="scale-out", quick=True, arms=["round-robin", "prefix-pick"],
-                                   params={"prefixes": 60, "requests": 150}))
+                                   params={"prefixes": 60, "requests": 220}))
     newcomer = 2  # quick: 2 replicas, then replica 2 joins and replica 0 leaves
     for name, arm in report.arms.items():
         assert arm["success_rate"] == 1.0, (name, arm["errors"])
