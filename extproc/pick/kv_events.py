@@ -220,9 +220,7 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
         if not isinstance(extra, list) or not all(e is None or isinstance(e, list) for e in extra):
             return None
         extra = tuple(None if e is None else tuple(e) for e in extra)
-    if parent is not None:
-        parent = parent & KEY_MASK if type(parent) is int else engine_key(parent)
-    return BlockStored(_keys(hashes), parent, tuple(tokens), block_size,
+    return BlockStored(_keys(hashes), None if parent is None else engine_key(parent), tuple(tokens), block_size,
                        lora_id, medium, lora_name, extra, group, kind if isinstance(kind, str) else None,
                        window if _is_int(window) else None)
 
