@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.pick.prompt_memo import HEAD, PER_KEY, PromptMemo
+from extproc.pick.prompt_memo import HEAD, PER_KEY, TAIL_CHARS, PromptMemo
 from extproc.pick.prompt_memo import _cost as _memo_cost
 from extproc.pick.prompt_tokens import REASONS, ModelTokenizer, NotTokenizable, TokenizerError
 
@@ -353,6 +353,7 @@ def _check_memo(memo: PromptMemo) -> None:
         for key, group in head.keyed.items():
             assert 0 < len(group) <= PER_KEY
             assert all("".join(p.pieces) == p.text for p in group)
+            assert all(p.text.endswith(p.tail) and len(p.tail) in (min(TAIL_CHARS, p.chars), p.chars) for p in group)
             assert all(p.text[:HEAD] == head_text and memo._key(head.agree, p.text) == key for p in group)
             assert all(p.text.startswith(head.latest.text[:head.agree]) for p in group)
     for prompt, filed, key, cost in memo._order.values():  # where each is filed, as its drop will find it

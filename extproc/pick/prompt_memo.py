@@ -13,13 +13,14 @@ the rest. Texts are filed by their first ``HEAD`` characters and, past where tho
 up to ``KEY`` more cut before the next added token (a conversation's first message), so a
 conversation's previous turn is found in one lookup however many conversations share its system
 prompt. A remembered prompt's pieces are the objects of the prompt it was resumed from and its
-ids share that prompt's (id_run.py): what it adds to memory is its new part. It keeps no text of
-its own (the pieces are the text) unless it extends a remembered prompt whole (a conversation's
-turn after its first, whose next turn is compared with it whole: one compare of the kept text, where
-joining a long conversation's pieces reads hundreds of objects). A one-off request's text, new
-memory every request, is then freed with the request and its memory reused by the next. Its bytes
-are counted as if it held all of its pieces and ids, and its kept text (an upper bound: a piece or
-an ids array lives only while a prompt counted for it does). Exact by construction
+ids share that prompt's (id_run.py): what it adds to memory is its new part. Of its text it keeps
+its last ``TAIL_CHARS`` characters (the pieces are the text), or all of it when it extends a
+remembered prompt whole (a conversation's turn after its first, whose next turn is compared with it
+whole: one compare, where joining a long conversation's pieces reads hundreds of objects). A
+one-off request's text, new memory every request, is then freed with the request and its memory
+reused by the next, and a text is told from one that merely opens alike by its tail before any
+pieces are joined. Its bytes are counted as if it held all of its pieces and ids, and its tail (an
+upper bound: a piece or an ids array lives only while a prompt counted for it does). Exact by construction
 (tests/test_prompt_tokens.py: memo == tokenizer on texts cut anywhere and on generated
 conversations). Pure, bounded in bytes, not thread-safe (the event loop's).
 """
@@ -38,6 +39,7 @@ from extproc.pick.id_run import IdRun
 HEAD: Final = 256  # the characters a text is filed under: texts that differ sooner share little
 KEY: Final = 64  # characters past where a head's texts part that tell them apart (a conversation's first turn)
 PER_KEY: Final = 16  # texts kept under one key, most recent first
+TAIL_CHARS: Final = 256  # of a remembered text, the end it keeps: compared before its pieces are joined
 
 
 class Prompt(NamedTuple):
@@ -49,7 +51,7 @@ class Prompt(NamedTuple):
     ends: array
     ids_at: array
     added: bytearray
-    kept: str | None = None  # the text itself, kept for a conversation's turn (see the module)
+    tail: str = ""  # the text's last TAIL_CHARS characters, or all of it for a conversation's turn (the module)
 
     @property
     def chars(self) -> int:
@@ -58,8 +60,8 @@ class Prompt(NamedTuple):
 
     @property
     def text(self) -> str:
-        """The text: ``kept``, else joined from the pieces."""
-        return self.kept if self.kept is not None else "".join(self.pieces)
+        """The text: ``tail`` where it holds all of it, else joined from the pieces."""
+        return self.tail if len(self.tail) == self.chars else "".join(self.pieces)
 
 
 class Resume(NamedTuple):
@@ -139,7 +141,7 @@ class PromptMemo:
         key = self._key(head.agree, text)
         for prompt in head.keyed.get(key, ()):  # one ``text`` extends whole: its previous turn
             m = prompt.chars
-            if shared < m <= n and text.startswith(prompt.text):  # kept or joined: one C compare, not one a piece
+            if shared < m <= n and _extends(text, prompt):
                 best, shared = prompt, m
         if best is None:  # the latest, as far as whole pieces match
             best = head.latest
@@ -261,20 +263,30 @@ def _agreeing(text: str, prompt: Prompt, enough: int = sys.maxsize) -> int:
     return shared
 
 
+def _extends(text: str, prompt: Prompt) -> bool:
+    """Whether ``text`` begins with all of ``prompt``'s text: its tail first (the whole text, for a
+    conversation's turn), and the pieces joined only where the tail agrees and is not all of it."""
+    m = prompt.chars
+    tail = prompt.tail
+    return text.endswith(tail, 0, m) and (len(tail) == m or text.startswith("".join(prompt.pieces)))
+
+
 def _slice(prompt: Prompt, start: int, stop: int) -> str:
-    """``prompt.text[start:stop]`` from the pieces it overlaps alone."""
+    """``prompt.text[start:stop]``, from the parts of the pieces it overlaps alone."""
     ends, pieces = prompt.ends, prompt.pieces
     i = bisect_right(ends, start)
     begin = ends[i - 1] if i else 0  # where piece i starts
-    j = i
-    while j < len(pieces) and (ends[j - 1] if j else 0) < stop:
-        j += 1
-    return "".join(pieces[i:j])[start - begin:stop - begin]
+    out = []
+    while i < len(pieces) and begin < stop:
+        out.append(pieces[i][max(0, start - begin):stop - begin])
+        begin = ends[i]
+        i += 1
+    return "".join(out)
 
 
 def _cost(text: str, prompt: Prompt) -> int:
-    """Bytes counted for a remembered prompt (``text``: its text): its pieces and its kept text (1 or 4
-    bytes a character, shared or not), its ids (all of them, shared or not), and each piece's offsets
-    and object."""
-    return ((1 if prompt.kept is None else 2) * len(text) * (1 if text.isascii() else 4) + 4 * len(prompt.ids)
+    """Bytes counted for a remembered prompt (``text``: its text): its pieces and its tail (1 or 4 bytes
+    a character, shared or not), its ids (all of them, shared or not), and each piece's offsets and
+    object."""
+    return ((len(text) + len(prompt.tail)) * (1 if text.isascii() else 4) + 4 * len(prompt.ids)
             + 80 * len(prompt.pieces) + 300)
