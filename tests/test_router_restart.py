@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
-from routerlab.bench import convergence, scenarios
+from routerlab.bench import convergence, loadgen, router_restart, scenarios
 from routerlab.bench import report as report_mod
+from routerlab.bench.arms import ARMS, RunningArm
 from routerlab.bench.backends import SimBackend
 from routerlab.bench.loadgen import Result
+from routerlab.bench.replica_metrics import ReplicaCounters
 from routerlab.bench.runner import BenchConfig, run_bench
+from routerlab.bench.scenarios import FleetSpec
+from routerlab.bench.trace import Request, Session, chat_body
+from routerlab.sim.profiles import PROFILES
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -49,3 +57,44 @@ def test_a_quick_run_restarts_the_router_and_reports_both_phases() -> None:
     assert rr["phases"]["before"]["ok"] > 0 and rr["phases"]["after"]["ok"] > 0
     assert report.arms["prefix-pick"]["success_rate"] == 1.0
     assert "## Router restart" in report_mod.to_markdown(report)
+
+
+@pytest.mark.parametrize("arm", ["prefix-pick", "prefix-maglev"])
+def test_the_client_tells_a_request_the_router_routed_from_one_envoy_sent_on_unkeyed(arm: str) -> None:
+    body = json.dumps(chat_body(PROFILES["tiny"].model, [{"role": "user", "content": "hello there " * 40}], 4)).encode()
+    one = [Session((Request(0, body, "g", 4),))]
+
+    def send(url: str) -> Result:
+        (result,) = asyncio.run(loadgen.run_load(url, one, concurrency=1, duration_s=30)).results
+        assert result.ok, result
+        return result
+
+    fleet = SimBackend(FleetSpec(replicas=2, profile="tiny", time_scale=0.05)).start()
+    try:
+        with RunningArm(ARMS[arm], fleet.urls) as running:
+            assert send(running.url).routed
+            running.routers[0].stop(grace=0)  # ext_proc's failure_mode_allow: Envoy sends it on unkeyed
+            assert not send(running.url).routed
+    finally:
+        fleet.stop()
+
+
+def test_each_phase_s_accuracy_is_over_the_hits_of_the_requests_its_router_process_chose() -> None:
+    def req(start: float, cached: int, routed: bool) -> Result:
+        return Result(rid=0, group="g", start=start, ok=True, prompt_tokens=1000, cached_tokens=cached, routed=routed)
+
+    results = [req(1.0, 400, True), req(9.9, 100, True),  # the old process's choices
+               req(10.2, 300, False),  # unkeyed while no router was up (restart at 10 s, ready at 10.5)
+               req(11.0, 500, True), req(12.0, 200, True)]  # the new process's
+
+    def counters(hits: int) -> list[ReplicaCounters]:
+        return [ReplicaCounters(hits=hits, hits_at_arrival=hits, queries=10 * hits)]
+
+    # the replicas' counters at the restart miss the request queued there (its 100 tokens hit after)
+    snapshot = {"at_s": 10.0, "restart_s": 0.5, "predicted": {"events": 500.0}, "replicas": counters(400)}
+    got = router_restart.summary(results, snapshot, counters(0), counters(1500), {"events": 630.0}, 0.5)
+    before, after = got["phases"]["before"]["prediction"], got["phases"]["after"]["prediction"]
+    assert before["chosen_hit_tokens"] == 500 and before["accuracy"] == 1.0
+    assert before["counters_accuracy"] == 1.25  # 500 predicted against the 400 counted before the restart
+    assert after["chosen_hit_tokens"] == 700 and after["accuracy"] == 0.9
+    assert after["counters_accuracy"] == round(630 / 1100, 4)  # 630 against 1,100: the queued and the unkeyed requests' hits too

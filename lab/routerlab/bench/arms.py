@@ -12,7 +12,8 @@ benchmark measures exactly what the README ships:
   file (so a scenario can add and remove replicas mid-run).
 
 All arms add a response header naming the upstream replica, so the client can tell how a
-prefix group was spread. Peer routers front the same fleet without Envoy.
+prefix group was spread, and prefix arms one echoing the router's routing header (the pick or
+key header), so it can tell a request the router routed from one Envoy sent on unkeyed. Peer routers front the same fleet without Envoy.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extproc.core.settings import TENANT_SECRET_ENV, metadata_key
+from extproc.core.settings import TENANT_SECRET_ENV, RouteSettings, metadata_key
 from routerlab.harness import envoy_config
 from routerlab.harness.envoy_proc import Envoy
+from routerlab.bench.loadgen import ROUTED_HEADER
 from routerlab.harness.procs import Process, free_ports, port_open, python_module, redis_server
 
 UPSTREAM_HEADER = "x-upstream-host"
@@ -156,6 +158,9 @@ def envoy_config_for(
     vhost = envoy_config.http_manager(cfg)["route_config"]["virtual_hosts"][0]
     vhost["response_headers_to_add"] = [
         {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
+    if arm.prefix:
+        routing = RouteSettings().pick_header if arm.pick else RouteSettings().key_header
+        vhost["response_headers_to_add"].append({"header": {"key": ROUTED_HEADER, "value": f"%REQ({routing})%"}})
     return cfg
 
 

@@ -28,6 +28,9 @@ from routerlab.bench.trace import Request, Session
 
 SATURATED_CPU = 0.85  # fraction of one core
 SATURATED_LAG_MS = 50.0
+# Envoy arms echo the router's routing header in the response (routerlab.bench.arms): a request the
+# router chose a replica for, told from one Envoy sent on unkeyed (failure_mode_allow)
+ROUTED_HEADER = "x-bench-routed"
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class Result:
     cached_tokens: int = 0
     replica: str = ""
     arm: str = ""  # the response's x-ab-arm (A/B configs), "" elsewhere
+    routed: bool = False  # the router chose its replica (ROUTED_HEADER): not sent on unkeyed by Envoy
 
     @property
     def tpot(self) -> float | None:
@@ -113,6 +117,7 @@ async def _send(http: aiohttp.ClientSession, base_url: str, req: Request, t0: fl
             res.status = resp.status
             res.replica = resp.headers.get("x-upstream-host") or resp.headers.get("x-sim-replica", "")
             res.arm = resp.headers.get("x-ab-arm", "")
+            res.routed = bool(resp.headers.get(ROUTED_HEADER))
             if resp.status != 200:
                 res.error = f"http {resp.status}"
                 await resp.read()

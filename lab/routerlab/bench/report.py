@@ -223,17 +223,17 @@ def router_restart_table(report: Report) -> str:
     if not rows:
         return ""
     lines = ["| arm | phase | requests | failed | TTFT p50 ms | TTFT p90 ms | hit rate (client) | of oracle "
-             "| prediction accuracy | level before | dip | converged after s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| prediction accuracy | counters' | level before | dip | converged after s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rr in rows:
         c = rr["convergence"]
         for phase, p in rr["phases"].items():
-            acc = (p.get("prediction") or {}).get("accuracy")
+            pred = p.get("prediction") or {}
             tail = (f"| {_rate(c['level'])} | {_rate(c['dip'])} | {_fmt(c['seconds'], 0)} |" if phase == "after"
                     else "| | | |")
             lines.append(f"| {name} | {phase} | {p['ok']} | {p['failed']} | {_fmt(p['ttft_ms']['p50'], 0)} "
                          f"| {_fmt(p['ttft_ms']['p90'], 0)} | {_rate(p['client_hit_rate'])} | {_fmt(p['of_oracle'], 2)} "
-                         f"| {_fmt(acc, 3)} {tail}")
+                         f"| {_fmt(pred.get('accuracy'), 3)} | {_fmt(pred.get('counters_accuracy'), 3)} {tail}")
     return "\n".join(lines)
 
 
@@ -303,7 +303,11 @@ def to_markdown(report: Report) -> str:
                   "restart; converged: from the restart to the end of the first 5 s window (sliding by 1 s, "
                   "starting at or after the restart) whose hit rate is at least 95 % of the level (5 s is the "
                   "resolution); dip: the lowest such window in the 20 s after the restart. Prediction accuracy "
-                  "per phase (the restarted router's counters start from 0).", "", restarts]
+                  "per phase (the restarted router's counters start from 0): what the phase's router process "
+                  "predicted for its choices over those requests' cached tokens (usage, as vLLM counts them in "
+                  "prefix_cache_hits_total); counters': over the replicas' counters between the scrapes, which "
+                  "also count requests the old process placed that were still queued at the restart and those "
+                  "Envoy sent on unkeyed while no router was up.", "", restarts]
     predictions = prediction_table(report)
     if predictions:
         parts += ["", "## How well the routers' cache view predicted the replicas' cache hits", "",

@@ -196,7 +196,9 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
     goes down or restarts is a new process whose counters start again from 0 too: what they said just
     before is returned (``{"replica_reset": index, "counters": ...}``, for ``replica_metrics.delta``)."""
     if event.action == "router-restart":
-        snapshot = {"at_s": event.at_s, "predicted": _predictions(running.metrics_ports), "replicas": _scrape(urls)}
+        each = [_predictions([port]) for port in running.metrics_ports]
+        snapshot = {"at_s": event.at_s, "predicted": _summed(each), "replicas": _scrape(urls),
+                    "restarted_predicted": each[event.replica] if event.replica < len(each) else {}}
         started = time.monotonic()
         running.restart_router(event.replica)
         snapshot["restart_s"] = round(time.monotonic() - started, 3)
@@ -285,8 +287,9 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     fleet = replica_metrics.delta(before, after, resets) if before and after else None
     summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
                                    backend_urls=backend.urls, cpu=cpu, envoy=envoy)
-    if predicted and fleet is not None:
-        summary["prediction"] = report_mod.prediction(predicted, fleet)
+    if predicted and fleet is not None:  # with what each restarted router's old process predicted
+        whole = _summed([predicted, *(s["restarted_predicted"] for s in snapshots)])
+        summary["prediction"] = report_mod.prediction(whole, fleet)
     if events:
         labels = ["start"] + [f"after {_event_label(e)}" for e in events]
         summary["timeline"] = report_mod.timeline(result.results, [e.at_s for e in events], backend.urls, labels)
@@ -301,6 +304,14 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
                 f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}{restarted}")
     ttfts = [r.ttft * 1000 for r in result.results if r.ok and r.ttft is not None]
     return summary, ttfts
+
+
+def _summed(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def _predictions(metrics_ports: Sequence[int]) -> dict[str, float]:
