@@ -13,7 +13,8 @@ benchmark measures exactly what the README ships:
 
 All arms add a response header naming the upstream replica, so the client can tell how a
 prefix group was spread, and prefix arms one echoing the router's routing header (the pick or
-key header), so it can tell a request the router routed from one Envoy sent on unkeyed. Peer routers front the same fleet without Envoy.
+key header), so it can tell a request the router routed from one Envoy sent on unkeyed. Peer
+routers front the same fleet without Envoy.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from extproc.core.settings import TENANT_SECRET_ENV, RouteSettings, metadata_key
+from routerlab.bench.loadgen import ROUTED_HEADER
 from routerlab.harness import envoy_config
 from routerlab.harness.envoy_proc import Envoy
-from routerlab.bench.loadgen import ROUTED_HEADER
 from routerlab.harness.procs import Process, free_ports, port_open, python_module, redis_server
 
 UPSTREAM_HEADER = "x-upstream-host"
