@@ -263,6 +263,12 @@ def _agreeing(text: str, prompt: Prompt, enough: int = sys.maxsize) -> int:
     return shared
 
 
+def kept_tail(text: str, whole: bool) -> str:
+    """What a remembered prompt keeps of its ``text`` (``Prompt.tail``): all of it when it extends a
+    remembered prompt ``whole`` (a conversation's turn), else its last ``TAIL_CHARS`` characters."""
+    return text if whole else text[-TAIL_CHARS:]
+
+
 def _extends(text: str, prompt: Prompt) -> bool:
     """Whether ``text`` begins with all of ``prompt``'s text: its tail first (the whole text, for a
     conversation's turn), and the pieces joined only where the tail agrees and is not all of it."""

@@ -47,7 +47,7 @@ from extproc.pick.chat_render import compile_template, detect_content_format, re
 from extproc.pick.id_run import IdRun
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
 from extproc.pick.not_tokenizable import REASONS, NotTokenizable
-from extproc.pick.prompt_memo import TAIL_CHARS, Prompt, PromptMemo, Resume
+from extproc.pick.prompt_memo import Prompt, PromptMemo, Resume, kept_tail
 from extproc.pick.word_tokens import WordTokens
 
 __all__ = ["REASONS", "ModelTokenizer", "NotTokenizable", "PathKind", "TokenizerError"]
@@ -562,11 +562,11 @@ def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces:
             added.append(0)
         ids_at.append(at + len(new))
     if resume is None:
-        return Prompt(IdRun(new), pieces, array("q", piece_ends), ids_at, added, text[-TAIL_CHARS:])
+        return Prompt(IdRun(new), pieces, array("q", piece_ends), ids_at, added, kept_tail(text, False))
     before, k = resume.prompt, resume.pieces
     return Prompt(before.ids.extended(at, new), before.pieces[:k] + pieces,
                   before.ends[:k] + array("q", piece_ends), before.ids_at[:k] + ids_at, before.added[:k] + added,
-                  text if resume.whole else text[-TAIL_CHARS:])
+                  kept_tail(text, resume.whole))
 
 
 def _ids(prompt: list[Any]) -> array:

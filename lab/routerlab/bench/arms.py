@@ -160,7 +160,8 @@ def envoy_config_for(
     vhost["response_headers_to_add"] = [
         {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
     if arm.prefix:
-        routing = RouteSettings().pick_header if arm.pick else RouteSettings().key_header
+        defaults = RouteSettings()
+        routing = defaults.pick_header if arm.pick else defaults.key_header
         vhost["response_headers_to_add"].append({"header": {"key": ROUTED_HEADER, "value": f"%REQ({routing})%"}})
     return cfg
 

@@ -196,7 +196,7 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
     goes down or restarts is a new process whose counters start again from 0 too: what they said just
     before is returned (``{"replica_reset": index, "counters": ...}``, for ``replica_metrics.delta``)."""
     if event.action == "router-restart":
-        each = [_predictions([port]) for port in running.metrics_ports]
+        each = [_predictions(port) for port in running.metrics_ports]
         snapshot = {"at_s": event.at_s, "predicted": _summed(each), "replicas": _scrape(urls),
                     "restarted_predicted": each[event.replica] if event.replica < len(each) else {}}
         started = time.monotonic()
@@ -279,7 +279,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             cpu = meter.stop()
             after = _scrape(backend.urls)
             envoy = running.envoy_stats()
-            predicted = _predictions(running.metrics_ports)
+            predicted = _summed([_predictions(port) for port in running.metrics_ports])
     finally:
         backend.stop()
     resets = [(s["replica_reset"], s["counters"]) for s in snapshots if "replica_reset" in s]
@@ -307,6 +307,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
 
 
 def _summed(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Figures of several routers (or processes of one), added up by name."""
     out: dict[str, float] = {}
     for part in parts:
         for k, v in part.items():
@@ -314,28 +315,28 @@ def _summed(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
-def _predictions(metrics_ports: Sequence[int]) -> dict[str, float]:
-    """What the pick arm's routers expected their choices to find cached, by view, summed over
-    routers; and by which view their choices went ({} when they serve no metrics)."""
+def _predictions(port: int) -> dict[str, float]:
+    """What one pick-mode router expected its choices to find cached, by view; and by which view its
+    choices went ({} when it serves no metrics). ``_summed`` adds several routers' up."""
+    try:
+        samples = fetch_metrics(f"http://127.0.0.1:{port}")
+    except OSError:
+        return {}
     out: dict[str, float] = {}
-    for port in metrics_ports:
-        try:
-            samples = fetch_metrics(f"http://127.0.0.1:{port}")
-        except OSError:
+    for s in samples:
+        if s.name == "prefix_router_predicted_cached_tokens_total":
+            key = s.labels["view"]
+        elif s.name == "prefix_router_predicted_in_flight_tokens_total":
+            key = "in_flight"
+        elif s.name == "prefix_router_predicted_evicted_tokens_total":
+            key = "evicted"
+        elif s.name == "prefix_router_eviction_forecast_blocks_total":
+            key = f"forecast_{s.labels['outcome']}"  # forecast_evicted, forecast_kept
+        elif s.name == "prefix_router_cache_view_total":
+            key = f"requests_{s.labels['view']}"
+        else:
             continue
-        for s in samples:
-            if s.name == "prefix_router_predicted_cached_tokens_total":
-                out[s.labels["view"]] = out.get(s.labels["view"], 0.0) + s.value
-            elif s.name == "prefix_router_predicted_in_flight_tokens_total":
-                out["in_flight"] = out.get("in_flight", 0.0) + s.value
-            elif s.name == "prefix_router_predicted_evicted_tokens_total":
-                out["evicted"] = out.get("evicted", 0.0) + s.value
-            elif s.name == "prefix_router_eviction_forecast_blocks_total":
-                key = f"forecast_{s.labels['outcome']}"  # forecast_evicted, forecast_kept
-                out[key] = out.get(key, 0.0) + s.value
-            elif s.name == "prefix_router_cache_view_total":
-                key = f"requests_{s.labels['view']}"
-                out[key] = out.get(key, 0.0) + s.value
+        out[key] = out.get(key, 0.0) + s.value
     return out
 
 
