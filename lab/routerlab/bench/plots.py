@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -261,6 +261,35 @@ def overhead(report: dict[str, Any], path: Path) -> Path:
         thr.set_ylim(0, 1.1)
         thr.set_title("throughput ratio")
         _legend_below(thr, ncol=3)
+        fig.savefig(path, dpi=DPI)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def seed_differences(diffs: Mapping[str, Mapping[str, Any]], metrics: Sequence[tuple[str, str, bool]], base: str,
+                     scenario: str, path: Path) -> Path:
+    """``bench --seeds``: a panel per metric, each arm's difference from ``base`` per seed (dots) and
+    its mean with the 95 % interval (bar); the zero line is ``base``."""
+    arms = list(diffs)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 1.2 + 0.6 * max(len(arms), 1)),
+                             layout="constrained", sharey=True, squeeze=False)
+    try:
+        for ax, (key, label, relative) in zip(axes[0], metrics):
+            scale = 100.0 if relative else 1.0
+            for y, arm in enumerate(arms):
+                d = diffs[arm].get(key)
+                if d is None:
+                    continue
+                ax.scatter([v * scale for v in d.per_seed.values()], [y] * d.n, s=12, color="tab:gray", zorder=2)
+                ax.errorbar([d.mean * scale], [y], xerr=[[(d.mean - d.low) * scale], [(d.high - d.mean) * scale]],
+                            fmt="o", color="tab:blue", capsize=4, zorder=3)
+            ax.axvline(0.0, color="black", linewidth=0.8, linestyle="--")
+            ax.set_xlabel(f"{label}: difference" + (" (%)" if relative else ""))
+            ax.set_yticks(range(len(arms)), arms, fontsize=8)
+            ax.set_ylim(len(arms) - 0.3, -0.7)  # the first arm on top, as in the tables
+        fig.suptitle(_wrap(f"{scenario}: each arm less {base}, per seed (grey) and the mean with its 95 % "
+                           "interval (blue)", int(3.2 * len(metrics) * 9)))
         fig.savefig(path, dpi=DPI)
     finally:
         plt.close(fig)

@@ -67,16 +67,18 @@ def routes(cfg: Config) -> list[dict[str, Any]]:
 
 
 def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, int]],
-                  hash_key_prefix: str | None = None) -> None:
+                  hash_key_prefix: str | None = None, standby: bool = False) -> None:
     """Point a cluster at ``backends``; with ``hash_key_prefix``, replica i hashes as PREFIX-i.
 
     Named replicas make the consistent-hash map independent of ports and addresses, so a
-    replica that comes back elsewhere keeps its keys (and tests are repeatable).
+    replica that comes back elsewhere keeps its keys (and tests are repeatable). ``standby``:
+    the first backend alone at priority 0, the rest at priority 1 (Envoy fails over to them).
     """
     c = cluster(cfg, cluster_name)
-    c["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-        _endpoint(h, p, f"{hash_key_prefix}-{i}" if hash_key_prefix else None)
-        for i, (h, p) in enumerate(backends)]}]
+    endpoints = [_endpoint(h, p, f"{hash_key_prefix}-{i}" if hash_key_prefix else None)
+                 for i, (h, p) in enumerate(backends)]
+    c["load_assignment"]["endpoints"] = ([{"lb_endpoints": endpoints[:1]}, {"priority": 1, "lb_endpoints": endpoints[1:]}]
+                                         if standby and len(endpoints) > 1 else [{"lb_endpoints": endpoints}])
 
 
 def set_health_interval(cfg: Config, seconds: float) -> None:

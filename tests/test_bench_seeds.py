@@ -1,0 +1,103 @@
+"""`prefix-router bench --seeds`: the arms over several seeds, each arm's difference from the first
+with a t interval; a real quick run (Envoy, router, simulator) and the statistics on constructed reports."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from extproc.cli import main as cli_main
+from routerlab.bench import seeds
+
+
+def _report(seed: int, arms: dict[str, tuple[float, float]]) -> dict:
+    """A report.json's shape: per arm (hit rate / oracle, TTFT p50 ms)."""
+    return {"scenario": "kv-pressure", "seed": seed,
+            "arms": {name: {"hit_rate_of_oracle": h, "ttft_ms": {"p50": p50, "p90": 2 * p50},
+                            "throughput_rps": 8.0, "replicas_per_group": 1.0}
+                     for name, (h, p50) in arms.items()}}
+
+
+def test_seeds_parse_ranges_and_lists_once_each_and_reject_what_is_not_one() -> None:
+    assert seeds.parse_seeds("8-10,12,9") == [8, 9, 10, 12]
+    assert seeds.parse_seeds(" 5 , 7 ") == [5, 7]
+    for bad in ("8", "a-b", "10-8", "5,5", ""):
+        with pytest.raises(ValueError, match="--seeds"):
+            seeds.parse_seeds(bad)
+
+
+def test_the_interval_is_students_t_over_the_seeds() -> None:
+    values = [-0.02, 0.01, -0.04, 0.0]
+    mean, low, high = seeds.interval(values)
+    half = 3.182446305284263 * statistics.stdev(values) / 2  # t(0.975, 3 degrees of freedom)
+    assert mean == pytest.approx(-0.0125)
+    assert (low, high) == pytest.approx((mean - half, mean + half))
+
+
+def test_differences_pair_each_seed_and_leave_out_a_seed_without_the_arm(tmp_path: Path) -> None:
+    reports = [_report(1, {"one": (0.70, 1000.0), "two": (0.68, 1100.0)}),
+               _report(2, {"one": (0.66, 2000.0), "two": (0.67, 1800.0)}),
+               _report(3, {"one": (0.60, 1000.0)}),  # "two" did not run on seed 3
+               _report(4, {"one": (0.72, 1000.0), "two": (0.70, 1000.0)})]
+    diffs = seeds.differences(reports, "one")
+    assert list(diffs) == ["two"]
+    hit, p50 = diffs["two"]["hit_rate_of_oracle"], diffs["two"]["ttft_p50"]
+    assert hit.per_seed == pytest.approx({1: -0.02, 2: 0.01, 4: -0.02})
+    assert hit.mean == pytest.approx(-0.01) and hit.low < hit.mean < hit.high
+    assert p50.per_seed == pytest.approx({1: 0.1, 2: -0.1, 4: 0.0})  # relative to the first arm's figure
+    assert diffs["two"]["throughput_rps"].low == diffs["two"]["throughput_rps"].high == 0.0
+    text = seeds.markdown(reports, "one")
+    assert "| two | hit rate / oracle | 3 | -0.010 |" in text
+    assert "1: +10.0 %, 2: -10.0 %, 4: +0.0 %" in text
+    assert seeds.plot(reports, "one", tmp_path / "seeds.png").stat().st_size > 0
+
+
+def test_a_quick_campaign_runs_each_seed_then_reads_what_is_there(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    arms = ["prefix-bounded", "round-robin", "prefix-bounded#2"]  # the last: the first again, an A-A control
+    argv = ["bench", "--scenario", "sagemaker-8k", "--quick", "--arms", ",".join(arms),
+            "--seeds", "1-2", "--out", str(tmp_path), "--no-plots"]
+    assert cli_main(argv) == 0
+    runs = {}
+    for seed in (1, 2):
+        report = json.loads((tmp_path / f"seed-{seed}" / "report.json").read_text())
+        assert report["seed"] == seed and list(report["arms"]) == seeds.rotated(arms, seed - 1)
+        runs[seed] = report["arms"]
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    assert summary["base"] == "prefix-bounded" and summary["seeds"] == [1, 2]
+    hit = summary["differences"]["round-robin"]["hit_rate_of_oracle"]
+    assert hit["per_seed"] == pytest.approx(
+        {str(s): a["round-robin"]["hit_rate_of_oracle"] - a["prefix-bounded"]["hit_rate_of_oracle"]
+         for s, a in runs.items()})
+    assert max(hit["per_seed"].values()) < -0.15  # round robin scatters what the prefix key keeps together
+    assert hit["low"] < hit["mean"] < hit["high"]
+    same = summary["differences"]["prefix-bounded#2"]["hit_rate_of_oracle"]["per_seed"]
+    for seed, loss in hit["per_seed"].items():  # the same arm again: the bench's own spread, well inside that loss
+        assert abs(same[seed]) < abs(loss) / 2
+    assert "| round-robin | hit rate / oracle | 2 |" in capsys.readouterr().out
+
+    stamps = {s: (tmp_path / f"seed-{s}" / "report.json").stat().st_mtime_ns for s in (1, 2)}
+    assert cli_main(argv) == 0  # the same campaign again: read, not run
+    assert stamps == {s: (tmp_path / f"seed-{s}" / "report.json").stat().st_mtime_ns for s in (1, 2)}
+    assert (tmp_path / "seeds.md").read_text().count("| prefix-bounded#2 | hit rate / oracle | 2 |") == 1
+
+
+def test_an_arm_twice_needs_its_own_label(tmp_path: Path) -> None:
+    assert cli_main(["bench", "--quick", "--arms", "round-robin,round-robin", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "--quick", "--arms", "round-robin,nope#2", "--out", str(tmp_path)]) == 2
+
+
+def test_seeds_reject_what_they_cannot_run(tmp_path: Path) -> None:
+    assert cli_main(["bench", "--seeds", "1-2", "--backend", "vllm-cpu", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "--seeds", "1-2", "--backend-url", "http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "--scenario", "soak", "--seeds", "1-2", "--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_each_seed_rotates_the_arms_so_none_always_runs_first() -> None:
+    arms = ["a", "b", "c"]
+    assert [seeds.rotated(arms, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                         ["a", "b", "c"]]
