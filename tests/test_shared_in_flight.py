@@ -86,6 +86,9 @@ def test_another_routers_request_counts_as_load_and_as_blocks_in_flight_until_it
         def released(self, key: int) -> None:
             sent.append(end_message(b"first", key))
 
+        def continued(self, run: object) -> int:
+            return 0
+
     first.share = Share()
     choice = first.pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
     assert choice.address is not None and len(sent) == 1
@@ -121,6 +124,65 @@ def test_heartbeats_and_silence_drop_what_an_end_message_would_have(tokenizer: M
     clock.now += 0.2  # the peer went quiet
     remote.expire()
     assert in_flight(core, A) == 0 and not remote.peers and not core.precise.pending and remote.stats.dropped == 2
+
+
+def test_a_request_that_continues_a_remote_one_ends_it_before_its_end_message(tokenizer: ModelTokenizer) -> None:
+    core = precise_core(tokenizer)
+    remote = RemoteInFlight(core, b"me", core.clock)
+    remote.on_message(pick_message(b"peer", 1, A, 100, [11, 12, 13]))
+    remote.on_message(pick_message(b"peer", 2, B, 100, [11, 12, 14]))  # the same system prompt, another question
+    remote.on_message(pick_message(b"other", 1, A, 100, [11, 12, 13]))  # another router's key 1: the same prompt
+    assert (in_flight(core, A), in_flight(core, B)) == (2, 1)
+    assert remote.continued([11, 12, 13]) == 0  # the same prompt again (a retry): not a turn after it
+    assert remote.continued([11, 12]) == 0 and remote.continued([11, 12, 15, 16]) == 0
+    assert remote.continued([11, 12, 13, 21, 22]) == 2  # the next turn: both requests it holds whole had answered
+    assert (in_flight(core, A), in_flight(core, B)) == (0, 1) and remote.stats.continued == 2
+    assert len(core.precise.pending.get(A, ())) == 0 and remote.requests() == 1
+    for router in (b"peer", b"other"):
+        remote.on_message(end_message(router, 1))  # the end messages, late: nothing left to end
+    assert (in_flight(core, A), in_flight(core, B)) == (0, 1) and core.load.own(A) == 0
+    remote.on_message(pick_message(b"peer", 3, A, 100, [11, 12, 13]))  # the index forgot the ended ones
+    assert remote.continued([11, 12, 13, 31]) == 1 and remote.stats.continued == 3
+    remote.on_message(end_message(b"peer", 2))
+    assert remote.requests() == 0 and not remote._tails
+
+
+def test_the_next_turn_through_the_other_router_finds_its_replica_free_of_the_turn_before(
+        tokenizer: ModelTokenizer) -> None:
+    """Router 1 routed turn 1; turn 2 (turn 1's whole prompt, its answer, a new question) reaches router 2
+    before turn 1's end message does: router 2 counts turn 1 as ended when it picks, not when it explains."""
+    first, second = precise_core(tokenizer), precise_core(tokenizer)
+    remote = RemoteInFlight(second, b"second", second.clock)
+
+    class Share:
+        def __init__(self, sent: list[bytes] | None = None) -> None:
+            self.sent = sent
+
+        def picked(self, key: int, address: str, prefill: int, run: object) -> None:
+            if self.sent is not None:
+                self.sent.append(pick_message(b"first", key, address, prefill, run))  # type: ignore[arg-type]
+
+        def released(self, key: int) -> None: ...
+
+        def continued(self, run: object) -> int:
+            return remote.continued(run)  # type: ignore[arg-type]
+
+    sent: list[bytes] = []
+    first.share, second.share = Share(sent), Share()
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is this migration safe?"}]
+    choice = first.pick(decide(json.dumps({"model": "m", "messages": turn1}).encode(), {}, PICK), PICK)
+    remote.on_message(sent[0])
+    assert in_flight(second, choice.address) == 1
+    turn2 = json.dumps({"model": "m", "messages": [*turn1, {"role": "assistant", "content": "Yes, " * 40},
+                                                   {"role": "user", "content": "And the rollback?"}]}).encode()
+    second.evaluate(decide(turn2, {}, PICK), PICK)  # explain: no state changes
+    assert in_flight(second, choice.address) == 1
+    other = second.pick(decide(body("Something else entirely?"), {}, PICK), PICK)  # shares the system prompt only
+    assert in_flight(second, choice.address) == 1 + (other.address == choice.address)
+    second.release(other)
+    picked = second.pick(decide(turn2, {}, PICK), PICK)
+    assert remote.stats.continued == 1 and remote.requests() == 0
+    assert picked.address == choice.address and in_flight(second, choice.address) == 1  # turn 2 alone
 
 
 def test_a_request_to_a_replica_this_router_does_not_know_yet_never_counts_against_its_own(

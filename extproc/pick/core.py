@@ -34,6 +34,11 @@ class Share(Protocol):
 
     def released(self, key: int) -> None: ...
 
+    def continued(self, run: Sequence[int]) -> int:
+        """End the other routers' requests that a request with these blocks continues (their answer is
+        out; their end message may not be): extproc.pick.shared_in_flight.RemoteInFlight.continued."""
+        ...
+
 
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
 # hashing would cost more than any cache it could find is worth.
@@ -117,8 +122,8 @@ class PickCore:
         choice, chunks, _ = self._evaluate(decision, settings)
         return choice, chunks
 
-    def _evaluate(self, decision: Decision, settings: RouteSettings,
-                  max_new_chars: int = 0) -> tuple[Choice, list[int], Exact | None]:
+    def _evaluate(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0,
+                  settle: bool = False) -> tuple[Choice, list[int], Exact | None]:
         """The choice, with the learned chunks to record (none when complete events cover the chosen
         replica) and the events' exact match (None without one).
 
@@ -128,10 +133,14 @@ class PickCore:
         tokenised, and a replica whose events miss part of its cache (origin ``partial``), which
         gets the larger of the two views' figures (``extproc.pick.partial_view``). It is matched
         and kept learning only for those, so a fleet fully covered by events pays nothing for it.
+        ``settle`` (``pick``): first end the other routers' requests this one continues (``Share.continued``).
         """
         snapshot = self.load.snapshot(self.clock())
         exact = (self._exact(decision, max_new_chars, self._thresholds(snapshot))
                  if self.precise is not None and settings.cache_view != "learned" else None)
+        if settle and exact is not None and self.share is not None:
+            if sum(self.share.continued(run) for run in exact.hashes.values()):
+                snapshot = self.load.snapshot(self.clock())
         partial: Sequence[str] = ()
         if exact is None:
             learning = True
@@ -205,7 +214,7 @@ class PickCore:
         """Choose and record. ``max_new_chars`` (0: no limit): precise mode tokenises at most this many
         characters its tokenizer's cache does not hold, else uses the learned view (``Picker.prepare``
         says when: its worker could not take the request's long new text)."""
-        choice, chunks, exact = self._evaluate(decision, settings, max_new_chars)
+        choice, chunks, exact = self._evaluate(decision, settings, max_new_chars, settle=True)
         _PICKS[choice.reason].inc()
         if choice.address is not None:
             if chunks:

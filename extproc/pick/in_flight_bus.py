@@ -60,6 +60,9 @@ class InFlightBus:
             del self._live[key]
             self._send(end_message(self.remote.router, key))
 
+    def continued(self, run: Sequence[int]) -> int:
+        return self.remote.continued(run)
+
     def _send(self, payload: bytes) -> None:
         if len(self._queue) >= MAX_QUEUED:
             self.stats.send_failed += 1

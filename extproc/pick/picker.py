@@ -219,3 +219,7 @@ class SharingCollector(Collector):
         yield CounterMetricFamily("prefix_router_in_flight_sharing_dropped", "Other routers' requests dropped "
                                   "without their end message (missed by a heartbeat, router gone quiet, "
                                   "channel lost)", value=remote.stats.dropped)
+        yield CounterMetricFamily("prefix_router_in_flight_sharing_continued", "Other routers' requests ended "
+                                  "before their end message arrived, by a request of this router that "
+                                  "continues them (holds their whole prompt and more: their answer was out)",
+                                  value=remote.stats.continued)

@@ -77,6 +77,7 @@ class RemoteStats:
     received: dict[int, int] = field(default_factory=lambda: dict.fromkeys((PICK, END, HEARTBEAT), 0))
     bad: int = 0  # messages that did not decode (skipped)
     dropped: int = 0  # remote requests dropped without their end message (heartbeat, timeout, disconnect)
+    continued: int = 0  # remote requests ended by a request that continues them, before their end message
 
 
 class RemoteInFlight:
@@ -88,6 +89,7 @@ class RemoteInFlight:
         self.clock = clock
         self.peers: dict[bytes, _Peer] = {}
         self.stats = RemoteStats()
+        self._tails: dict[int, list[tuple[_Peer, int]]] = {}  # a remote run's last block hash -> (peer, key)
 
     def requests(self) -> int:
         return sum(len(p.requests) for p in self.peers.values())
@@ -110,6 +112,8 @@ class RemoteInFlight:
                 run = _run(raw)
                 counted = self.target.add_remote(str(address), int(prefill), run, now)
                 peer.requests[int(key)] = (str(address), int(prefill), run, counted)
+                if run:
+                    self._tails.setdefault(run[-1], []).append((peer, int(key)))
             elif kind == END:
                 self._end(peer, int(message[2]))
             elif kind == HEARTBEAT:
@@ -140,8 +144,37 @@ class RemoteInFlight:
             self._end(peer, key)
             self.stats.dropped += 1
 
+    def continued(self, run: Sequence[int]) -> int:
+        """End the remote requests that ``run`` (a request about to be routed) continues, returns how many.
+
+        A chat client sends its next turn once it has the answer, so a request whose blocks hold a
+        remote request's whole run and more follows a request that has ended, though its end message
+        may still be on its way: it races the client's next turn, which reaches this router half the
+        time. Counted in flight until then, it would charge the replica holding the conversation one
+        request too many just when the conversation comes back to it. Chain hashes make the test one
+        lookup per block: a remote run is a prefix of ``run`` if its last hash is in ``run``, before
+        ``run``'s last block (a run the same length is the same prompt again: a retry, not a turn)."""
+        tails = self._tails
+        if not tails or len(run) < 2 or tails.keys().isdisjoint(run):
+            return 0
+        ended = 0
+        for i in range(len(run) - 1):
+            for peer, key in list(tails.get(run[i], ())):  # _end edits the list
+                entry = peer.requests.get(key)
+                if entry is not None and len(entry[2]) == i + 1:
+                    self._end(peer, key)
+                    ended += 1
+        self.stats.continued += ended
+        return ended
+
     def _end(self, peer: _Peer, key: int) -> None:
         entry = peer.requests.pop(key, None)
         if entry is not None:
             self.target.drop_remote(*entry)
+            run = entry[2]
+            tail = self._tails.get(run[-1]) if run else None
+            if tail is not None:
+                tail[:] = [t for t in tail if t[0] is not peer or t[1] != key]
+                if not tail:
+                    del self._tails[run[-1]]
 

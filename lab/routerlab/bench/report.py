@@ -139,6 +139,8 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
         out["in_flight_tokens"] = int(in_flight)
     if evicted:
         out["forecast_evicted_tokens"] = int(evicted)
+    if predicted.get("sharing_continued"):  # shared routers: the other's requests ended by their next turn
+        out["sharing_continued"] = int(predicted["sharing_continued"])
     checked = predicted.get("forecast_evicted", 0.0) + predicted.get("forecast_kept", 0.0)
     if checked:
         out["forecast_came_true"] = round(predicted.get("forecast_evicted", 0.0) / checked, 4)

@@ -334,6 +334,8 @@ def _predictions(port: int) -> dict[str, float]:
             key = f"forecast_{s.labels['outcome']}"  # forecast_evicted, forecast_kept
         elif s.name == "prefix_router_cache_view_total":
             key = f"requests_{s.labels['view']}"
+        elif s.name == "prefix_router_in_flight_sharing_continued_total":
+            key = "sharing_continued"
         else:
             continue
         out[key] = out.get(key, 0.0) + s.value
