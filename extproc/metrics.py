@@ -69,6 +69,14 @@ DECISION_SECONDS = LoopHistogram(
     buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1),
     registry=REGISTRY,
 )
+SHARING_DELAY = LoopHistogram(  # observed by the in-flight channel's subscriber, on the event loop
+    "prefix_router_in_flight_sharing_delay_seconds",
+    "--share-in-flight: each heartbeat of another router, from its sending to its arrival here (wall "
+    "clocks: includes their skew across hosts). Picks take the same path, so this is how late this router "
+    "hears of the others' choices",
+    buckets=(2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0),
+    registry=REGISTRY,
+)
 BODY_BYTES = LoopHistogram(
     "prefix_router_body_bytes",
     "Size of request bodies seen",

@@ -101,3 +101,31 @@ def test_each_seed_rotates_the_arms_so_none_always_runs_first() -> None:
     arms = ["a", "b", "c"]
     assert [seeds.rotated(arms, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
                                                          ["a", "b", "c"]]
+
+
+def test_a_seed_is_read_back_only_for_the_same_scenario_parameters_and_every_arm(tmp_path: Path) -> None:
+    path = tmp_path / "report.json"
+    report = {**_report(3, {"one": (0.7, 1000.0), "two": (0.6, 1100.0)}), "params": {"conversations": 300}}
+    path.write_text(json.dumps(report))
+    assert seeds._complete(path, "kv-pressure", {"conversations": 300}, ["two", "one"]) == report
+    assert seeds._complete(path, "kv-pressure", {"conversations": 30}, ["one"]) is None  # --quick, --param
+    assert seeds._complete(path, "zipf-chat", {"conversations": 300}, ["one"]) is None
+    assert seeds._complete(path, "kv-pressure", {"conversations": 300}, ["one", "three"]) is None
+    assert seeds._complete(tmp_path / "none.json", "kv-pressure", {}, ["one"]) is None
+
+
+def test_a_scenario_that_changes_the_fleet_adds_the_phase_after_the_change() -> None:
+    def with_phases(report: dict, p90: dict[str, float]) -> dict:
+        for name, arm in report["arms"].items():
+            arm["timeline"] = [{"phase": "start", "ttft_ms": {"p90": 1.0}, "client_cached_rate": 0.5},
+                               {"phase": "after restart of replica 0", "ttft_ms": {"p50": 1.0, "p90": p90[name]},
+                                "client_cached_rate": 0.6}]
+        return report
+
+    reports = [with_phases(_report(s, {"one": (0.7, 1000.0), "two": (0.6, 1000.0)}), {"one": 100.0, "two": p90})
+               for s, p90 in ((1, 110.0), (2, 130.0))]
+    diffs = seeds.differences(reports, "one")
+    assert diffs["two"]["last_phase_p90"].per_seed == pytest.approx({1: 0.1, 2: 0.3})
+    assert "| two | TTFT p90 after the fleet change | 2 | +20.0 % |" in seeds.markdown(reports, "one")
+    plain = [_report(s, {"one": (0.7, 1000.0), "two": (0.6, 1000.0)}) for s in (1, 2)]
+    assert "after the fleet change" not in seeds.markdown(plain, "one")  # no fleet change: no such columns

@@ -185,6 +185,17 @@ def test_the_next_turn_through_the_other_router_finds_its_replica_free_of_the_tu
     assert picked.address == choice.address and in_flight(second, choice.address) == 1  # turn 2 alone
 
 
+def test_heartbeats_carry_their_sending_time_and_the_receiver_times_the_channel(tokenizer: ModelTokenizer) -> None:
+    core = precise_core(tokenizer)
+    delays: list[float] = []
+    remote = RemoteInFlight(core, b"me", core.clock, wall=lambda: 1000.25, on_delay=delays.append)
+    remote.on_message(heartbeat_message(b"peer", [], 1000.0))
+    remote.on_message(heartbeat_message(b"skewed", [], 1001.0))  # a sender's clock ahead of ours: no delay
+    remote.on_message(heartbeat_message(b"old", []))  # a router from before heartbeats were timed
+    assert delays == [0.25, 0.0] and remote.stats.received[2] == 3 and remote.stats.bad == 0
+    assert msgpack.unpackb(heartbeat_message(b"old", [1])) == [2, b"old", [1]]
+
+
 def test_a_request_to_a_replica_this_router_does_not_know_yet_never_counts_against_its_own(
         tokenizer: ModelTokenizer) -> None:
     core = precise_core(tokenizer)
@@ -334,5 +345,9 @@ def test_two_routers_behind_envoy_hear_every_pick_of_the_other() -> None:
             assert sum(picks) == sent and min(picks) > 0, picks  # Envoy spread the streams over both
             assert received("bad") == 0
             assert all(metric(p, "prefix_router_in_flight_sharing_requests") == 0 for p in ports)
+            # the channel's delay, timed on the other's heartbeats: one a second each, none lost on loopback
+            wait_until(lambda: all(metric(p, "prefix_router_in_flight_sharing_delay_seconds_count") >= 2
+                                   for p in ports), 10, "each router to time the other's heartbeats")
+            assert all(0 < metric(p, "prefix_router_in_flight_sharing_delay_seconds_sum") for p in ports)
     finally:
         fleet.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ class InFlightBus:
 
     async def _heartbeat(self) -> None:
         while True:
-            self._send(heartbeat_message(self.remote.router, self._live))
+            self._send(heartbeat_message(self.remote.router, self._live, time.time()))
             await asyncio.sleep(HEARTBEAT_S)
 
 

@@ -7,11 +7,13 @@ as background tasks that ``start`` launches; the request path itself does no I/O
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings, ServerSettings, SettingError, flag, tokenizer_dirs
 from extproc.pick.core import PickCore
@@ -65,7 +67,7 @@ class Picker(PickCore):
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
         self.bus: InFlightBus | None = None
         if cfg.share_in_flight:
-            remote = RemoteInFlight(self, os.urandom(8), self.clock)
+            remote = RemoteInFlight(self, os.urandom(8), self.clock, time.time, metrics.SHARING_DELAY.observe)
             self.share = self.bus = InFlightBus(cfg.share_in_flight, cfg.share_in_flight_channel, remote)
 
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:

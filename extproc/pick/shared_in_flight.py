@@ -14,7 +14,11 @@ clears, and a router that goes quiet is forgotten after ``PEER_TIMEOUT_S``.
 
 Messages (msgpack arrays): ``[PICK, router, key, address, prefill tokens, run]`` where run is the
 request's own block hashes as little-endian uint64 bytes (the same on every router: the chain hash
-has no per-process seed), ``[END, router, key]`` and ``[HEARTBEAT, router, [keys in flight]]``.
+has no per-process seed), ``[END, router, key]`` and ``[HEARTBEAT, router, [keys in flight], sent at]``
+(the sender's wall clock in seconds; older routers send none, and read past it). A heartbeat takes the
+picks' path through the sender's queue and the receiver's loop, so its delay is theirs: how late a
+router hears of the other's picks, and so how wide the window in which two routers' choices cannot
+see each other.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ def end_message(router: bytes, key: int) -> bytes:
     return msgpack.packb([END, router, key])
 
 
-def heartbeat_message(router: bytes, keys: Iterable[int]) -> bytes:
-    return msgpack.packb([HEARTBEAT, router, list(keys)])
+def heartbeat_message(router: bytes, keys: Iterable[int], sent_at: float | None = None) -> bytes:
+    """``sent_at``: the sender's wall clock (seconds), so receivers can measure the channel's delay."""
+    return msgpack.packb([HEARTBEAT, router, list(keys), *(() if sent_at is None else (sent_at,))])
 
 
 def _run(raw: bytes) -> array:
@@ -83,10 +88,13 @@ class RemoteStats:
 class RemoteInFlight:
     """The other routers' requests in flight, applied to ``target`` as they come and go."""
 
-    def __init__(self, target: Applies, router: bytes, clock: Callable[[], float]) -> None:
+    def __init__(self, target: Applies, router: bytes, clock: Callable[[], float],
+                 wall: Callable[[], float] | None = None, on_delay: Callable[[float], None] | None = None) -> None:
         self.target = target
         self.router = router  # this router's id: its own messages come back on the channel
         self.clock = clock
+        self.wall = wall  # wall-clock seconds, to time heartbeats
+        self.on_delay = on_delay  # told each heartbeat's delay, sending to arrival (seconds; wall clocks)
         self.peers: dict[bytes, _Peer] = {}
         self.stats = RemoteStats()
         self._tails: dict[int, list[tuple[_Peer, int]]] = {}  # a remote run's last block hash -> (peer, key)
@@ -118,6 +126,8 @@ class RemoteInFlight:
                 self._end(peer, int(message[2]))
             elif kind == HEARTBEAT:
                 live = set(message[2])
+                if self.on_delay is not None and self.wall is not None and len(message) > 3:
+                    self.on_delay(max(0.0, self.wall() - float(message[3])))
                 for key in [k for k in peer.requests if k not in live]:
                     self._end(peer, key)
                     self.stats.dropped += 1

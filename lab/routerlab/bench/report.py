@@ -141,6 +141,8 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
         out["forecast_evicted_tokens"] = int(evicted)
     if predicted.get("sharing_continued"):  # shared routers: the other's requests ended by their next turn
         out["sharing_continued"] = int(predicted["sharing_continued"])
+    if predicted.get("sharing_delay_count"):  # how late each router heard the other's heartbeats, on average
+        out["sharing_delay_ms"] = round(predicted["sharing_delay_sum"] / predicted["sharing_delay_count"] * 1000, 3)
     checked = predicted.get("forecast_evicted", 0.0) + predicted.get("forecast_kept", 0.0)
     if checked:
         out["forecast_came_true"] = round(predicted.get("forecast_evicted", 0.0) / checked, 4)

@@ -66,7 +66,7 @@ class BenchConfig:
     progress: progress_mod.Progress | None = None
 
 
-def _params(scenario: Scenario, cfg: BenchConfig) -> dict[str, Any]:
+def scenario_params(scenario: Scenario, cfg: BenchConfig) -> dict[str, Any]:
     overrides = dict(cfg.params)
     for key, value in (("replicas", cfg.replicas), ("requests", cfg.requests), ("time_scale", cfg.time_scale)):
         if value is not None and key in scenario.params:
@@ -131,7 +131,7 @@ def with_real_tokenizer(spec: FleetSpec, trace: Trace, sample: int = 64) -> Flee
 
 def run_bench(cfg: BenchConfig) -> report_mod.Report:
     scenario = get_scenario(cfg.scenario)
-    params = _params(scenario, cfg)
+    params = scenario_params(scenario, cfg)
     spec = _fleet(scenario, params, cfg)
     load = _load(scenario, cfg)
     prog = cfg.progress or progress_mod.Quiet()
@@ -336,6 +336,9 @@ def _predictions(port: int) -> dict[str, float]:
             key = f"requests_{s.labels['view']}"
         elif s.name == "prefix_router_in_flight_sharing_continued_total":
             key = "sharing_continued"
+        elif s.name in ("prefix_router_in_flight_sharing_delay_seconds_sum",
+                        "prefix_router_in_flight_sharing_delay_seconds_count"):
+            key = "sharing_delay_" + s.name.rpartition("_")[2]  # sharing_delay_sum, sharing_delay_count
         else:
             continue
         out[key] = out.get(key, 0.0) + s.value

@@ -9,8 +9,8 @@ the seeds gets Student's t interval: seeds are independent runs, and a bootstrap
 of them would understate the width.
 
 The arms' order rotates from seed to seed, so no arm always runs first. Each seed's report is
-kept in OUT/seed-N (report.json, .md, plots); a seed whose report there already holds every arm
-is read, not run again, so a campaign can be extended or resumed.
+kept in OUT/seed-N (report.json, .md, plots); a seed whose report there already holds every arm,
+for the same scenario parameters, is read, not run again, so a campaign can be extended or resumed.
 """
 
 from __future__ import annotations
@@ -36,13 +36,30 @@ class Metric:
     relative: bool  # the difference as a share of the first arm's figure (else in the figure's units)
 
 
+def _last_phase(arm: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The phase after the run's last fleet change (a scenario that changes the fleet), else {}."""
+    phases = arm.get("timeline") or []
+    return phases[-1] if len(phases) > 1 else {}
+
+
 METRICS: Final = (
     Metric("hit_rate_of_oracle", "hit rate / oracle", lambda a: a.get("hit_rate_of_oracle"), False),
     Metric("ttft_p50", "TTFT p50", lambda a: (a.get("ttft_ms") or {}).get("p50"), True),
     Metric("ttft_p90", "TTFT p90", lambda a: (a.get("ttft_ms") or {}).get("p90"), True),
     Metric("throughput_rps", "req/s", lambda a: a.get("throughput_rps"), True),
     Metric("replicas_per_group", "replicas per group", lambda a: a.get("replicas_per_group"), False),
+    Metric("last_phase_hit_rate", "hit rate after the fleet change (client)",
+           lambda a: _last_phase(a).get("client_cached_rate"), False),
+    Metric("last_phase_p50", "TTFT p50 after the fleet change", lambda a: (_last_phase(a).get("ttft_ms") or {}).get("p50"),
+           True),
+    Metric("last_phase_p90", "TTFT p90 after the fleet change", lambda a: (_last_phase(a).get("ttft_ms") or {}).get("p90"),
+           True),
 )
+
+
+def _shown(reports: Sequence[Mapping[str, Any]]) -> list[Metric]:
+    """The metrics some arm of these reports has (the phase ones only where the fleet changed)."""
+    return [m for m in METRICS if any(m.value(a) is not None for r in reports for a in r["arms"].values())]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -111,21 +128,22 @@ def _fmt(value: float, relative: bool) -> str:
 
 def markdown(reports: Sequence[Mapping[str, Any]], base: str) -> str:
     """Each seed's figures, then each arm's differences from ``base`` with their interval."""
+    shown = _shown(reports)
     lines = [f"# prefix-router bench: {reports[0]['scenario']}, {len(reports)} seeds", "",
              f"Seeds {', '.join(str(r['seed']) for r in reports)}; each seed's arms ran side by side on its trace "
              f"(reports in seed-N/). Differences are each arm's figure less {base}'s, per seed; the interval is "
              f"the mean's {CONFIDENCE:.0%} Student's t interval over the seeds.", "",
-             "| seed | arm | " + " | ".join(m.label for m in METRICS) + " |",
-             "|---|---|" + "---:|" * len(METRICS)]
+             "| seed | arm | " + " | ".join(m.label for m in shown) + " |",
+             "|---|---|" + "---:|" * len(shown)]
     for r in reports:
         for name, arm in r["arms"].items():
-            cells = [_cell(m.value(arm), m) for m in METRICS]
+            cells = [_cell(m.value(arm), m) for m in shown]
             lines.append(f"| {r['seed']} | {name} | " + " | ".join(cells) + " |")
     lines += ["", f"## Against {base}", "",
               "| arm | metric | seeds | mean difference | 95 % interval | per seed |",
               "|---|---|---:|---:|---|---|"]
     for arm, by_metric in differences(reports, base).items():
-        for m in METRICS:
+        for m in shown:
             d = by_metric.get(m.key)
             if d is None:
                 continue
@@ -138,7 +156,7 @@ def markdown(reports: Sequence[Mapping[str, Any]], base: str) -> str:
 def _cell(value: float | None, metric: Metric) -> str:
     if value is None:
         return "n/a"
-    if metric.key == "hit_rate_of_oracle":
+    if metric.key in ("hit_rate_of_oracle", "last_phase_hit_rate"):
         return f"{value:.3f}"
     return f"{value:,.2f}" if metric.key in ("throughput_rps", "replicas_per_group") else f"{value:,.0f}"
 
@@ -148,7 +166,7 @@ def plot(reports: Sequence[Mapping[str, Any]], base: str, path: Path) -> Path:
     from routerlab.bench import plots
 
     diffs = differences(reports, base)
-    return plots.seed_differences(diffs, [(m.key, m.label, m.relative) for m in METRICS], base,
+    return plots.seed_differences(diffs, [(m.key, m.label, m.relative) for m in _shown(reports)], base,
                                   reports[0]["scenario"], path)
 
 
@@ -159,13 +177,14 @@ def rotated(arms: Sequence[str], i: int) -> list[str]:
     return [*arms[k:], *arms[:k]]
 
 
-def _complete(path: Path, scenario: str, arms: Sequence[str]) -> dict[str, Any] | None:
-    """The seed's report, if one is there for this scenario with every arm."""
+def _complete(path: Path, scenario: str, params: Mapping[str, Any], arms: Sequence[str]) -> dict[str, Any] | None:
+    """The seed's report, if one is there for this scenario and its parameters with every arm."""
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if report.get("scenario") != scenario or not set(arms) <= set(report.get("arms", {})):
+    if (report.get("scenario") != scenario or report.get("params") != json.loads(json.dumps(params))
+            or not set(arms) <= set(report.get("arms", {}))):
         return None
     return report
 
@@ -174,14 +193,16 @@ def run_seeds(cfg: Any, seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Run (or read) each seed's bench into OUT/seed-N, then write OUT/seeds.md, .json and .png.
     ``cfg`` is a ``BenchConfig`` whose ``out`` is the campaign's directory."""
     from routerlab.bench import progress as progress_mod
-    from routerlab.bench.runner import run_bench
+    from routerlab.bench.runner import run_bench, scenario_params
+    from routerlab.bench.scenarios import get as get_scenario
 
     out = Path(cfg.out)
     prog = cfg.progress or progress_mod.Quiet()
+    params = scenario_params(get_scenario(cfg.scenario), cfg)
     reports: list[dict[str, Any]] = []
     for i, seed in enumerate(seeds, 1):
         seed_out = out / f"seed-{seed}"
-        kept = _complete(seed_out / "report.json", cfg.scenario, cfg.arms or ()) if cfg.arms else None
+        kept = _complete(seed_out / "report.json", cfg.scenario, params, cfg.arms) if cfg.arms else None
         if kept is not None:
             prog.note(f"seed {seed} ({i}/{len(seeds)}): read from {seed_out}/report.json")
             reports.append(kept)
