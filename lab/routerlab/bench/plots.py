@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.legend import Legend  # noqa: E402
-from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 from routerlab.bench.report import Report  # noqa: E402
 
@@ -269,13 +269,17 @@ def overhead(report: dict[str, Any], path: Path) -> Path:
 
 def seed_differences(diffs: Mapping[str, Mapping[str, Any]], metrics: Sequence[tuple[str, str, bool]], base: str,
                      scenario: str, path: Path) -> Path:
-    """``bench --seeds``: a panel per metric, each arm's difference from ``base`` per seed (dots) and
-    its mean with the 95 % interval (bar); the zero line is ``base``."""
+    """``bench --seeds``: a panel per metric (four to a row), each arm's difference from ``base`` per
+    seed (dots) and its mean with the 95 % interval (bar); the zero line is ``base``."""
     arms = list(diffs)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 1.2 + 0.6 * max(len(arms), 1)),
+    cols = min(4, max(len(metrics), 1))
+    rows = math.ceil(len(metrics) / cols) or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, (1.4 + 0.6 * max(len(arms), 1)) * rows),
                              layout="constrained", sharey=True, squeeze=False)
     try:
-        for ax, (key, label, relative) in zip(axes[0], metrics):
+        for ax in axes.flat[len(metrics):]:
+            ax.set_visible(False)
+        for ax, (key, label, relative) in zip(axes.flat, metrics):
             scale = 100.0 if relative else 1.0
             for y, arm in enumerate(arms):
                 d = diffs[arm].get(key)
@@ -285,11 +289,12 @@ def seed_differences(diffs: Mapping[str, Mapping[str, Any]], metrics: Sequence[t
                 ax.errorbar([d.mean * scale], [y], xerr=[[(d.mean - d.low) * scale], [(d.high - d.mean) * scale]],
                             fmt="o", color="tab:blue", capsize=4, zorder=3)
             ax.axvline(0.0, color="black", linewidth=0.8, linestyle="--")
-            ax.set_xlabel(f"{label}: difference" + (" (%)" if relative else ""))
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+            ax.set_xlabel(f"{label}: difference" + (" (%)" if relative else ""), fontsize=9)
             ax.set_yticks(range(len(arms)), arms, fontsize=8)
             ax.set_ylim(len(arms) - 0.3, -0.7)  # the first arm on top, as in the tables
         fig.suptitle(_wrap(f"{scenario}: each arm less {base}, per seed (grey) and the mean with its 95 % "
-                           "interval (blue)", int(3.2 * len(metrics) * 9)))
+                           "interval (blue)", int(3.8 * cols * 9)))
         fig.savefig(path, dpi=DPI)
     finally:
         plt.close(fig)
