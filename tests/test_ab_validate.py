@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from routerlab.ab import validate
-from routerlab.bench.runner import _model, _params
+from routerlab.bench.runner import _model, scenario_params
 from routerlab.bench.scenarios import get as get_scenario
 from routerlab.harness.envoy_proc import envoy_binary, envoy_version
 
@@ -27,7 +27,7 @@ def test_sessions_header_and_same_trace_as_the_bench() -> None:
     cfg = validate.ValidateConfig(scenario="zipf-chat", quick=True, seed=5, params={"conversations": 20})
     ctx = validate.context(cfg)
     scenario = get_scenario("zipf-chat")
-    bench_trace = scenario.trace(_params(scenario, ctx.bench), 5, _model(ctx.spec, ctx.bench))
+    bench_trace = scenario.trace(scenario_params(scenario, ctx.bench), 5, _model(ctx.spec, ctx.bench))
     sessions, session_of = validate.with_sessions(ctx.trace)
     assert [r.body for s in sessions for r in s.requests] == [r.body for r in bench_trace.requests]
     for i, s in enumerate(sessions):

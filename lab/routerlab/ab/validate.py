@@ -112,7 +112,7 @@ def context(cfg: ValidateConfig) -> Context:
                                seed=cfg.seed, out=Path(cfg.out) / "truth", quick=cfg.quick, params=dict(cfg.params),
                                replicas=cfg.replicas, time_scale=cfg.time_scale, plots=False,
                                duration_s=cfg.load_s)
-    params = runner._params(scenario, bench)
+    params = runner.scenario_params(scenario, bench)
     spec = runner._fleet(scenario, params, bench)
     load = runner._load(scenario, bench)
     trace = scenario.trace(params, cfg.seed, runner._model(spec, bench))

@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out", help="output directory (default bench-out/SCENARIO)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (same traffic for every arm)")
     parser.add_argument("--seeds", default=None, metavar="A-B|A,B,...",
-                        help="run the arms on each of these seeds (OUT/seed-N; a seed already there with every "
-                             "arm is read, not re-run) and write OUT/seeds.md/.json/.png: each arm's difference "
-                             "from the first per seed, and its mean with a 95%% t interval")
+                        help="run the arms on each of these seeds, their order rotated a seed (OUT/seed-N; a seed "
+                             "already there with every arm and the same scenario parameters is read, not re-run) "
+                             "and write OUT/seeds.md/.json/.png: each arm's difference from the first per seed, "
+                             "and its mean with a 95%% t interval")
     parser.add_argument("--quick", action="store_true", help="small scale (seconds): the tests' settings")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="override a scenario parameter (repeatable; see the list below)")
