@@ -124,7 +124,6 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from routerlab.bench.report import markdown_table
     from routerlab.bench.runner import run_bench
-    from routerlab.bench.seeds import parse_seeds, run_seeds
 
     if args.scenario in DRILLS:
         import importlib
@@ -145,7 +144,11 @@ def run(args: argparse.Namespace) -> int:
         return run_from_args(args.scenario, module, args, _out_dir(args), params, arms, progress.default())
     try:
         cfg = config_from_args(args)
-        seeds = parse_seeds(args.seeds) if args.seeds else None
+        seeds = None
+        if args.seeds:  # scipy's import (~1 s) only for a campaign
+            from routerlab.bench.seeds import parse_seeds, run_seeds
+
+            seeds = parse_seeds(args.seeds)
         if seeds and (args.backend != "sim" or args.backend_url):
             raise ValueError("--seeds runs the simulated fleet (each seed starts its own)")
     except (ValueError, KeyError) as exc:

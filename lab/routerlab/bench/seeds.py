@@ -96,7 +96,9 @@ class Difference:
 
 
 def interval(values: Sequence[float]) -> tuple[float, float, float]:
-    """Mean and its two-sided ``CONFIDENCE`` t interval (at least two values)."""
+    """Mean and its two-sided ``CONFIDENCE`` t interval (at least two values). Not scipy's
+    ``ttest_1samp(...).confidence_interval``: that warns, and gives no width it can trust, when every
+    seed differs alike (a hash arm's replicas per group), where this gives the mean, width 0."""
     mean = statistics.fmean(values)
     half = stats.t.ppf((1 + CONFIDENCE) / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
