@@ -159,7 +159,7 @@ PREDICTED_EVICTED = Counter(
     "prefix_router_predicted_evicted_tokens_total",
     "Tokens the replica's events said it held for a request sent to it that the eviction forecast "
     "took off the prediction: the replica will have evicted them before it admits the request "
-    "(the requests queued ahead of it allocate blocks; extproc.pick.eviction_forecast), scaled by "
+    "(the requests queued ahead of it allocate blocks; extproc.pick.events.eviction_forecast), scaled by "
     "how its recent forecasts there came out (prefix_router_eviction_forecast_blocks_total)",
     ["replica"],
     registry=REGISTRY,

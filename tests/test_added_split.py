@@ -1,4 +1,4 @@
-"""extproc.pick.added_split and the segment cache's keys: the fast paths give exactly what the
+"""extproc.pick.tokens.added_split and the segment cache's keys: the fast paths give exactly what the
 plain ones give (the regex's finditer; the cache keyed by the text itself)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import extproc.pick.prompt_tokens as prompt_tokens
-from extproc.pick.added_split import MAX_MISSES, AddedTokenSplit
-from extproc.pick.prompt_tokens import ModelTokenizer
+import extproc.pick.tokens.prompt_tokens as prompt_tokens
+from extproc.pick.tokens.added_split import MAX_MISSES, AddedTokenSplit
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 SHARED_FIRST = ["<|begin_of_text|>", "<|end|>", "<|e", "<s>", "<"]

@@ -27,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.ext_authz import SERVICE as AUTHZ_SERVICE
 from extproc.cli import main as cli_main
 from extproc.core.settings import RouteSettings
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process.health import SERVICE
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench import microbench, noop_extproc, overhead

@@ -1,4 +1,4 @@
-"""extproc.pick.chat_render's shortcuts give what the general path gives."""
+"""extproc.pick.tokens.chat_render's shortcuts give what the general path gives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.core.normalize import _message, _message_fields
-from extproc.pick.chat_render import _parse_message, compile_template, parse_message
+from extproc.pick.tokens.chat_render import _parse_message, compile_template, parse_message
 
 ROLES = st.sampled_from(["system", "user", "assistant", "tool", "developer", ""]) | st.text(max_size=3)
 VALUES = st.none() | st.text(max_size=8) | st.integers() | st.lists(st.fixed_dictionaries(

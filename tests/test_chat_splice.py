@@ -1,4 +1,4 @@
-"""extproc.pick.chat_splice: a spliced chat text is Jinja's text; templates that read a content are left to Jinja."""
+"""extproc.pick.tokens.chat_splice: a spliced chat text is Jinja's text; templates that read a content are left to Jinja."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.pick.chat_splice import MAX_STRUCTURES
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.tokens.chat_splice import MAX_STRUCTURES
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 
@@ -168,7 +168,7 @@ def test_a_splice_that_disagrees_with_jinja_on_first_use_is_dropped(tmp_path: Pa
 
 
 def test_structures_kept_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("extproc.pick.chat_splice.MAX_STRUCTURES", 3)
+    monkeypatch.setattr("extproc.pick.tokens.chat_splice.MAX_STRUCTURES", 3)
     mt = _with_template(tmp_path, CHATML)
     assert mt.splice is not None and MAX_STRUCTURES > 3
     for n in range(1, 8):
@@ -183,8 +183,8 @@ def test_a_template_the_walk_cannot_take_is_rendered_by_jinja(tmp_path: Path, mo
     def fails(self: object) -> None:
         raise ValueError("names' kinds do not settle")
 
-    monkeypatch.setattr("extproc.pick.chat_splice._Instrument.run", fails)
-    with caplog.at_level("INFO", logger="extproc.pick.chat_splice"):
+    monkeypatch.setattr("extproc.pick.tokens.chat_splice._Instrument.run", fails)
+    with caplog.at_level("INFO", logger="extproc.pick.tokens.chat_splice"):
         mt = _with_template(tmp_path, CHATML)
     assert mt.splice is not None and not mt.splice.enabled and "not spliced" in caplog.text
     doc = {"messages": [{"role": "user", "content": "x"}]}

@@ -17,12 +17,12 @@ from extproc import metrics
 from extproc.core.decide import Decision, decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.eviction_forecast import EvictionForecast, surviving
-from extproc.pick.kv_events import BlockRemoved, BlockStored
-from extproc.pick.kv_index import EventIndex, block_hashes
-from extproc.pick.load import Sample
-from extproc.pick.precise import Exact, PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.events.eviction_forecast import EvictionForecast, surviving
+from extproc.pick.events.kv_events import BlockRemoved, BlockStored
+from extproc.pick.events.kv_index import EventIndex, block_hashes
+from extproc.pick.choice.load import Sample
+from extproc.pick.views.precise import Exact, PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process.explain import render_pick
 from routerlab.assets import TINY_BYTELEVEL
 

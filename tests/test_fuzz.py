@@ -24,7 +24,7 @@ from extproc import cli
 from extproc.core.decide import Decision, decide
 from extproc.core.normalize import MODES, normalize
 from extproc.core.settings import RouteSettings
-from extproc.pick.choose import REASONS
+from extproc.pick.choice.choose import REASONS
 from extproc.pick.core import PickCore
 from routerlab.fuzz import checks, documents, runner, shapes
 

@@ -1,4 +1,4 @@
-"""extproc.pick.id_run: ids that share an earlier prompt's base read exactly as the ids they stand for."""
+"""extproc.pick.tokens.id_run: ids that share an earlier prompt's base read exactly as the ids they stand for."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.pick.id_run import IdRun
+from extproc.pick.tokens.id_run import IdRun
 
 ids = st.lists(st.integers(0, 2**32 - 1), max_size=40)
 

@@ -7,7 +7,7 @@ import sys
 import msgpack
 import pytest
 
-from extproc.pick.kv_events import (
+from extproc.pick.events.kv_events import (
     END_OF_REPLAY, KEY_MASK, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
     replay_request, unplaceable_groups, window_store,
 )

@@ -11,9 +11,9 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.pick.chain_cache import ChainCache
-from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from extproc.pick.kv_index import (
+from extproc.pick.events.chain_cache import ChainCache
+from extproc.pick.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from extproc.pick.events.kv_index import (
     BYTES_PER_BLOCK, BYTES_PER_READING, ROOT, EventIndex, block_hashes, request_extra_keys,
 )
 
@@ -327,7 +327,7 @@ def test_a_shared_prefix_is_hashed_once() -> None:
 def test_the_match_memo_gives_exactly_the_walk_over_random_event_streams(seed: int, span: int) -> None:
     """Stores, removals (holes included), clears and replicas leaving, between matches of chains
     sharing prefixes: the memo's resumed walk is always leading_runs over the index as it is."""
-    from extproc.pick.index import leading_runs
+    from extproc.pick.views.learned_index import leading_runs
 
     rng = random.Random(seed)
     index = EventIndex(match_span=span)

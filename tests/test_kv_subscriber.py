@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 import zmq
 
-from extproc.pick import kv_events
-from extproc.pick.kv_index import ApplyResult, EventIndex
-from extproc.pick.kv_subscriber import KvEventSubscriber
+from extproc.pick.events import kv_events
+from extproc.pick.events.kv_index import ApplyResult, EventIndex
+from extproc.pick.sources.kv_subscriber import KvEventSubscriber
 from routerlab.harness.procs import free_port_run, free_ports
 from routerlab.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 
@@ -327,7 +327,7 @@ def test_data_parallel_ranks_feed_one_address() -> None:
 
 
 def test_real_index_learns_blocks_through_the_wire() -> None:
-    from extproc.pick.kv_index import block_hashes
+    from extproc.pick.events.kv_index import block_hashes
 
     async def body() -> None:
         index = EventIndex()
@@ -506,7 +506,7 @@ def test_a_backlog_is_applied_in_slices_with_the_event_loop_turning_between(monk
     (seen by a task that yields every turn) the stream applies one batch. Draining up to DRAIN
     batches per wake-up, as before, it applied the whole backlog in one turn, and requests then
     waited seconds under load."""
-    from extproc.pick import kv_subscriber
+    from extproc.pick.sources import kv_subscriber
 
     monkeypatch.setattr(kv_subscriber, "SLICE_S", 0.0)
     backlog = 300
@@ -552,9 +552,9 @@ def test_a_window_group_that_does_not_say_its_window_is_set_aside_and_the_view_r
     group's blocks and its removals took those copies away. Once such a store shows the group, its
     events are set aside (one warning, a count) and the replica's view is rebuilt from the replay
     buffer with the full group's alone."""
-    from extproc.pick.kv_index import block_hashes
+    from extproc.pick.events.kv_index import block_hashes
 
-    caplog.set_level(logging.WARNING, logger="extproc.pick.kv_subscriber")
+    caplog.set_level(logging.WARNING, logger="extproc.pick.sources.kv_subscriber")
     tokens = list(range(16))  # four blocks of 4
 
     async def body() -> None:

@@ -10,11 +10,11 @@ import pytest
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.kv_events import BlockStored
-from extproc.pick.kv_index import EventIndex, request_extra_keys
-from extproc.pick.partial_view import learned_tokens
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.events.kv_events import BlockStored
+from extproc.pick.events.kv_index import EventIndex, request_extra_keys
+from extproc.pick.views.partial import learned_tokens
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process.explain import render_pick
 from routerlab.assets import TINY_BYTELEVEL
 

@@ -13,10 +13,10 @@ from extproc import metrics
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.kv_events import BlockRemoved, BlockStored
-from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
-from extproc.pick.precise import PreciseView, _longest_shared, _shared
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.events.kv_events import BlockRemoved, BlockStored
+from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.views.precise import PreciseView, _longest_shared, _shared
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 from routerlab.assets import TINY_BYTELEVEL
 
 BS = 16

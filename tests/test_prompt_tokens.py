@@ -1,4 +1,4 @@
-"""extproc.pick.prompt_tokens: a request's vLLM token ids, and the segment cache is exact.
+"""extproc.pick.tokens.prompt_tokens: a request's vLLM token ids, and the segment cache is exact.
 
 The tokenizers are the two tiny ones the lab ships (lab/routerlab/assets): the tiny model's
 byte-level BPE (ByteLevel pre-tokenizer) and a SentencePiece-style Metaspace BPE.
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.pick.prompt_memo import HEAD, PER_KEY, TAIL_CHARS, PromptMemo
-from extproc.pick.prompt_memo import _cost as _memo_cost
-from extproc.pick.prompt_tokens import REASONS, ModelTokenizer, NotTokenizable, TokenizerError
+from extproc.pick.tokens.prompt_memo import HEAD, PER_KEY, TAIL_CHARS, PromptMemo
+from extproc.pick.tokens.prompt_memo import _cost as _memo_cost
+from extproc.pick.tokens.prompt_tokens import REASONS, ModelTokenizer, NotTokenizable, TokenizerError
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 FAMILIES = ["tiny-bytelevel", "tiny-metaspace"]
@@ -104,7 +104,7 @@ def test_segments_tokenised_ahead_on_a_thread_then_stored_give_the_uncached_ids(
     mt = _roomy(family)
     text = "".join(parts)
     missing = mt.missing(text)
-    with ThreadPoolExecutor(1) as pool:  # as extproc.pick.tokenize_ahead runs it
+    with ThreadPoolExecutor(1) as pool:  # as extproc.pick.sources.tokenize_ahead runs it
         encoded = pool.submit(mt.encode_segments, missing).result()
     assert encoded is not None
     mt.store_segments(missing, encoded)

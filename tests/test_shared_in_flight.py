@@ -1,7 +1,7 @@
 """--share-in-flight: router replicas tell each other their requests in flight.
 
-The pure part (extproc.pick.shared_in_flight) through real PickCores in precise mode, the bus
-(extproc.pick.in_flight_bus) through a real Redis (Debian's redis-server; .ci/machine installs it),
+The pure part (extproc.pick.sources.shared_in_flight) through real PickCores in precise mode, the bus
+(extproc.pick.sources.in_flight_bus) through a real Redis (Debian's redis-server; .ci/machine installs it),
 and two `prefix-router serve` processes behind a real Envoy sharing through one.
 """
 
@@ -19,11 +19,11 @@ import pytest
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, server_settings
 from extproc.pick.core import PickCore
-from extproc.pick.in_flight_bus import InFlightBus
-from extproc.pick.kv_index import EventIndex
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer
-from extproc.pick.shared_in_flight import PEER_TIMEOUT_S, RemoteInFlight, end_message, heartbeat_message, pick_message
+from extproc.pick.sources.in_flight_bus import InFlightBus
+from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
+from extproc.pick.sources.shared_in_flight import PEER_TIMEOUT_S, RemoteInFlight, end_message, heartbeat_message, pick_message
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.arms import ARMS, RunningArm
 from routerlab.bench.backends import SimBackend

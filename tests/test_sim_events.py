@@ -17,11 +17,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.pick import kv_events
-from extproc.pick.kv_index import EventIndex, request_extra_keys
-from extproc.pick.kv_index import block_hashes as own_hashes
-from extproc.pick.kv_subscriber import KvEventSubscriber
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.events import kv_events
+from extproc.pick.events.kv_index import EventIndex, request_extra_keys
+from extproc.pick.events.kv_index import block_hashes as own_hashes
+from extproc.pick.sources.kv_subscriber import KvEventSubscriber
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.harness.procs import free_ports
 from routerlab.sim.fleet import FleetThread, SimConfig
 from routerlab.sim.hf_tokenizer import HfTokenizer

@@ -1,4 +1,4 @@
-"""extproc.pick.tokenize_ahead: long new text tokenised on a worker thread while the loop serves,
+"""extproc.pick.sources.tokenize_ahead: long new text tokenised on a worker thread while the loop serves,
 the pick then exact; a full queue sends the request to the learned view instead of making it wait."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from extproc import metrics
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.kv_index import EventIndex
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
-from extproc.pick.tokenize_ahead import TokenizeAhead
+from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.sources.tokenize_ahead import TokenizeAhead
 from routerlab.assets import TINY_BYTELEVEL
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
-from extproc.pick.kv_index import EventIndex
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
-from extproc.pick.tokenizer_check import TokenizerCheck, first_difference, tokenize_body
+from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.sources.tokenizer_check import TokenizerCheck, first_difference, tokenize_body
 from routerlab.assets import TINY_BYTELEVEL
 
 MODEL = "m"
@@ -133,7 +133,7 @@ def test_only_bodies_tokenize_can_express_are_asked() -> None:
 def test_a_samples_long_new_text_is_tokenised_on_the_worker_and_skipped_when_it_is_busy() -> None:
     import threading
 
-    from extproc.pick.tokenize_ahead import TokenizeAhead
+    from extproc.pick.sources.tokenize_ahead import TokenizeAhead
 
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
     view = PreciseView(EventIndex(1000), {MODEL: tokenizer})

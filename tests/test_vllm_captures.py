@@ -17,9 +17,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from extproc.pick.kv_events import KEY_MASK, BlockRemoved, BlockStored, decode_batch, parse_frames
-from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.events.kv_events import KEY_MASK, BlockRemoved, BlockStored, decode_batch, parse_frames
+from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.realvllm.event_recorder import RawFrame
 
@@ -143,7 +143,7 @@ def test_a_hybrid_models_view_names_the_cached_tokens_vllm_reported() -> None:
     held the window before the hit point."""
     import asyncio
 
-    from extproc.pick.kv_subscriber import KvEventSubscriber
+    from extproc.pick.sources.kv_subscriber import KvEventSubscriber
     from routerlab.harness.procs import free_ports
     from routerlab.sim.kv_events import KvEventPublisher
 

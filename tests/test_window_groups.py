@@ -1,4 +1,4 @@
-"""extproc.pick.window_groups: a hybrid model's sliding-window groups, placed through the
+"""extproc.pick.events.window_groups: a hybrid model's sliding-window groups, placed through the
 full-attention group's stores, and the hit vLLM finds with them (its SlidingWindowManager's scan).
 Real vLLM 0.32 events of a hybrid model: tests/test_vllm_captures.py."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.pick.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from extproc.pick.kv_index import EventIndex, block_hashes
-from extproc.pick.window_groups import _window_hit
+from extproc.pick.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from extproc.pick.events.kv_index import EventIndex, block_hashes
+from extproc.pick.events.window_groups import _window_hit
 
 A = "10.0.0.1:8000"
 TOKENS = tuple(range(24))  # six blocks of 4

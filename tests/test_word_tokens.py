@@ -1,4 +1,4 @@
-"""extproc.pick.word_tokens: byte-level BPE word by word from a cache gives the tokenizer's own ids.
+"""extproc.pick.tokens.word_tokens: byte-level BPE word by word from a cache gives the tokenizer's own ids.
 
 Three byte-level tokenizers: the tiny model's (ByteLevel with the GPT-2 regex), one built here with
 Llama 3's Split regex before a regex-less ByteLevel, and one whose Split regex leaves text between
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import regex
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from extproc.pick.prompt_tokens import ModelTokenizer
-from extproc.pick.word_tokens import (BYTES_PER_WORD, GPT2_PATTERN, LLAMA3_PATTERN, MAX_WORD_CHARS, MAX_WORDS,
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
+from extproc.pick.tokens.word_tokens import (BYTES_PER_WORD, GPT2_PATTERN, LLAMA3_PATTERN, MAX_WORD_CHARS, MAX_WORDS,
                                       QWEN2_PATTERN, SPACE_SEPARABLE, WordTokens, _ascii_pattern)
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
@@ -163,7 +163,7 @@ def test_text_beyond_plain_ascii_is_left_to_the_tokenizer() -> None:
 def test_the_cache_starts_again_past_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     words = WordTokens.for_tokenizer(TINY)
     assert words is not None
-    monkeypatch.setattr("extproc.pick.word_tokens.MAX_WORDS", 3)
+    monkeypatch.setattr("extproc.pick.tokens.word_tokens.MAX_WORDS", 3)
     words.encode("one two three four five")
     assert len(words) > 3
     assert words.encode("six") == TINY.encode("six", add_special_tokens=False).ids
@@ -224,9 +224,9 @@ def test_pipelines_it_cannot_reproduce_get_none(tokenizer: Tokenizer) -> None:
 
 def test_a_word_path_that_disagrees_on_the_probes_or_does_not_compile_is_not_used(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("extproc.pick.word_tokens._pattern", lambda config: r"\S+\s*|\s+")  # not the tokenizer's
+    monkeypatch.setattr("extproc.pick.tokens.word_tokens._pattern", lambda config: r"\S+\s*|\s+")  # not the tokenizer's
     assert WordTokens.for_tokenizer(TINY) is None
-    monkeypatch.setattr("extproc.pick.word_tokens._pattern", lambda config: r"(\p{L}")
+    monkeypatch.setattr("extproc.pick.tokens.word_tokens._pattern", lambda config: r"(\p{L}")
     assert WordTokens.for_tokenizer(TINY) is None
 
 

@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc import metrics
 from extproc.core.decide import CONTENT_ENCODING, Decision, decide
 from extproc.core.settings import METADATA_PREFIX, RouteSettings, with_metadata
-from extproc.pick.choose import Choice
+from extproc.pick.choice.choose import Choice
 from extproc.pick.core import PickCore
 
 log = logging.getLogger("extproc.adapters.ext_proc")

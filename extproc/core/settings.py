@@ -94,13 +94,13 @@ class ServerSettings:
     index_max_blocks: int = 8_000_000  # memory bound of the event view over all replicas
     tokenizer_check_every: int = 100  # check each model's first request, then 1 in N, against vLLM's /tokenize; 0: off
     tokenizer_cache_mb: int = 64  # each model's segment cache, and as much again for its prompt memo; 0: neither
-    # New text longer than this is tokenised on a worker thread before the pick (extproc.pick.tokenize_ahead),
+    # New text longer than this is tokenised on a worker thread before the pick (extproc.pick.sources.tokenize_ahead),
     # so the event loop keeps serving, unless the word cache does it on the loop in less of the tokenizer's
     # time (in parts of this many characters' worth); 0: every request's text on the loop, in its pick.
     tokenize_inline_chars: int = 2048
     tokenize_queue_seconds: float = 0.1  # a request that would wait longer for the worker uses the learned view
     # Predict for each replica only the blocks it will not have evicted before it admits the request
-    # (extproc.pick.eviction_forecast; the choice still ranks by what replicas hold now); off: predict those too.
+    # (extproc.pick.events.eviction_forecast; the choice still ranks by what replicas hold now); off: predict those too.
     eviction_forecast: bool = True
     # Pick mode with several router replicas: tell each other the requests in flight (their load, and in
     # precise mode their blocks being computed) over this Redis (redis://HOST:PORT/DB); "": each alone.

@@ -16,19 +16,19 @@ from typing import Any, Final, Protocol
 from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
-from extproc.pick.choose import REASONS, Candidate, Choice, choose, prefill_tokens
-from extproc.pick.chunks import chunk_hashes
-from extproc.pick.eviction_forecast import EvictionForecast
-from extproc.pick.index import LearnedIndex, PrefixIndex
-from extproc.pick.load import LoadTracker, Sample
-from extproc.pick.partial_view import merge
-from extproc.pick.precise import EVENTS, Exact, Pended, PreciseView
-from extproc.pick.prompt_tokens import NotTokenizable
-from extproc.pick.state import ReplicaState, Snapshot
+from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefill_tokens
+from extproc.pick.views.chunks import chunk_hashes
+from extproc.pick.events.eviction_forecast import EvictionForecast
+from extproc.pick.views.learned_index import LearnedIndex, PrefixIndex
+from extproc.pick.choice.load import LoadTracker, Sample
+from extproc.pick.views.partial import merge
+from extproc.pick.views.precise import EVENTS, Exact, Pended, PreciseView
+from extproc.pick.tokens.prompt_tokens import NotTokenizable
+from extproc.pick.choice.state import ReplicaState, Snapshot
 
 
 class Share(Protocol):
-    """Told of this router's picks and their ends (extproc.pick.in_flight_bus.InFlightBus)."""
+    """Told of this router's picks and their ends (extproc.pick.sources.in_flight_bus.InFlightBus)."""
 
     def picked(self, key: int, address: str, prefill: int, run: Sequence[int]) -> None: ...
 
@@ -36,7 +36,7 @@ class Share(Protocol):
 
     def continued(self, run: Sequence[int]) -> int:
         """End the other routers' requests that a request with these blocks continues (their answer is
-        out; their end message may not be): extproc.pick.shared_in_flight.RemoteInFlight.continued."""
+        out; their end message may not be): extproc.pick.sources.shared_in_flight.RemoteInFlight.continued."""
         ...
 
 
@@ -68,7 +68,7 @@ class PickCore:
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
         self._pended: dict[int, tuple[str, Pended]] = {}  # id(choice) -> its blocks pending on a replica
         # told of every pick and its end, to share with the other router replicas (Picker sets it:
-        # extproc.pick.in_flight_bus); theirs come back through add_remote and drop_remote
+        # extproc.pick.sources.in_flight_bus); theirs come back through add_remote and drop_remote
         self.share: Share | None = None
 
     def chunks_for(self, tokens: int) -> int:
@@ -131,7 +131,7 @@ class PickCore:
         estimates for every replica they cover, and the prompt length is exact. The learned view
         answers only where the events do not: replicas not yet covered, a request that cannot be
         tokenised, and a replica whose events miss part of its cache (origin ``partial``), which
-        gets the larger of the two views' figures (``extproc.pick.partial_view``). It is matched
+        gets the larger of the two views' figures (``extproc.pick.views.partial``). It is matched
         and kept learning only for those, so a fleet fully covered by events pays nothing for it.
         ``settle`` (``pick``): first end the other routers' requests this one continues (``Share.continued``).
         """
@@ -259,7 +259,7 @@ class PickCore:
 
     def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> bool:
         """Another router replica sent a request to ``address``: its load and its blocks in flight
-        count as this router's own do (extproc.pick.shared_in_flight). Returns whether its load
+        count as this router's own do (extproc.pick.sources.shared_in_flight). Returns whether its load
         was counted (``address`` is one of this router's replicas), for ``drop_remote``."""
         if self.precise is not None:
             self.precise.add_pending(address, run)

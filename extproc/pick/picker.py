@@ -17,17 +17,17 @@ from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings, ServerSettings, SettingError, flag, tokenizer_dirs
 from extproc.pick.core import PickCore
-from extproc.pick.endpoints import EndpointWatcher
-from extproc.pick.eviction_forecast import EvictionForecast
-from extproc.pick.in_flight_bus import InFlightBus
-from extproc.pick.kv_index import EventIndex
-from extproc.pick.kv_subscriber import KvEventSubscriber
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer, TokenizerError
-from extproc.pick.scrape import Scraper
-from extproc.pick.shared_in_flight import END, HEARTBEAT, PICK, RemoteInFlight
-from extproc.pick.tokenize_ahead import TokenizeAhead
-from extproc.pick.tokenizer_check import RESULTS, TokenizerCheck
+from extproc.pick.sources.endpoints import EndpointWatcher
+from extproc.pick.events.eviction_forecast import EvictionForecast
+from extproc.pick.sources.in_flight_bus import InFlightBus
+from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.sources.kv_subscriber import KvEventSubscriber
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, TokenizerError
+from extproc.pick.sources.scrape import Scraper
+from extproc.pick.sources.shared_in_flight import END, HEARTBEAT, PICK, RemoteInFlight
+from extproc.pick.sources.tokenize_ahead import TokenizeAhead
+from extproc.pick.sources.tokenizer_check import RESULTS, TokenizerCheck
 
 
 def load_tokenizers(cfg: ServerSettings) -> dict[str, ModelTokenizer]:
@@ -72,7 +72,7 @@ class Picker(PickCore):
 
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
-        pick's ``max_new_chars`` (extproc.pick.tokenize_ahead)."""
+        pick's ``max_new_chars`` (extproc.pick.sources.tokenize_ahead)."""
         if self.ahead is None or settings.cache_view == "learned":
             return 0
         return await self.ahead.prepare(decision)
@@ -168,7 +168,7 @@ class PreciseCollector(Collector):
         yield chars
         renders = CounterMetricFamily("prefix_router_chat_renders", "Chat templates rendered, by how: spliced (the "
                                       "contents joined into the text the template was proven to write around "
-                                      "them, extproc.pick.chat_splice), jinja, or disagreed (a structure whose first "
+                                      "them, extproc.pick.tokens.chat_splice), jinja, or disagreed (a structure whose first "
                                       "splice differed from Jinja's text: Jinja's since)", labels=["model", "how"])
         for model, tok in precise.tokenizers.items():
             splice = tok.splice

@@ -19,7 +19,7 @@ import orjson
 from extproc.core.decide import Decision, decide
 from extproc.core.normalize import normalize
 from extproc.core.settings import ROUTE_FIELDS, RouteSettings, SettingError, add_flags, metadata_key, route_settings
-from extproc.pick.choose import Choice
+from extproc.pick.choice.choose import Choice
 from extproc.pick.core import PickCore
 
 

@@ -37,7 +37,7 @@ from extproc.core.settings import (
     with_metadata,
 )
 from extproc.pick.picker import Picker, PreciseCollector, SharingCollector, load_tokenizers
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from extproc.process.health import SERVICE
 from extproc.process.http1 import Answer, Http1Server, Request

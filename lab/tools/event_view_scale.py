@@ -15,8 +15,8 @@ import time
 
 import msgpack
 
-from extproc.pick.kv_events import decode_batch
-from extproc.pick.kv_index import EventIndex, block_hashes
+from extproc.pick.events.kv_events import decode_batch
+from extproc.pick.events.kv_index import EventIndex, block_hashes
 
 
 def _engine_hash(n: int) -> int:

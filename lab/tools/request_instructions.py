@@ -42,7 +42,7 @@ def request(mode: str, kb: int) -> Callable[[], None]:
     the warm-up)."""
     from extproc.core.decide import decide
     from extproc.core.settings import RouteSettings
-    from extproc.pick.prompt_tokens import ModelTokenizer
+    from extproc.pick.tokens.prompt_tokens import ModelTokenizer
     from routerlab.assets import TINY_BYTELEVEL
     from routerlab.bench import microbench as mb
 

@@ -29,12 +29,12 @@ from extproc.adapters.ext_proc import PrefixRouter
 from extproc.core.decide import decide, prefix_key
 from extproc.core.normalize import normalize
 from extproc.core.settings import RouteSettings
-from extproc.pick.chunks import chunk_hashes
+from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.core import MAX_REQUEST_CHUNKS, PickCore
-from extproc.pick.kv_events import BlockStored
-from extproc.pick.kv_index import EventIndex
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.events.kv_events import BlockStored
+from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process.http1 import Http1Protocol
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.harness.extproc_messages import body_message, headers_message

@@ -6,7 +6,7 @@ for two streams of requests at fixed intervals: short ones (a 32 KB system promp
 seen, and a new 30-word question) and long ones (a 32 KB prompt nobody has seen, so all of it is
 tokenised). Each request's time from its arrival to its pick is recorded, first with every text
 tokenised in the pick, on the loop (``--tokenize-inline-chars 0``, the router before the worker),
-then with long new text tokenised on the worker thread (``extproc.pick.tokenize_ahead``). Prints
+then with long new text tokenised on the worker thread (``extproc.pick.sources.tokenize_ahead``). Prints
 p50 / p99 / max per stream and how many long requests got the events view; the tiny tokenizer, 8
 replicas covered by events, half of them holding the system prompt.
 """
@@ -25,8 +25,8 @@ from typing import Any
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.prompt_tokens import ModelTokenizer
-from extproc.pick.tokenize_ahead import TokenizeAhead
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
+from extproc.pick.sources.tokenize_ahead import TokenizeAhead
 from extproc.process import event_loop
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.microbench import chat_body, precise_core, questions

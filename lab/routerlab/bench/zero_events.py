@@ -1,7 +1,7 @@
 """KV-cache events for a zero-work backend, so a precise-mode router covers it.
 
 The router takes a replica's cache view from its events only once it has heard from it
-(extproc.pick.kv_subscriber): a zero backend computes nothing, so it announces, at start, the
+(extproc.pick.sources.kv_subscriber): a zero backend computes nothing, so it announces, at start, the
 prompts it is told to hold (one BlockStored per prompt, in one batch, seq 0, kept for replay),
 with the simulator's publisher (routerlab.sim.kv_events, vLLM's wire format) and the
 simulator's block hashes. A router that connects asks for the replay buffer and learns them

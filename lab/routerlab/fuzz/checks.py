@@ -13,8 +13,8 @@ from extproc.core import isolation
 from extproc.core.decide import CONTENT_ENCODING, Decision, decide
 from extproc.core.normalize import FALLBACK_REASONS, IDENTITY_ENCODINGS, MODES, TRUNCATED
 from extproc.core.settings import RouteSettings
-from extproc.pick.choose import REASONS, Choice
-from extproc.pick.chunks import chunk_hashes
+from extproc.pick.choice.choose import REASONS, Choice
+from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.core import MAX_REQUEST_CHUNKS, PickCore
 from routerlab.fuzz.documents import MODELS, SYSTEM_PROMPTS
 from routerlab.fuzz.shapes import Case, Headers, expected_tenant

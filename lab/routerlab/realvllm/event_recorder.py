@@ -1,6 +1,6 @@
 """Record every raw KV-cache event frame N publishers send, in arrival order, on a thread.
 
-The lab's own subscriber, independent of the router's (extproc/pick/kv_subscriber.py): the
+The lab's own subscriber, independent of the router's (extproc/pick/sources/kv_subscriber.py): the
 capture command keeps its frames as test fixtures, and the end-to-end check uses it to know
 how many batches each replica has published, so it can wait until the router applied them all.
 Frames are kept raw (topic, seq bytes, payload bytes): whatever decodes them later sees exactly
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from extproc.pick.kv_events import (BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
+from extproc.pick.events.kv_events import (BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
                                     replay_request)
 
 

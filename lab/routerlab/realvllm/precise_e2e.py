@@ -45,9 +45,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from extproc.pick.kv_events import decode_batch
-from extproc.pick.kv_index import EventIndex, block_hashes, request_extra_keys
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.events.kv_events import decode_batch
+from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.bench.arms import ARMS, UPSTREAM_HEADER, RunningArm
 from routerlab.realvllm import promtext
 from routerlab.realvllm.chat_trace import CHAT, TraceRequest, build_chat_trace
@@ -211,7 +211,7 @@ class Stack:
             "envoy": self.arm.envoy_stats(),
             # the router's own run-time check of its token ids against a replica's POST /tokenize
             "tokenizer_checks": self.counts("prefix_router_tokenizer_checks_total", "result"),
-            # chat texts spliced (extproc.pick.chat_splice), rendered by Jinja, and splices Jinja disagreed with
+            # chat texts spliced (extproc.pick.tokens.chat_splice), rendered by Jinja, and splices Jinja disagreed with
             "chat_renders": self.counts("prefix_router_chat_renders_total", "how"),
         }
 

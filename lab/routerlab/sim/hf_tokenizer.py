@@ -1,7 +1,7 @@
 """``--tokenizer DIR``: a model's real tokenizer and chat template instead of the stand-in.
 
 Prompts are rendered and tokenised by the router's own
-:class:`extproc.pick.prompt_tokens.ModelTokenizer` (exactly what vLLM computes for that
+:class:`extproc.pick.tokens.prompt_tokens.ModelTokenizer` (exactly what vLLM computes for that
 model; its chat texts always rendered by Jinja, never spliced, so the router's splicing is checked
 against Jinja's text), so a replica's cache, ``usage.prompt_tokens``, ``cached_tokens`` and
 KV-cache events all follow from the token ids a real vLLM replica would compute. A request it cannot tokenise
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable, TokenizerError
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable, TokenizerError
 from routerlab.sim import tokenizer as standin
 from routerlab.sim.api import ApiError
 

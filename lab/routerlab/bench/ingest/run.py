@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.ingest import client as load
 from routerlab.bench.ingest.procs import DriverProc, start_replicas, start_router

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
-from extproc.pick.prompt_tokens import ModelTokenizer
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.overhead.wrk import body_template
 from routerlab.bench.zero_backend import MODEL
@@ -28,7 +28,7 @@ SUFFIX: Final = "+events"
 ANNOUNCED_ID: Final = "announced"
 BLOCK_SIZE: Final = 16  # vLLM's default, as the simulator's
 TOKENIZER: Final = f"{MODEL}={TINY_BYTELEVEL}"
-COVERED: Final = frozenset({"events", "replayed"})  # origins whose view is the events' (extproc.pick.precise)
+COVERED: Final = frozenset({"events", "replayed"})  # origins whose view is the events' (extproc.pick.views.precise)
 VIEW_METRIC: Final = "prefix_router_cache_view_total"
 ORIGIN_METRIC: Final = "prefix_router_kv_view_origin"
 

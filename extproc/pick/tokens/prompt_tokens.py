@@ -26,7 +26,7 @@ split does not reproduce (``lstrip``/``rstrip``/``single_word``, ``normalized`` 
 ``encode_special_tokens``) get no cache: every text is tokenised whole, and a log line says so.
 
 Pure apart from reading the tokenizer files in the constructor; not thread-safe (one per loop),
-except ``encode_segments``, which a worker thread runs (extproc.pick.tokenize_ahead).
+except ``encode_segments``, which a worker thread runs (extproc.pick.sources.tokenize_ahead).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from typing import Any, Literal, NamedTuple
 
 import xxhash
 
-from extproc.pick.added_split import AddedTokenSplit
-from extproc.pick.chat_splice import ChatSplice
-from extproc.pick.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
-from extproc.pick.id_run import IdRun
+from extproc.pick.tokens.added_split import AddedTokenSplit
+from extproc.pick.tokens.chat_splice import ChatSplice
+from extproc.pick.tokens.chat_render import compile_template, detect_content_format, render_chat, request_bool, token_text
+from extproc.pick.tokens.id_run import IdRun
 # Defined in not_tokenizable.py (chat_render.py raises NotTokenizable too); importers take them from here.
-from extproc.pick.not_tokenizable import REASONS, NotTokenizable
-from extproc.pick.prompt_memo import Prompt, PromptMemo, Resume, kept_tail
-from extproc.pick.word_tokens import WordTokens
+from extproc.pick.tokens.not_tokenizable import REASONS, NotTokenizable
+from extproc.pick.tokens.prompt_memo import Prompt, PromptMemo, Resume, kept_tail
+from extproc.pick.tokens.word_tokens import WordTokens
 
 __all__ = ["REASONS", "ModelTokenizer", "NotTokenizable", "PathKind", "TokenizerError"]
 
@@ -72,7 +72,7 @@ class ModelTokenizer:
     ``cache_bytes`` bounds the segment cache and, as much again, the prompt memo (0 disables both);
     ``content_format`` is vLLM's ``--chat-template-content-format`` ("auto" detects it from the
     template as vLLM does); ``splice``: chat texts spliced where the template only copies contents
-    (extproc.pick.chat_splice; False: always rendered by Jinja, as the simulator renders them).
+    (extproc.pick.tokens.chat_splice; False: always rendered by Jinja, as the simulator renders them).
     ``cache_hits``/``cache_misses`` count segments, ``cache_hit_chars``/``cache_miss_chars`` their
     characters; ``cache_bytes_used``/``cache_entries`` the cache's size; ``cache_enabled`` whether
     this tokenizer allows it.
@@ -228,7 +228,7 @@ class ModelTokenizer:
 
         ``max_new_chars`` (0: no limit): raise NotTokenizable("tokenizer_busy") rather than tokenise
         more than this many characters the cache does not hold (precise mode's request path: what
-        is longer was to be tokenised ahead, off the event loop, by extproc.pick.tokenize_ahead).
+        is longer was to be tokenised ahead, off the event loop, by extproc.pick.sources.tokenize_ahead).
 
         A text that extends a recent one is tokenised from where they part (the prompt memo, which
         ``resumed`` then names); the same text again gets the memo's own run. Read it, never change it.
@@ -350,7 +350,7 @@ class ModelTokenizer:
     def encode_segments(self, segments: list[tuple[bool, str]], words: bool = True) -> list[list[int]] | None:
         """Each segment's ids as it tokenises in its text (None if the split assumption fails, which a
         split-before tokenizer never does). ``words``: serve what the word cache can (byte-level BPE,
-        plain text: extproc.pick.word_tokens; a pre-token's ids do not depend on where it stands);
+        plain text: extproc.pick.tokens.word_tokens; a pre-token's ids do not depend on where it stands);
         a worker thread passes False: the Hugging Face tokenizer releases the GIL while it works, so
         it is safe beside the event loop, and the word cache's Python loop is not."""
         cache = self.words if words else None
@@ -473,7 +473,7 @@ class ModelTokenizer:
 
     def render_chat(self, doc: Mapping[str, Any]) -> str:
         """The chat template rendered for a chat completions body, as vLLM renders it (spliced where
-        extproc.pick.chat_splice proved the same text)."""
+        extproc.pick.tokens.chat_splice proved the same text)."""
         if self.splice is not None:
             text = self.splice.render(doc)
             if text is not None:

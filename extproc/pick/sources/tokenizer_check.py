@@ -32,10 +32,10 @@ from typing import Any, Final
 import aiohttp
 
 from extproc.core.decide import Decision
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import NotTokenizable
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import NotTokenizable
 
-log = logging.getLogger("extproc.pick.tokenizer_check")
+log = logging.getLogger("extproc.pick.sources.tokenizer_check")
 
 RESULTS: Final = ("match", "mismatch", "error")
 CHAT_FIELDS: Final = ("messages", "tools", "add_generation_prompt", "continue_final_message",

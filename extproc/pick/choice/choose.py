@@ -24,7 +24,7 @@ from typing import Final, NamedTuple
 import xxhash
 
 from extproc.core.settings import RouteSettings
-from extproc.pick.state import ReplicaState, Snapshot
+from extproc.pick.choice.state import ReplicaState, Snapshot
 
 CHEAPEST: Final = "cheapest"  # a replica holding part of the prompt, or the cheapest despite it
 COLD: Final = "cold"  # no replica holds any of it: the least busy one

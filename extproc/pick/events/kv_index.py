@@ -32,12 +32,12 @@ from typing import Final, NamedTuple
 import msgpack
 import xxhash
 
-from extproc.pick.index import IndexStats
-from extproc.pick.kv_events import (
+from extproc.pick.views.learned_index import IndexStats
+from extproc.pick.events.kv_events import (
     KEY_MASK, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, window_store,
 )
-from extproc.pick.match_memo import SPAN, MatchMemo
-from extproc.pick.window_groups import WindowGroups
+from extproc.pick.events.match_memo import SPAN, MatchMemo
+from extproc.pick.events.window_groups import WindowGroups
 
 ROOT: Final = 0x6A09E667F3BCC908  # the parent (seed) of block 0: any fixed value; only this router compares own hashes
 
@@ -117,7 +117,7 @@ class ApplyResult(NamedTuple):
     malformed: int = 0  # BlockStored runs skipped: token count or extra keys don't fit
     refused: int = 0  # blocks not indexed: the replica's share of max_blocks is full
     unknown_removed: int = 0  # BlockRemoved hashes this replica was not known to hold
-    unplaced: int = 0  # a sliding-window group's hashes not placed (extproc.pick.window_groups)
+    unplaced: int = 0  # a sliding-window group's hashes not placed (extproc.pick.events.window_groups)
 
 
 @dataclass(slots=True)
@@ -163,7 +163,7 @@ class EventIndex:
 
     def window_hit(self, address: str, own_hashes: Sequence[int], held: int, block_size: int) -> int:
         """Of the ``held`` leading blocks ``match`` found at ``address``, those vLLM would serve once its
-        sliding-window groups are asked too (a hybrid model: extproc.pick.window_groups)."""
+        sliding-window groups are asked too (a hybrid model: extproc.pick.events.window_groups)."""
         return self.windows.hit(address, own_hashes, held, block_size)
 
     def holds_block(self, address: str, own_hash: int) -> bool:
@@ -187,7 +187,7 @@ class EventIndex:
     def last_use(self, address: str) -> Callable[[int, None], int | None]:
         """``get`` of own hash -> the allocation clock when ``address`` last used the chain up to that
         block, as its events tell (with ``stamp_events``): a BlockStored stored it as its last block
-        or chained onto it (``extproc.pick.eviction_forecast``). Sparse: most blocks have no entry.
+        or chained onto it (``extproc.pick.events.eviction_forecast``). Sparse: most blocks have no entry.
 
         The clock is read at the end of the event's batch (one engine step): the request held its
         blocks through the step, so that is the later, closer bound on when it freed them, and one

@@ -21,7 +21,7 @@ and applies the batches in sequence order:
   buffer is bounded and there is no snapshot: blocks stored before it are not learned. Such a
   view is *partial* (origin ``partial``, see ``covers_from``), as is one whose batches were lost
   beyond the buffer (a gap); the request path then credits such a replica with the larger of
-  what its events and the learned view say (``extproc.pick.partial_view``).
+  what its events and the learned view say (``extproc.pick.views.partial``).
 * A frame or payload that does not decode is counted (``bad_frames``) and skipped; a batch whose
   payload is bad still advances the sequence (its content is lost either way: a replay would
   return the same bytes). Nothing raises out of a task: an unexpected error is logged, and the
@@ -50,11 +50,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
-from extproc.pick.kv_events import (END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request,
+from extproc.pick.events.kv_events import (END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request,
                                     unplaceable_groups)
-from extproc.pick.partial_view import PARTIAL
+from extproc.pick.views.partial import PARTIAL
 
-log = logging.getLogger("extproc.pick.kv_subscriber")
+log = logging.getLogger("extproc.pick.sources.kv_subscriber")
 
 CAUSES: Final = ("restart", "reconnect", "gap", "cleared", "left", "hybrid")
 _NO_GROUPS: Final[frozenset[int]] = frozenset()

@@ -128,7 +128,7 @@ SLIDING_WINDOW: Final = "sliding_window"
 
 
 def window_store(ev: Event) -> bool:
-    """A sliding-window group's store that says its window (extproc.pick.window_groups places it)."""
+    """A sliding-window group's store that says its window (extproc.pick.events.window_groups places it)."""
     return type(ev) is BlockStored and ev.kv_cache_spec_kind == SLIDING_WINDOW and bool(ev.kv_cache_spec_sliding_window)
 
 

@@ -1,6 +1,6 @@
 """A replica whose events miss part of its cache: credit the larger of the two views (pure).
 
-A replica's event view is *partial* (``extproc.pick.kv_subscriber.covers_from``) when the router
+A replica's event view is *partial* (``extproc.pick.sources.kv_subscriber.covers_from``) when the router
 learned its events from a replay buffer that no longer started at seq 0, or lost batches beyond
 the buffer. Blocks stored before are unknown to the events, and a hot system prompt that keeps
 being hit is never announced again, nor is anything chained onto it. The learned view (this
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Final, NamedTuple
 
-from extproc.pick.precise import EVENTS, PARTIAL
+from extproc.pick.views.precise import EVENTS, PARTIAL
 
 LEARNED: Final = "learned"
 

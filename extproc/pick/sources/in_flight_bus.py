@@ -1,5 +1,5 @@
 """The channel router replicas share their requests in flight on: Redis pub/sub (I/O around
-extproc.pick.shared_in_flight).
+extproc.pick.sources.shared_in_flight).
 
 Publishing never waits on the request path: a pick or an end is queued and a sender task sends
 the queue in one pipeline. A subscriber task applies the other routers' messages and forgets
@@ -22,7 +22,7 @@ from typing import Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from extproc.pick.shared_in_flight import RemoteInFlight, end_message, heartbeat_message, pick_message
+from extproc.pick.sources.shared_in_flight import RemoteInFlight, end_message, heartbeat_message, pick_message
 
 log = logging.getLogger(__name__)
 

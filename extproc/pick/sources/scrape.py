@@ -16,9 +16,9 @@ from typing import Final
 import aiohttp
 
 from extproc import metrics
-from extproc.pick.load import LoadTracker, Sample
+from extproc.pick.choice.load import LoadTracker, Sample
 
-log = logging.getLogger("extproc.pick.scrape")
+log = logging.getLogger("extproc.pick.sources.scrape")
 
 RUNNING: Final = "vllm:num_requests_running"
 WAITING: Final = "vllm:num_requests_waiting"

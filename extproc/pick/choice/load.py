@@ -9,7 +9,7 @@ the HTTP response ends) and estimates
 
 that is: its own live count, plus whatever else (other router replicas, direct traffic)
 the last scrape saw on r. With ``--share-in-flight`` the other router replicas' requests count
-as its own (extproc.pick.shared_in_flight): they come and go as their messages say.
+as its own (extproc.pick.sources.shared_in_flight): they come and go as their messages say.
 
 It also estimates the prefill work queued on each replica (``backlog``): each pick adds
 the tokens the replica must compute for it, and the backlog drains at the replica's
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from extproc.pick.state import ReplicaState, Snapshot
+from extproc.pick.choice.state import ReplicaState, Snapshot
 
 DOWN_AFTER_TIMEOUTS = 3
 

@@ -36,7 +36,7 @@ from typing import Any, Final, Literal
 
 from jinja2 import nodes as n
 
-from extproc.pick.chat_render import plain_role
+from extproc.pick.tokens.chat_render import plain_role
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from extproc.pick.kv_events import BlockRemoved, BlockStored, EngineHash, Event
+from extproc.pick.events.kv_events import BlockRemoved, BlockStored, EngineHash, Event
 
 
 @dataclass(slots=True)

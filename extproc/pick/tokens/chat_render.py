@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Final, Literal
 
-from extproc.pick.not_tokenizable import NotTokenizable
+from extproc.pick.tokens.not_tokenizable import NotTokenizable
 
 # -- the chat template environment (transformers' utils/chat_template_utils.py) --------------------
 
@@ -181,7 +181,7 @@ def render_chat(template: Any, special_tokens: Mapping[str, Any], content_format
 def plain_role(message: Any) -> str | None:
     """The role of a common message, ``{"role": str, "content": str}`` and not a developer's (which
     also gets ``tools``), else None: the shape taken without the general walk (and spliced,
-    extproc.pick.chat_splice)."""
+    extproc.pick.tokens.chat_splice)."""
     if type(message) is dict and len(message) == 2:
         role = message.get("role")
         if type(role) is str and type(message.get("content")) is str and role != "developer":

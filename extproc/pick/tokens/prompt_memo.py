@@ -33,8 +33,8 @@ from bisect import bisect_right
 from collections import OrderedDict
 from typing import Any, Final, NamedTuple
 
-from extproc.pick.added_split import AddedTokenSplit
-from extproc.pick.id_run import IdRun
+from extproc.pick.tokens.added_split import AddedTokenSplit
+from extproc.pick.tokens.id_run import IdRun
 
 HEAD: Final = 256  # the characters a text is filed under: texts that differ sooner share little
 KEY: Final = 64  # characters past where a head's texts part that tell them apart (a conversation's first turn)

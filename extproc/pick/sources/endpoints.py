@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from extproc.core.settings import ServerSettings, SettingError, host_address, parse_value
 
-log = logging.getLogger("extproc.pick.endpoints")
+log = logging.getLogger("extproc.pick.sources.endpoints")
 
 OnChange = Callable[[Sequence[str]], None]
 FILE_POLL_SECONDS = 1.0

@@ -16,20 +16,20 @@ from types import MappingProxyType
 from typing import Final, NamedTuple, Protocol
 
 from extproc.core.decide import Decision, parsed_object
-from extproc.pick.chain_cache import ChainCache
-from extproc.pick.eviction_forecast import surviving
-from extproc.pick.kv_index import EventIndex
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable, PathKind
+from extproc.pick.events.chain_cache import ChainCache
+from extproc.pick.events.eviction_forecast import surviving
+from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable, PathKind
 
 EVENTS: Final = "events"
-PARTIAL: Final = "partial"  # a replica origin: events that miss part of its cache (extproc.pick.partial_view)
+PARTIAL: Final = "partial"  # a replica origin: events that miss part of its cache (extproc.pick.views.partial)
 COVERED: Final = frozenset({"events", "replayed", PARTIAL})  # origins whose view comes from events
 ANY_MODEL: Final = "*"
 _origin_of: Final = attrgetter("origin")
 
 
 class Origin(Protocol):
-    origin: str  # "none" | "replayed" | "events" | "partial" (extproc.pick.kv_subscriber.ReplicaView)
+    origin: str  # "none" | "replayed" | "events" | "partial" (extproc.pick.sources.kv_subscriber.ReplicaView)
 
 
 class Exact(NamedTuple):
@@ -92,7 +92,7 @@ class PreciseView:
             raise NotTokenizable("not_json", "the body is not a whole JSON object")
         if not checking and self.distrusted and str(doc.get("model")) in self.distrusted:
             raise NotTokenizable("tokenizer_mismatch", f"the tokenizer of {doc.get('model')!r} disagrees "
-                                 "with the replicas' (extproc.pick.tokenizer_check)")
+                                 "with the replicas' (extproc.pick.sources.tokenizer_check)")
         tokenizer = self.tokenizers.get(str(doc.get("model"))) or self.tokenizers.get(ANY_MODEL)
         if tokenizer is None:
             raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {doc.get('model')!r}")
@@ -123,7 +123,7 @@ class PreciseView:
         cached = dict.fromkeys(covered, 0)
         in_flight: dict[str, int] = {}
         evicting: dict[str, int] = {}
-        windowed = bool(self.index.windows)  # a hybrid model's sliding-window groups (extproc.pick.window_groups)
+        windowed = bool(self.index.windows)  # a hybrid model's sliding-window groups (extproc.pick.events.window_groups)
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             held_blocks = self.index.window_hit(address, run, n, size) if windowed and n else n
@@ -177,7 +177,7 @@ class PreciseView:
 
     def add_pending(self, address: str, run: Sequence[int]) -> None:
         """A request in flight at ``address`` computes the blocks ``run`` (this router's, or another
-        router replica's: extproc.pick.shared_in_flight)."""
+        router replica's: extproc.pick.sources.shared_in_flight)."""
         if run:
             self.pending.setdefault(address, []).append(run)
 

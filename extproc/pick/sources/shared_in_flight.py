@@ -7,7 +7,7 @@ only its share, and a request that waits seconds in a replica's queue stays invi
 others until its blocks are stored: under KV pressure, one router that forgot half its own
 requests in flight fell from 0.65-0.69 to 0.60 of the oracle hit rate (docs/pick-mode.md). So each
 router publishes its picks and their ends on a shared channel (a Redis pub/sub channel:
-extproc.pick.in_flight_bus), and applies the others' as if they were its own: load assigned and
+extproc.pick.sources.in_flight_bus), and applies the others' as if they were its own: load assigned and
 released, block runs pending at the replica. Nothing is agreed on and nothing is stored: a lost
 message costs a stale hint, which every router's heartbeat (the keys it still has in flight)
 clears, and a router that goes quiet is forgotten after ``PEER_TIMEOUT_S``.

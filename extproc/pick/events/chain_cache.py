@@ -27,8 +27,8 @@ import weakref
 
 import xxhash
 
-from extproc.pick.id_run import IdRun
-from extproc.pick.kv_index import block_hashes, request_extra_keys
+from extproc.pick.tokens.id_run import IdRun
+from extproc.pick.events.kv_index import block_hashes, request_extra_keys
 
 Ids = array | IdRun  # a request's ids, known by their identity
 

@@ -7,7 +7,7 @@ tokenizer releases the GIL while it encodes, so the adapter awaits ``prepare`` b
 a request with more than ``inline_chars`` new characters has them tokenised on one worker thread
 while the loop serves the others, stored in the cache on the loop, and its pick then finds them
 cached. Shorter new text is tokenised in the pick itself (the thread hop would cost more). Text the
-word cache (extproc.pick.word_tokens) can do in less of the tokenizer's time is tokenised by it on the
+word cache (extproc.pick.tokens.word_tokens) can do in less of the tokenizer's time is tokenised by it on the
 loop instead, before the pick: in one go, or in parts with other requests served between them while
 no other long text is being tokenised.
 
@@ -27,8 +27,8 @@ from typing import Final
 
 from extproc import metrics
 from extproc.core.decide import Decision
-from extproc.pick.precise import PreciseView
-from extproc.pick.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.views.precise import PreciseView
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 
 RATE_WEIGHT: Final = 0.2  # of the newest job in the measured characters per second
 # The word cache against the tokenizer's own encode (the tiny byte-level BPE, about 3,300 characters of
@@ -55,7 +55,7 @@ class TokenizeAhead:
         """Tokenise the request's long new text before the pick (by the word cache on the loop where
         that is cheaper, else on the worker); returns the pick's ``max_new_chars``:
         0 (no limit) or, when the worker is too busy to take it, ``inline_chars``. ``checking``: for
-        the run-time tokenizer check (extproc.pick.tokenizer_check), which tokenises a distrusted
+        the run-time tokenizer check (extproc.pick.sources.tokenizer_check), which tokenises a distrusted
         model's requests too."""
         if not self.inline_chars or decision.normalized_bytes <= self.inline_chars:
             return 0  # its whole text is short: the pick tokenises what is new

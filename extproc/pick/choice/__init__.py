@@ -1,0 +1,1 @@
+"""The choice: a frozen snapshot of the replicas, their load, and the pure cost that picks one."""
