@@ -50,10 +50,10 @@ from typing import Any
 from routerlab.bench import drill
 from routerlab.bench.overhead.events import has_events
 from routerlab.bench.overhead.figures import difference, median, per_request_us, phase_figures, ratio, summarize
-from routerlab.bench.overhead.plan import (ARM_SUMMARY, ARMS, CONFIGS, Config, connection_levels, estimate_s, rotated,
-                                           schedule, validate)
+from routerlab.bench.overhead.plan import (ARM_SUMMARY, ARMS, CONFIGS, Config, connection_levels, estimate_s, is_pick,
+                                           rotated, schedule, validate)
 from routerlab.bench.overhead.report import markdown, notes, write
-from routerlab.bench.overhead.rig import Rig, is_pick
+from routerlab.bench.overhead.rig import Rig
 from routerlab.bench.overhead.rounds import phases, warm_up
 from routerlab.bench.overhead import wake
 from routerlab.bench.overhead.wrk import body_template, lua_script, run_wrk, wrk_argv

@@ -1,4 +1,4 @@
-"""What an overhead run covers: its arms and configs, its Config, and the order of its phases."""
+"""What an overhead run covers: its arms and configs (which of them pick), its Config, the order of its phases."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from extproc.core.settings import metadata_key
 from routerlab.bench import drill
 from routerlab.bench.noop_extproc import HTTP_SHAPES, SHAPES
 from routerlab.bench.overhead.events import SUFFIX, envoy_file, has_events
@@ -42,6 +43,15 @@ class Config(drill.Common):
     id_at: str = "start"  # where each request's own id sits: start of the system prompt, end of the prompt, or mixed
 
 
+def is_pick(cfg: envoy_config.Config) -> bool:
+    """Does the config's ext_proc filter ask the router for pick mode (stream metadata)?"""
+    try:
+        service = envoy_config.http_filter(cfg, envoy_config.EXT_PROC)["grpc_service"]
+    except KeyError:  # no ext_proc filter (envoy-fast.yaml's ext_authz cannot pick)
+        return False
+    return any(m["key"] == metadata_key("mode") and m["value"] == "pick" for m in service.get("initial_metadata", ()))
+
+
 def connection_levels(cfg: Config) -> tuple[int, ...]:
     return (LATENCY_CONNECTIONS, *(c for c in cfg.connections if c != LATENCY_CONNECTIONS))
 
@@ -67,7 +77,6 @@ def estimate_s(cfg: Config) -> float:
 
 
 def validate(cfg: Config) -> None:
-    from routerlab.bench.overhead.rig import is_pick  # the rig imports this module
     unknown = [a for a in cfg.arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")

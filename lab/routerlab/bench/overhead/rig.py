@@ -11,12 +11,11 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from extproc.core.settings import metadata_key
 from routerlab.bench import arms as arms_mod
 from routerlab.bench.backends import ZeroBackend
 from routerlab.bench.noop_extproc import STREAMS_METRIC as NOOP_COUNT
 from routerlab.bench.overhead import events
-from routerlab.bench.overhead.plan import Config
+from routerlab.bench.overhead.plan import Config, is_pick
 from routerlab.harness import envoy_config
 from routerlab.harness.envoy_proc import Envoy
 from routerlab.harness.procs import Process, free_ports, python_module, wait_until
@@ -28,15 +27,6 @@ COVERAGE_TIMEOUT_S = 30.0  # for a precise router to hear from every backend
 ENVOY_STATS = r"ext_proc\.(streams_started|stream_msgs_sent|failure_mode_allowed|message_timeouts|" \
               r"spurious_msgs_received)|ext_authz\.(ok|denied|error|failure_mode_allowed)|" \
               r"downstream_rq_total|downstream_rq_[245]xx"
-
-
-def is_pick(cfg: envoy_config.Config) -> bool:
-    """Does the config's ext_proc filter ask the router for pick mode (stream metadata)?"""
-    try:
-        service = envoy_config.http_filter(cfg, envoy_config.EXT_PROC)["grpc_service"]
-    except KeyError:  # no ext_proc filter (envoy-fast.yaml's ext_authz cannot pick)
-        return False
-    return any(m["key"] == metadata_key("mode") and m["value"] == "pick" for m in service.get("initial_metadata", ()))
 
 
 @dataclass
