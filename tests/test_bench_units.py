@@ -17,7 +17,7 @@ from routerlab.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
 from routerlab.bench.report import Report, markdown_table, prediction, summarize
 from routerlab.bench.trace import Request, TextSource, chat_body, encode
 from routerlab.harness import envoy_config
-from routerlab.harness.envoy_proc import validate
+from routerlab.harness.envoy_proc import Envoy, validate
 
 MODEL = "m"
 
@@ -211,11 +211,11 @@ def test_an_interrupted_start_still_stops_every_process(monkeypatch: pytest.Monk
 
     started = []
 
-    def interrupted_start(self: arms.Envoy, timeout: float = 30.0) -> arms.Envoy:
+    def interrupted_start(self: Envoy, timeout: float = 30.0) -> Envoy:
         started.append(self.process)
         raise Interrupted
 
-    monkeypatch.setattr(arms.Envoy, "start", interrupted_start)
+    monkeypatch.setattr(Envoy, "start", interrupted_start)
     try:
         with pytest.raises(Interrupted):
             arms.RunningArm(arms.get("round-robin"), ["http://127.0.0.1:9"]).start()

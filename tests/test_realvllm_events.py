@@ -97,6 +97,13 @@ def test_the_e2e_summary_counts_exact_requests_and_lists_each_miss() -> None:
     assert "**2 / 3**" in table and "| 2 | c2 |" in table
 
 
+def test_the_e2e_runs_the_benchmark_s_precise_arm_as_it_is() -> None:
+    from routerlab.bench.arms import ARMS
+    from routerlab.realvllm.precise_e2e import PRECISE_ARM
+
+    assert PRECISE_ARM == ARMS["prefix-precise"]
+
+
 def test_variants_change_only_the_form_of_some_requests() -> None:
     plain, varied = build_chat_trace(200, seed=2), build_chat_trace(200, seed=2, variants=0.4)
     changed = [(p, v) for p, v in zip(plain, varied) if p.body != v.body]

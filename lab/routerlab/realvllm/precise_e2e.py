@@ -48,7 +48,7 @@ from typing import Any
 from extproc.pick.events.kv_events import decode_batch
 from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
-from routerlab.bench.arms import ARMS, UPSTREAM_HEADER, RunningArm
+from routerlab.harness.arm import UPSTREAM_HEADER, ArmSpec, RunningArm
 from routerlab.realvllm import promtext
 from routerlab.realvllm.chat_trace import CHAT, TraceRequest, build_chat_trace
 from routerlab.realvllm.event_recorder import EventRecorder, poll_until, removed_blocks
@@ -56,6 +56,10 @@ from routerlab.realvllm.fleet import DEFAULT_VLLM_PYTHON, VllmFleet
 from routerlab.realvllm.tiny_model import ensure_tiny_model
 
 EVENTS_OFFSET, REPLAY_OFFSET = 100, 200
+# the stack under test: the benchmark's prefix-precise arm (routerlab.bench.arms), field for field
+PRECISE_ARM = ArmSpec("prefix-precise", "pick.yaml in precise mode: the router picks on what each replica's KV-cache "
+                      "events say it holds, exact to the token (the model's template and tokenizer)", "MAGLEV",
+                      prefix=True, bounded=True, base="pick.yaml", pick=True, precise=True)
 
 
 @dataclass
@@ -232,7 +236,7 @@ def run(fleet: VllmFleet, trace: list[TraceRequest], model_dir: str, block: int,
     rows: list[Row] = []
     info: dict[str, Any] = {}
     with EventRecorder(fleet.kv_event_urls) as rec, \
-            RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True, event_flags=flags) as arm:
+            RunningArm(PRECISE_ARM, fleet.urls, router_metrics=True, event_flags=flags) as arm:
         stack = Stack(fleet, arm, rec, model_dir, block)
         stack.hears_every_replica()
         t_start = time.monotonic()
