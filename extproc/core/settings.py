@@ -16,7 +16,7 @@ import re
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from extproc.core.isolation import MIN_SECRET_BYTES
 from extproc.core.normalize import MODES
@@ -325,7 +325,10 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
         )
 
 
-def _resolve(cls: type, args: argparse.Namespace | None, env: Mapping[str, str]) -> Any:
+_Settings = TypeVar("_Settings", RouteSettings, ServerSettings)
+
+
+def _resolve(cls: type[_Settings], args: argparse.Namespace | None, env: Mapping[str, str]) -> _Settings:
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         raw = getattr(args, field.name, None) if args is not None else None

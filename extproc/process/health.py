@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     address = target(cfg.host, cfg.port)
     try:
         with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            # types-grpcio-health-checking's HealthStub declares no methods (they are set per channel)
+            reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
     except grpc.RpcError as exc:
         print(f"prefix-router health: {address}: {exc.code().name}", file=sys.stderr)

@@ -62,8 +62,10 @@ def _score(seed: int, address: str) -> int:
 
 
 def _seed(key: str | None) -> int:
+    if not key:
+        return 0
     try:
-        return int(key, 16) if key else 0
+        return int(key, 16)
     except ValueError:
         return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TypeAlias
 
 import weakref
 
@@ -30,7 +30,7 @@ import xxhash
 from extproc.pick.tokens.id_run import IdRun
 from extproc.pick.events.kv_index import block_hashes, request_extra_keys
 
-Ids = array | IdRun  # a request's ids, known by their identity
+Ids: TypeAlias = "array[int] | IdRun"  # a request's ids, known by their identity
 
 SPAN_BLOCKS: Final = 32
 MAX_OWNED: Final = 4096  # chains kept by the identity of their request's ids
@@ -49,16 +49,16 @@ class ChainCache:
         self.span = span
         # (fingerprint, boundary, bytes hashed) -> a chain at least that long; many boundaries
         # share one chain list, counted once in ``held`` (per list: its length and boundaries).
-        self._chains: OrderedDict[tuple[int, int, int], array] = OrderedDict()
+        self._chains: OrderedDict[tuple[int, int, int], array[int]] = OrderedDict()
         self._lists: dict[int, list[int]] = {}  # id(chain) -> [boundaries referring to it, its length]
         self.held = 0
         self.hits = 0
         self.misses = 0
         # id(a request's ids) -> (a weak reference to them, (block size, salt) -> their chain)
-        self._owned: OrderedDict[int, tuple[weakref.ref, dict[tuple[int, str | None], array]]] = OrderedDict()
+        self._owned: OrderedDict[int, tuple[weakref.ref[Ids], dict[tuple[int, str | None], array[int]]]] = OrderedDict()
 
     def hashes(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None = None,
-               known: tuple[Ids, int] | None = None, own: Ids | None = None, blocks: int | None = None) -> array:
+               known: tuple[Ids, int] | None = None, own: Ids | None = None, blocks: int | None = None) -> array[int]:
         """``known``: (an earlier request's ids, n): ``tokens`` begin with the first n of them;
         ``own``: this request's ids (``tokens``, or ids they are the first of), for later ``known``;
         ``blocks``: hash only the first ``blocks`` full blocks (default: all), so a caller leaving out
@@ -74,7 +74,7 @@ class ChainCache:
         return out
 
     def _known(self, tokens: Sequence[int] | IdRun, block_size: int, key: tuple[int, str | None],
-               known: tuple[Ids, int], blocks: int) -> array | None:
+               known: tuple[Ids, int], blocks: int) -> array[int] | None:
         """The chain from the earlier request's, or None if this cache no longer holds it."""
         base, n = known
         entry = self._owned.get(id(base))
@@ -92,12 +92,12 @@ class ChainCache:
             out.extend(block_hashes(_range(tokens, have * block_size, blocks * block_size), block_size, None, out[-1]))
         return out
 
-    def _own(self, ids: Ids, key: tuple[int, str | None], chain: array) -> None:
+    def _own(self, ids: Ids, key: tuple[int, str | None], chain: array[int]) -> None:
         at = id(ids)
         entry = self._owned.get(at)
         if entry is None or entry[0]() is not ids:
             owned = self._owned
-            entry = (weakref.ref(ids, lambda _, at=at: owned.pop(at, None)), {})  # gone with the ids
+            entry = (weakref.ref(ids, lambda _: owned.pop(at, None)), {})  # gone with the ids
             owned[at] = entry
             if len(owned) > MAX_OWNED:
                 owned.popitem(last=False)
@@ -105,7 +105,7 @@ class ChainCache:
             self._owned.move_to_end(at)
         entry[1][key] = chain
 
-    def _probed(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None, blocks: int) -> array:
+    def _probed(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None, blocks: int) -> array[int]:
         if isinstance(tokens, IdRun):
             tokens = tokens.array()
         spans = blocks // self.span
@@ -148,7 +148,7 @@ class ChainCache:
             return h.intdigest(), size, len(salt)
         return xxhash.xxh3_128_intdigest(view[:size], seed=block_size), size, 0
 
-    def _remember(self, chain: array, keys: list[tuple[int, int, int]]) -> None:
+    def _remember(self, chain: array[int], keys: list[tuple[int, int, int]]) -> None:
         chains, lists = self._chains, self._lists
         entry = lists.setdefault(id(chain), [0, len(chain)])
         if not entry[0]:
@@ -162,7 +162,7 @@ class ChainCache:
         while self.held > self.max_hashes and chains:
             self._drop(chains.popitem(last=False)[1])
 
-    def _drop(self, chain: array) -> None:
+    def _drop(self, chain: array[int]) -> None:
         entry = self._lists[id(chain)]
         entry[0] -= 1
         if not entry[0]:

@@ -50,7 +50,7 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: tuple[tuple | None, ...] | None = None  # one per block: LoRA, mm hashes, cache_salt
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # one per block: LoRA, mm hashes, cache_salt
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None  # the group's kind: "full_attention", "sliding_window", ... (vLLM 0.32)
     kv_cache_spec_sliding_window: int | None = None  # a sliding-window group's window, in tokens
@@ -155,6 +155,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise EventDecodeError(f"payload is not msgpack: {type(e).__name__}: {e}") from None
+    ts: Any  # checked below
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and 2 <= len(raw):
@@ -233,13 +234,13 @@ def _removed(hashes: Any, medium: Any, group: Any) -> BlockRemoved | None:
 
 def engine_key(h: int | bytes) -> int:
     """A block hash as the view keys it (see the module): its low 60 bits, of a bytes hash's last 8 bytes."""
-    return (h if type(h) is int else int.from_bytes(h[-8:], "big")) & KEY_MASK
+    return (int.from_bytes(h[-8:], "big") if isinstance(h, bytes) else h) & KEY_MASK
 
 
 def _keys(hashes: list[int | bytes]) -> tuple[int, ...]:
     """Each hash's ``engine_key``: int hashes in one comprehension, without a call each."""
     try:
-        return tuple([h & KEY_MASK for h in hashes])
+        return tuple([h & KEY_MASK for h in hashes])  # type: ignore[operator]  # bytes: TypeError, below
     except TypeError:  # bytes hashes
         return tuple(map(engine_key, hashes))
 

@@ -77,8 +77,10 @@ class MatchMemo:
         if len(self.log) > self.max_log:
             self.clear()
         n, span = len(hashes), self.span
-        start, alive, stopped, pieces = 0, 0, {}, ()
-        resumed = None
+        start, alive = 0, 0
+        stopped: dict[int, int] = {}
+        pieces: tuple[frozenset[int], ...] = ()
+        resumed: tuple[int, int] | None = None
         for k in range(n - n % span, 0, -span):
             key = (hashes[k - 1], k)
             state = self._states.get(key)
@@ -131,7 +133,8 @@ class MatchMemo:
                 blocks = (frozenset().union(*blocks),)
             for end, at_alive, at_stopped in boundaries:
                 self._put((hashes[end - 1], end), _State(at_alive, at_stopped, seq, blocks))
-        if last and known is None and start < depth < start + span and resumed in self._states:
+        if last and known is None and start < depth < start + span and resumed is not None \
+                and resumed in self._states:
             self._end(resumed, hashes[start:depth], last, {b: d for b, d in stopped.items() if d < depth})
         out = {name[bit]: held for bit, held in stopped.items()}
         for bit in _bits(alive):

@@ -80,7 +80,7 @@ class EndpointWatcher:
             log.warning("cannot resolve %s: %s (keeping %d endpoints)", self.cfg.endpoints_dns, exc,
                         len(self.current))
             return
-        self._publish(sorted({host_address(info[4][0], int(port)) for info in infos}))
+        self._publish(sorted({host_address(str(info[4][0]), int(port)) for info in infos}))
 
     async def start(self) -> None:
         """Load the first list now (so pick mode serves from the first request), then watch."""

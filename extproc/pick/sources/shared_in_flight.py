@@ -50,19 +50,22 @@ def pick_message(router: bytes, key: int, address: str, prefill: int, run: Seque
     if sys.byteorder != "little":
         raw = array("Q", raw)
         raw.byteswap()
-    return msgpack.packb([PICK, router, key, address, prefill, raw.tobytes()])
+    message: bytes = msgpack.packb([PICK, router, key, address, prefill, raw.tobytes()])
+    return message
 
 
 def end_message(router: bytes, key: int) -> bytes:
-    return msgpack.packb([END, router, key])
+    message: bytes = msgpack.packb([END, router, key])
+    return message
 
 
 def heartbeat_message(router: bytes, keys: Iterable[int], sent_at: float | None = None) -> bytes:
     """``sent_at``: the sender's wall clock (seconds), so receivers can measure the channel's delay."""
-    return msgpack.packb([HEARTBEAT, router, list(keys), *(() if sent_at is None else (sent_at,))])
+    message: bytes = msgpack.packb([HEARTBEAT, router, list(keys), *(() if sent_at is None else (sent_at,))])
+    return message
 
 
-def _run(raw: bytes) -> array:
+def _run(raw: bytes) -> array[int]:
     run = array("Q")
     run.frombytes(raw)
     if sys.byteorder != "little":
@@ -74,7 +77,7 @@ def _run(raw: bytes) -> array:
 class _Peer:
     heard: float
     # key -> (address, prefill, run, whether its load was counted: the address was one of this router's)
-    requests: dict[int, tuple[str, int, array, bool]] = field(default_factory=dict)
+    requests: dict[int, tuple[str, int, array[int], bool]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -39,7 +39,8 @@ def compile_template(source: str) -> Any:
             return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
         def _render(self, caller: Any) -> str:
-            return caller()
+            body: str = caller()
+            return body
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -114,7 +115,8 @@ def token_text(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+        content: str = value["content"]
+        return content
     raise TypeError(f"expected a string or a {{'content': ...}} object, got {value!r}")
 
 
@@ -169,7 +171,7 @@ def render_chat(template: Any, special_tokens: Mapping[str, Any], content_format
     for key in ("messages", "tools", "documents"):
         variables.pop(key, None)
     try:
-        text = template.render(messages=conversation, tools=tools, documents=merged.get("documents"),
+        text: str = template.render(messages=conversation, tools=tools, documents=merged.get("documents"),
                                **variables)
     except Exception as e:  # noqa: BLE001 - TemplateError, UndefinedError, TypeError, ...
         raise NotTokenizable("template_error", f"{type(e).__name__}: {e}") from e

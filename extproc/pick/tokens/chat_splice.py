@@ -32,7 +32,7 @@ import copy
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 from jinja2 import nodes as n
 
@@ -92,7 +92,7 @@ class ChatSplice:
         key = _structure(doc)
         if key is None:
             return None
-        skeleton = self._skeletons.get(key, False)
+        skeleton: Skeleton | Literal[False] | None = self._skeletons.get(key, False)
         if skeleton is False:
             if len(self._skeletons) >= MAX_STRUCTURES:
                 self._skeletons.clear()
@@ -175,7 +175,7 @@ def _structure(doc: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]] | None:
     if type(messages) is not list or not messages:
         return None
     roles = tuple(map(plain_role, messages))
-    return None if None in roles else (generation is not False, roles)
+    return None if None in roles else (generation is not False, cast(tuple[str, ...], roles))
 
 
 # -- the walk over the template ---------------------------------------------------------------------

@@ -13,6 +13,10 @@ then this prompt's own ``tail``. Neither array is ever changed once built. Pure.
 from __future__ import annotations
 
 from array import array
+from typing import TypeAlias
+
+# The ids' type, named apart: inside IdRun the method ``array`` hides the class ``array``.
+IdArray: TypeAlias = "array[int]"
 
 
 class IdRun:
@@ -20,7 +24,7 @@ class IdRun:
 
     __slots__ = ("base", "n", "tail", "__weakref__")
 
-    def __init__(self, base: array, n: int | None = None, tail: array | None = None) -> None:
+    def __init__(self, base: IdArray, n: int | None = None, tail: IdArray | None = None) -> None:
         self.base = base
         self.n = len(base) if n is None else n
         self.tail = tail if tail is not None else array("I")
@@ -31,7 +35,7 @@ class IdRun:
     def __repr__(self) -> str:
         return f"IdRun({len(self)} ids: {self.n} of a base of {len(self.base)}, {len(self.tail)} own)"
 
-    def range(self, start: int, stop: int) -> array:
+    def range(self, start: int, stop: int) -> IdArray:
         """``ids[start:stop]`` for ``0 <= start <= stop <= len(self)``, as a new array."""
         n = self.n
         if stop <= n:
@@ -40,13 +44,13 @@ class IdRun:
             return self.tail[start - n:stop - n]
         return self.base[start:n] + self.tail[:stop - n]
 
-    def array(self) -> array:
+    def array(self) -> IdArray:
         """All the ids as one array (the base itself when they are all of it: then read it only)."""
         if not self.tail and self.n == len(self.base):
             return self.base
         return self.base[:self.n] + self.tail
 
-    def extended(self, upto: int, more: array) -> IdRun:
+    def extended(self, upto: int, more: IdArray) -> IdRun:
         """The first ``upto`` of these ids, then ``more`` (taken, not copied). The base is shared; a
         tail grown longer than the part of the base it follows is joined into a new base, so a
         long conversation copies each of its turns' ids a bounded number of times."""

@@ -48,8 +48,8 @@ class Prompt(NamedTuple):
 
     ids: IdRun
     pieces: list[str]
-    ends: array
-    ids_at: array
+    ends: array[int]
+    ids_at: array[int]
     added: bytearray
     tail: str = ""  # the text's last TAIL_CHARS characters, or all of it for a conversation's turn (the module)
 
