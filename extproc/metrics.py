@@ -208,6 +208,15 @@ CACHE_VIEW = Counter(
 def cache_view_counter(view: str, reason: str) -> Counter:
     return CACHE_VIEW.labels(view, reason)
 
+
+def forget_series(family: Counter | Gauge, *labels: str) -> None:
+    """Drop one labelled series (a replica that left), if it was ever set."""
+    try:
+        family.remove(*labels)
+    except KeyError:
+        pass
+
+
 PRECISE_SECONDS = LoopHistogram(  # observed in PickCore's request path, on the event loop
     "prefix_router_precise_match_seconds",
     "Precise mode's work per request: render the chat template, tokenise (with the segment cache), "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -20,7 +21,10 @@ from extproc.pick.core import PickCore
 from extproc.pick.events.eviction_forecast import EvictionForecast, surviving
 from extproc.pick.events.kv_events import BlockRemoved, BlockStored
 from extproc.pick.events.kv_index import EventIndex, block_hashes
-from extproc.pick.choice.load import Sample
+from extproc.pick.choice.load import LoadTracker, Sample
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
+from extproc.pick.views.partial import CombinedView
 from extproc.pick.views.precise import Exact, PreciseView
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process.explain import render_pick
@@ -157,11 +161,12 @@ def test_the_forecast_finds_what_a_full_pool_keeps_of_a_conversation_after_the_q
     assert index.match(target).get(A, 0) == truth  # the events caught up with the pool
 
 
-def _queueing_fleet() -> tuple[PickCore, EventIndex, Decision, int, BlockStored]:
+def _queueing_fleet() -> tuple[Callable[[EvictionForecast | None], PickCore], EventIndex, Decision, int,
+                                   BlockStored]:
     """Replicas A and B each hold a prompt's blocks (engine hashes 1..n, stored in one run), both
     with 8 running, 4 waiting and their KV all in use; A allocated 50 blocks between two scrapes.
-    Returns the core (no forecast yet), the index, the request's decision, its whole blocks' tokens
-    and the event that stored them."""
+    Returns a core over that fleet with a given forecast (or none), the index, the request's decision,
+    its whole blocks' tokens and the event that stored them."""
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
     route = RouteSettings(mode="pick")
     body = b'{"model":"m","messages":[{"role":"user","content":"' + b"tell me about blocks " * 20 + b'"}]}'
@@ -169,9 +174,15 @@ def _queueing_fleet() -> tuple[PickCore, EventIndex, Decision, int, BlockStored]
     ids = tokenizer.tokens_for(decision.document, "chat")
     own = block_hashes(ids, 16)
     whole = (len(ids) - 1) // 16 * 16
-    core, index = PickCore(), EventIndex(stamp_events=True)
+    index = EventIndex(stamp_events=True)
+    precise, learned, load = PreciseView(index, {"*": tokenizer}, {A: Live(), B: Live()}), LearnedView(), LoadTracker()
+
+    def core_with(forecast: EvictionForecast | None) -> PickCore:
+        """The fleet's core with ``forecast``: the same event view, learned view and load."""
+        return PickCore(CombinedView(EventView(precise, forecast), learned), load=load)
+
+    core = core_with(None)
     core.set_endpoints([A, B])
-    core.precise = PreciseView(index, {"*": tokenizer}, {A: Live(), B: Live()})
     prompt = BlockStored(tuple(range(1, len(own) + 1)), None, tuple(ids[:len(own) * 16]), 16)
     for address in (A, B):  # the prompt's blocks, stored in one run: read at the clock then
         index.apply(address, [prompt])
@@ -180,7 +191,7 @@ def _queueing_fleet() -> tuple[PickCore, EventIndex, Decision, int, BlockStored]
     for done in (0.0, 1.0):  # two scrapes of A, 50 blocks allocated between them
         core.on_sample(A, dataclasses.replace(BUSY, requests_done=done))
         index.apply(A, [BlockStored((900 + i,), None, tuple(range(16)), 16) for i in range(50)])
-    return core, index, decision, whole, prompt
+    return core_with, index, decision, whole, prompt
 
 
 def _forecast_of_50_blocks_a_request() -> EvictionForecast:
@@ -196,14 +207,14 @@ def test_a_queueing_replicas_prediction_loses_what_it_will_evict_and_the_choice_
     to have evicted the prompt before admitting it (explain shows it; a pick of A predicts no hit and
     counts the loss), B to keep it; the choice itself ranks by what each replica holds now, so it is
     the same with and without the forecast (router replicas with different readings still agree)."""
-    core, index, decision, whole, _ = _queueing_fleet()
+    core_with, index, decision, whole, _ = _queueing_fleet()
     route = RouteSettings(mode="pick")
     for loads in ((BUSY, BUSY), (BUSY, Sample(running=30, waiting=30, kv_usage=0.99, capacity_tokens=1600))):
+        core = core_with(None)
         core.load.scraped(A, loads[0], 0)
         core.load.scraped(B, loads[1], 0)
-        core.forecast = None
         without = core.evaluate(decision, route)[0].address
-        core.forecast = _forecast_of_50_blocks_a_request()
+        core = core_with(_forecast_of_50_blocks_a_request())
         info = core.explain(decision, route)
         by = {c["address"]: c for c in info["candidates"]}
         assert (by[A]["cached_tokens"], by[A]["forecast_evicted_tokens"]) == (whole, whole)
@@ -254,9 +265,9 @@ def test_a_forecast_checks_itself_against_the_removals_while_the_request_is_in_f
     the replica then removes those blocks before the request ends (and stores them again as it
     recomputes them), the forecast stands; if it keeps them (what another router's requests queued
     there would cause), what the forecast takes off falls to nothing, and the outcomes are counted."""
-    core, index, decision, whole, prompt = _queueing_fleet()
+    core_with, index, decision, whole, prompt = _queueing_fleet()
     route = RouteSettings(mode="pick")
-    core.forecast = _forecast_of_50_blocks_a_request()
+    core = core_with(_forecast_of_50_blocks_a_request())
     core.load.scraped(B, Sample(running=30, waiting=30, kv_usage=0.99, capacity_tokens=1600), 0)  # far busier
     n = len(prompt.block_hashes)
 
@@ -313,8 +324,7 @@ def test_the_checks_series_exist_from_0_for_every_replica_and_leave_with_it() ->
         return {s.labels["outcome"]: s.value for m in metrics.REGISTRY.collect() for s in m.samples
                 if s.name == "prefix_router_eviction_forecast_blocks_total" and s.labels.get("replica") == address}
 
-    core = PickCore()
-    core.forecast = EvictionForecast()
+    core = PickCore(CombinedView(EventView(PreciseView(EventIndex(), {}), EvictionForecast()), LearnedView()))
     address = "10.9.9.9:8000"
     assert series(address) == {}
     core.set_endpoints([address])

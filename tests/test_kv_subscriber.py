@@ -473,7 +473,7 @@ def test_time_spent_applying_batches_is_counted_and_exported() -> None:
 
     from prometheus_client.core import CollectorRegistry
 
-    from extproc.pick.picker import PreciseCollector
+    from extproc.pick.collectors import PreciseCollector
 
     async def body() -> None:
         index = EventIndex()

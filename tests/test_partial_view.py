@@ -10,9 +10,11 @@ import pytest
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
 from extproc.pick.events.kv_events import BlockStored
 from extproc.pick.events.kv_index import EventIndex, request_extra_keys
-from extproc.pick.views.partial import learned_tokens
+from extproc.pick.views.partial import CombinedView, learned_tokens
 from extproc.pick.views.precise import PreciseView
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process.explain import render_pick
@@ -41,11 +43,17 @@ def body(question: str) -> bytes:
 
 def core_with(tokenizer: ModelTokenizer, origins: dict[str, str]) -> tuple[PickCore, EventIndex]:
     index = EventIndex()
-    core = PickCore()
+    precise = PreciseView(index, {"*": tokenizer}, {a: View(o) for a, o in origins.items()})
+    precise.block_size_hint = BS
+    core = PickCore(CombinedView(EventView(precise), LearnedView()))
     core.set_endpoints([A, B])
-    core.precise = PreciseView(index, {"*": tokenizer}, {a: View(o) for a, o in origins.items()})
-    core.precise.block_size_hint = BS
     return core, index
+
+
+def precise_of(core: PickCore) -> PreciseView:
+    view = core.view
+    assert isinstance(view, CombinedView)
+    return view.events.precise
 
 
 def store(index: EventIndex, address: str, ids: list[int]) -> None:
@@ -74,15 +82,15 @@ def test_a_partial_replica_gets_the_learned_match_where_its_events_know_nothing(
     core.release(first)
     assert first.address is not None
     other = B if first.address == A else A
-    core.precise.origins = {first.address: View("partial"), other: View("events")}
+    precise_of(core).origins = {first.address: View("partial"), other: View("events")}
     got = candidates(core, "second question")
     cached, view = got[first.address]
     assert view == "learned" and cached > 0 and cached % BS == 0
     assert got[other] == (0, "events")
-    prompt = core.precise.match(decide(body("second question"), {}, PICK)).prompt_tokens
+    prompt = precise_of(core).match(decide(body("second question"), {}, PICK)).prompt_tokens
     assert cached <= prompt - 1
     # a replica whose events are complete ignores the learned view: it would credit lost blocks
-    core.precise.origins = {first.address: View("events"), other: View("events")}
+    precise_of(core).origins = {first.address: View("events"), other: View("events")}
     assert candidates(core, "second question")[first.address] == (0, "events")
 
 

@@ -20,6 +20,7 @@ from extproc.pick.choice.choose import choose, cost, rendezvous
 from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.core import PickCore
 from extproc.pick.sources.endpoints import EndpointWatcher, parse_endpoint_lines
+from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.learned_index import BYTES_PER_ENTRY, LearnedIndex
 from extproc.pick.choice.load import LoadTracker, Sample
 from extproc.pick.sources.scrape import parse_metrics
@@ -225,7 +226,7 @@ def test_parse_metrics_reads_the_simulators_real_page() -> None:
 
 
 def test_the_picker_records_its_choice_and_explains_from_saved_state(tmp_path: Path) -> None:
-    core = PickCore(chunk_bytes=64)
+    core = PickCore(LearnedView(chunk_bytes=64))
     core.set_endpoints([A, B, C])
     s = RouteSettings(mode="pick")
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world " * 200}]}).encode()
@@ -304,7 +305,8 @@ def test_parse_metrics_reads_a_real_vllm_page() -> None:
 def test_a_replica_whose_hit_counter_went_back_restarted_and_its_learned_view_is_emptied() -> None:
     """vllm:prefix_cache_hits_total lower than at the last scrape: a new process with an empty
     cache. The learned view forgets it, so the next request is not sent there for a cache it lost."""
-    core = PickCore()
+    learned = LearnedView()
+    core = PickCore(learned)
     core.set_endpoints([A, B])
     pick = RouteSettings(mode="pick")
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "long prompt " * 400}]}).encode()
@@ -314,10 +316,10 @@ def test_a_replica_whose_hit_counter_went_back_restarted_and_its_learned_view_is
     for address in (A, B):
         core.on_sample(address, Sample(0, 0, 0.1, 0, prefix_cache_hits=5000.0))
     core.on_sample(other, Sample(0, 0, 0.1, 0, prefix_cache_hits=4000.0))  # the other one restarted
-    assert list(core.index.holds(first.address))  # the learned view keeps what the first one holds
+    assert list(learned.index.holds(first.address))  # the learned view keeps what the first one holds
     core.on_sample(first.address, Sample(0, 0, 0.1, 0, prefix_cache_hits=6000.0))
-    assert list(core.index.holds(first.address))  # a counter going up changes nothing
+    assert list(learned.index.holds(first.address))  # a counter going up changes nothing
     core.on_sample(first.address, Sample(0, 0, 0.1, 0, prefix_cache_hits=120.0))
-    assert list(core.index.holds(first.address)) == []
+    assert list(learned.index.holds(first.address)) == []
     again = core.evaluate(decide(body, {}, pick), pick)[0]
     assert all(c.cached_tokens == 0 for c in again.candidates)

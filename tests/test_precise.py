@@ -15,6 +15,10 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.events.kv_events import BlockRemoved, BlockStored
 from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
+from extproc.pick.views.learned_index import LearnedIndex
+from extproc.pick.views.partial import CombinedView
 from extproc.pick.views.precise import PreciseView, _longest_shared, _shared
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 from routerlab.assets import TINY_BYTELEVEL
@@ -48,11 +52,24 @@ def store(index: EventIndex, address: str, ids: list[int], salt: str | None = No
 
 
 def core_with(tokenizer: ModelTokenizer, covered: tuple[str, ...] = (A, B)) -> tuple[PickCore, EventIndex]:
+    """A precise-mode core as ``Picker`` builds it, over replicas A and B, the events covering ``covered``."""
     index = EventIndex()
-    core = PickCore()
+    core = PickCore(CombinedView(EventView(PreciseView(index, {"*": tokenizer}, {a: Live() for a in covered})),
+                                 LearnedView()))
     core.set_endpoints([A, B])
-    core.precise = PreciseView(index, {"*": tokenizer}, {a: Live() for a in covered})
     return core, index
+
+
+def precise_of(core: PickCore) -> PreciseView:
+    view = core.view
+    assert isinstance(view, CombinedView)
+    return view.events.precise
+
+
+def learned_of(core: PickCore) -> LearnedIndex:
+    view = core.view
+    assert isinstance(view, CombinedView) and isinstance(view.learned.index, LearnedIndex)
+    return view.learned.index
 
 
 def test_cached_tokens_are_whole_blocks_capped_below_the_prompt(tokenizer: ModelTokenizer) -> None:
@@ -60,10 +77,10 @@ def test_cached_tokens_are_whole_blocks_capped_below_the_prompt(tokenizer: Model
     first = decide(body("How do I roll back?"), {}, PICK)
     ids = tokenizer.tokens_for(first.document, "chat")
     store(index, A, ids)
-    exact = core.precise.match(first)
+    exact = precise_of(core).match(first)
     assert exact.prompt_tokens == len(ids)
     assert exact.cached == {A: (len(ids) - 1) // BS * BS, B: 0}  # vLLM computes at least the last token
-    second = core.precise.match(decide(body("And how do I roll forward?"), {}, PICK))
+    second = precise_of(core).match(decide(body("And how do I roll forward?"), {}, PICK))
     shared = next(i for i, (x, y) in enumerate(zip(ids, tokenizer.tokens_for(
         json.loads(body("And how do I roll forward?")), "chat"))) if x != y)
     assert second.cached[A] == shared // BS * BS and second.cached[B] == 0
@@ -75,20 +92,20 @@ def test_a_salted_request_matches_only_blocks_stored_with_its_salt(tokenizer: Mo
     ids = tokenizer.tokens_for(salted.document, "chat")
     store(index, A, ids, salt="tenant-a")
     store(index, B, ids)  # the same tokens without the salt
-    exact = core.precise.match(salted)
+    exact = precise_of(core).match(salted)
     assert exact.cached[A] > 0 and exact.cached[B] == 0
-    assert core.precise.match(decide(body("q"), {}, PICK)).cached == {A: 0, B: exact.cached[A]}
+    assert precise_of(core).match(decide(body("q"), {}, PICK)).cached == {A: 0, B: exact.cached[A]}
 
 
 def test_a_request_in_flight_counts_its_blocks_on_its_replica_until_it_ends(tokenizer: ModelTokenizer) -> None:
     """Two requests on a new system prompt arriving together must meet on one replica: the first's
     blocks are being computed there before vLLM announces them."""
     core, _ = core_with(tokenizer)
-    core.precise.block_size_hint = BS  # as the first scrape of vllm:cache_config_info sets it
+    precise_of(core).block_size_hint = BS  # as the first scrape of vllm:cache_config_info sets it
     long_system = SYSTEM * 8  # long enough that waiting behind the first beats computing it again
     first = core.pick(decide(body("first question", system=long_system), {}, PICK), PICK)
     second_decision = decide(body("second question", system=long_system), {}, PICK)
-    exact = core.precise.match(second_decision)
+    exact = precise_of(core).match(second_decision)
     during = exact.cached
     assert during[first.address] > 0 and sum(during.values()) == during[first.address]
     assert exact.in_flight == {first.address: during[first.address]}  # all of it a forecast: no event yet
@@ -99,7 +116,7 @@ def test_a_request_in_flight_counts_its_blocks_on_its_replica_until_it_ends(toke
     assert forecast._value.get() - before == during[first.address]
     core.release(first)
     core.release(second)
-    assert core.precise.pending == {} and core.precise.match(second_decision).cached == {A: 0, B: 0}
+    assert precise_of(core).pending == {} and precise_of(core).match(second_decision).cached == {A: 0, B: 0}
 
 
 def test_uncovered_replicas_and_untokenisable_requests_keep_the_learned_view(tokenizer: ModelTokenizer) -> None:
@@ -111,7 +128,7 @@ def test_uncovered_replicas_and_untokenisable_requests_keep_the_learned_view(tok
     image = decide(json.dumps({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode(), {}, PICK)
     with pytest.raises(NotTokenizable) as exc:
-        core.precise.match(image)
+        precise_of(core).match(image)
     assert exc.value.reason == "multimodal"
     assert {c.view for c in core.evaluate(image, PICK)[0].candidates} == {"learned"}
     learned_only = RouteSettings(mode="pick", cache_view="learned")  # a route that turns it off
@@ -123,23 +140,23 @@ def test_the_learned_view_learns_only_what_the_events_do_not_cover(tokenizer: Mo
     a replica they do not cover, or a request they cannot match, is recorded as pick mode does."""
     core, _ = core_with(tokenizer)
     core.release(core.pick(decide(body("covered"), {}, PICK), PICK))
-    assert core.index.stats().entries == 0
+    assert learned_of(core).stats().entries == 0
     image = json.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}).encode()
     core.release(core.pick(decide(image, {}, PICK), PICK))
-    assert core.index.stats().entries == 1
+    assert learned_of(core).stats().entries == 1
     core, _ = core_with(tokenizer, covered=(A,))
     picks = [core.pick(decide(body(f"q{i}"), {}, PICK), PICK) for i in range(6)]
     on_b = sum(c.address == B for c in picks)
     assert 0 < on_b < len(picks)  # the load spreads them, so both kinds of replica were chosen
-    assert list(core.index.holds(A)) == [] and list(core.index.holds(B))  # learned only where placed on B
+    assert list(learned_of(core).holds(A)) == [] and list(learned_of(core).holds(B))  # learned only where placed on B
 
 
 def test_request_hashes_match_what_vllm_stores_for_completions_token_prompts(tokenizer: ModelTokenizer) -> None:
     core, index = core_with(tokenizer)
     ids = list(range(5, 5 + 10 * BS + 3))
     index.apply(B, [BlockStored(tuple(range(10)), None, tuple(ids[:10 * BS]), BS)])
-    exact = core.precise.match(decide(json.dumps({"model": "m", "prompt": ids}).encode(), {}, PICK))
+    exact = precise_of(core).match(decide(json.dumps({"model": "m", "prompt": ids}).encode(), {}, PICK))
     assert exact.cached == {A: 0, B: 10 * BS} and list(exact.hashes[BS]) == block_hashes(ids[:10 * BS], BS)
 
 
@@ -175,11 +192,11 @@ def test_a_hybrid_models_window_groups_bound_the_match_and_the_credit_for_reques
                            kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=2 * BS)
 
     index.apply(A, [window(range(n - 2, n)), full])
-    assert core.precise.match(decision).cached[A] == n * BS  # the window before block n is held
+    assert precise_of(core).match(decision).cached[A] == n * BS  # the window before block n is held
     index.apply(A, [BlockRemoved((engine[n - 1],), group_idx=0), window(range(1, 3))])
-    assert core.precise.match(decision).cached[A] == 3 * BS  # now only the window before block 3
-    core.precise.add_pending(A, core.precise.match(decision).hashes[BS])  # the same prompt in flight there
-    exact = core.precise.match(decision)
+    assert precise_of(core).match(decision).cached[A] == 3 * BS  # now only the window before block 3
+    precise_of(core).add_pending(A, precise_of(core).match(decision).hashes[BS])  # the same prompt in flight there
+    exact = precise_of(core).match(decision)
     assert exact.cached[A] == 3 * BS and A not in exact.in_flight
 
 

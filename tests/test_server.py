@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import metrics
 from extproc.adapters import ext_proc
+from extproc.adapters import service as service_module
+from extproc.adapters.service import RouterService
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, route_settings, with_metadata
 from routerlab.harness import envoy_config, envoy_proc
@@ -82,10 +84,10 @@ def test_metadata_overrides_per_stream_and_bad_values_are_ignored(channel: grpc.
 
 
 def test_pick_mode_asked_of_a_router_without_endpoints_falls_back_to_hash_once_counted() -> None:
-    router = ext_proc.PrefixRouter(RouteSettings())
+    service = RouterService(RouteSettings())
     before = metrics.METADATA_ERRORS._value.get()
     for _ in range(3):  # the same route's streams: counted once
-        assert router.settings_for([("x-prefix-router-mode", "pick")]).mode == "hash"
+        assert service.settings_for([("x-prefix-router-mode", "pick")]).mode == "hash"
     assert metrics.METADATA_ERRORS._value.get() - before == 1
 
 
@@ -99,10 +101,11 @@ def test_a_pick_stream_closed_at_any_point_releases_the_replica(close_after: int
     """Envoy may end the stream (a fast response) before the router resumes after its pick
     reply; the generator is then closed at that yield, and the pick must still be released."""
     from extproc.pick.core import PickCore
+    from extproc.pick.views.learned import LearnedView
 
-    core = PickCore(chunk_bytes=64)
+    core = PickCore(LearnedView(chunk_bytes=64))
     core.set_endpoints(["127.0.0.1:9001", "127.0.0.1:9002"])
-    router = ext_proc.PrefixRouter(RouteSettings(mode="pick"), picker=core)
+    router = ext_proc.PrefixRouter(RouterService(RouteSettings(mode="pick"), picker=core))
 
     async def requests() -> AsyncIterator[pb.ProcessingRequest]:
         yield body_message(BODY)
@@ -169,12 +172,12 @@ def test_an_exception_in_the_router_passes_the_request_on(monkeypatch: pytest.Mo
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(ext_proc, "decide", broken)
+    monkeypatch.setattr(service_module, "decide", broken)
     before = metrics.ERRORS.labels("decide")._value.get()
 
     async def run() -> list[pb.ProcessingResponse]:
         srv = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(ext_proc.PrefixRouter(RouteSettings()), srv)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ext_proc.PrefixRouter(RouterService(RouteSettings())), srv)
         port = srv.add_insecure_port("127.0.0.1:0")
         await srv.start()
         try:

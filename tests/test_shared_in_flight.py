@@ -11,16 +11,21 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 import msgpack
 import pytest
 
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, server_settings
-from extproc.pick.core import PickCore
+from extproc.pick.choice.load import LoadTracker
+from extproc.pick.core import PickCore, Remote, Share
 from extproc.pick.sources.in_flight_bus import InFlightBus
 from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
+from extproc.pick.views.partial import CombinedView
 from extproc.pick.views.precise import PreciseView
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.pick.sources.shared_in_flight import PEER_TIMEOUT_S, RemoteInFlight, end_message, heartbeat_message, pick_message
@@ -55,13 +60,31 @@ def tokenizer() -> ModelTokenizer:
     return ModelTokenizer(TINY_BYTELEVEL)
 
 
-def precise_core(tokenizer: ModelTokenizer, clock: Callable[[], float] = time.monotonic) -> PickCore:
-    """Pick mode in precise mode over A and B, both covered by events that hold nothing yet."""
-    core = PickCore(clock=clock)
+def precise_view(tokenizer: ModelTokenizer) -> CombinedView:
+    """Precise mode's view over A and B, both covered by events that hold nothing yet."""
+    precise = PreciseView(EventIndex(), {"*": tokenizer}, {A: Live(), B: Live()})
+    precise.block_size_hint = BS
+    return CombinedView(EventView(precise), LearnedView())
+
+
+def precise_core(tokenizer: ModelTokenizer, clock: Callable[[], float] = time.monotonic,
+                 share: Share | None = None, view: CombinedView | None = None,
+                 load: LoadTracker | None = None) -> PickCore:
+    """Pick mode in precise mode over A and B (``precise_view``), told ``share`` of its picks."""
+    core = PickCore(view or precise_view(tokenizer), load=load, share=share, clock=clock)
     core.set_endpoints([A, B])
-    core.precise = PreciseView(EventIndex(), {"*": tokenizer}, {A: Live(), B: Live()})
-    core.precise.block_size_hint = BS
     return core
+
+
+def remote_to(core: PickCore, router: bytes, **kwargs: Any) -> RemoteInFlight:
+    """The other routers' requests, as they reach ``core``: its load and its view."""
+    return RemoteInFlight(Remote(core.load, core.view), router, core.clock, **kwargs)
+
+
+def pending(core: PickCore) -> dict[str, list[Sequence[int]]]:
+    view = core.view
+    assert isinstance(view, CombinedView)
+    return view.events.precise.pending
 
 
 def body(question: str) -> bytes:
@@ -75,11 +98,9 @@ def in_flight(core: PickCore, address: str) -> int:
 
 def test_another_routers_request_counts_as_load_and_as_blocks_in_flight_until_it_ends(
         tokenizer: ModelTokenizer) -> None:
-    first, second = precise_core(tokenizer), precise_core(tokenizer)
-    remote = RemoteInFlight(second, b"second", second.clock)
     sent: list[bytes] = []
 
-    class Share:
+    class Sends:
         def picked(self, key: int, address: str, prefill: int, run: object) -> None:
             sent.append(pick_message(b"first", key, address, prefill, run))  # type: ignore[arg-type]
 
@@ -89,7 +110,8 @@ def test_another_routers_request_counts_as_load_and_as_blocks_in_flight_until_it
         def continued(self, run: object) -> int:
             return 0
 
-    first.share = Share()
+    first, second = precise_core(tokenizer, share=Sends()), precise_core(tokenizer)
+    remote = remote_to(second, b"second")
     choice = first.pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
     assert choice.address is not None and len(sent) == 1
     other = B if choice.address == A else A
@@ -104,18 +126,18 @@ def test_another_routers_request_counts_as_load_and_as_blocks_in_flight_until_it
     assert held[choice.address] >= len(SYSTEM) // 4 and held[other] == 0  # the system prompt's blocks, in flight
     first.release(choice)
     remote.on_message(sent[1])
-    assert in_flight(second, choice.address) == 0 and not second.precise.pending
+    assert in_flight(second, choice.address) == 0 and not pending(second)
     assert remote.requests() == 0 and remote.stats.received == {0: 1, 1: 1, 2: 0}
 
 
 def test_heartbeats_and_silence_drop_what_an_end_message_would_have(tokenizer: ModelTokenizer) -> None:
     clock = Clock()
     core = precise_core(tokenizer, clock)
-    remote = RemoteInFlight(core, b"me", clock)
+    remote = remote_to(core, b"me")
     for key in (1, 2):
         remote.on_message(pick_message(b"peer", key, A, 100, [11, 12, 13]))
     remote.on_message(pick_message(b"me", 9, A, 100, [11]))  # its own message, back from the channel: ignored
-    assert in_flight(core, A) == 2 and len(core.precise.pending[A]) == 2
+    assert in_flight(core, A) == 2 and len(pending(core)[A]) == 2
     remote.on_message(heartbeat_message(b"peer", [2]))  # key 1's end was lost
     assert in_flight(core, A) == 1 and remote.stats.dropped == 1
     clock.now += PEER_TIMEOUT_S - 0.1
@@ -123,12 +145,12 @@ def test_heartbeats_and_silence_drop_what_an_end_message_would_have(tokenizer: M
     assert in_flight(core, A) == 1
     clock.now += 0.2  # the peer went quiet
     remote.expire()
-    assert in_flight(core, A) == 0 and not remote.peers and not core.precise.pending and remote.stats.dropped == 2
+    assert in_flight(core, A) == 0 and not remote.peers and not pending(core) and remote.stats.dropped == 2
 
 
 def test_a_request_that_continues_a_remote_one_ends_it_before_its_end_message(tokenizer: ModelTokenizer) -> None:
     core = precise_core(tokenizer)
-    remote = RemoteInFlight(core, b"me", core.clock)
+    remote = remote_to(core, b"me")
     remote.on_message(pick_message(b"peer", 1, A, 100, [11, 12, 13]))
     remote.on_message(pick_message(b"peer", 2, B, 100, [11, 12, 14]))  # the same system prompt, another question
     remote.on_message(pick_message(b"other", 1, A, 100, [11, 12, 13]))  # another router's key 1: the same prompt
@@ -137,7 +159,7 @@ def test_a_request_that_continues_a_remote_one_ends_it_before_its_end_message(to
     assert remote.continued([11, 12]) == 0 and remote.continued([11, 12, 15, 16]) == 0
     assert remote.continued([11, 12, 13, 21, 22]) == 2  # the next turn: both requests it holds whole had answered
     assert (in_flight(core, A), in_flight(core, B)) == (0, 1) and remote.stats.continued == 2
-    assert len(core.precise.pending.get(A, ())) == 0 and remote.requests() == 1
+    assert len(pending(core).get(A, ())) == 0 and remote.requests() == 1
     for router in (b"peer", b"other"):
         remote.on_message(end_message(router, 1))  # the end messages, late: nothing left to end
     assert (in_flight(core, A), in_flight(core, B)) == (0, 1) and core.load.own(A) == 0
@@ -151,10 +173,7 @@ def test_the_next_turn_through_the_other_router_finds_its_replica_free_of_the_tu
         tokenizer: ModelTokenizer) -> None:
     """Router 1 routed turn 1; turn 2 (turn 1's whole prompt, its answer, a new question) reaches router 2
     before turn 1's end message does: router 2 counts turn 1 as ended when it picks, not when it explains."""
-    first, second = precise_core(tokenizer), precise_core(tokenizer)
-    remote = RemoteInFlight(second, b"second", second.clock)
-
-    class Share:
+    class Sends:
         def __init__(self, sent: list[bytes] | None = None) -> None:
             self.sent = sent
 
@@ -168,7 +187,8 @@ def test_the_next_turn_through_the_other_router_finds_its_replica_free_of_the_tu
             return remote.continued(run)  # type: ignore[arg-type]
 
     sent: list[bytes] = []
-    first.share, second.share = Share(sent), Share()
+    first, second = precise_core(tokenizer, share=Sends(sent)), precise_core(tokenizer, share=Sends())
+    remote = remote_to(second, b"second")
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is this migration safe?"}]
     choice = first.pick(decide(json.dumps({"model": "m", "messages": turn1}).encode(), {}, PICK), PICK)
     remote.on_message(sent[0])
@@ -188,7 +208,7 @@ def test_the_next_turn_through_the_other_router_finds_its_replica_free_of_the_tu
 def test_heartbeats_carry_their_sending_time_and_the_receiver_times_the_channel(tokenizer: ModelTokenizer) -> None:
     core = precise_core(tokenizer)
     delays: list[float] = []
-    remote = RemoteInFlight(core, b"me", core.clock, wall=lambda: 1000.25, on_delay=delays.append)
+    remote = remote_to(core, b"me", wall=lambda: 1000.25, on_delay=delays.append)
     remote.on_message(heartbeat_message(b"peer", [], 1000.0))
     remote.on_message(heartbeat_message(b"skewed", [], 1001.0))  # a sender's clock ahead of ours: no delay
     remote.on_message(heartbeat_message(b"old", []))  # a router from before heartbeats were timed
@@ -199,7 +219,7 @@ def test_heartbeats_carry_their_sending_time_and_the_receiver_times_the_channel(
 def test_a_request_to_a_replica_this_router_does_not_know_yet_never_counts_against_its_own(
         tokenizer: ModelTokenizer) -> None:
     core = precise_core(tokenizer)
-    remote = RemoteInFlight(core, b"me", core.clock)
+    remote = remote_to(core, b"me")
     c = "10.0.0.3:8000"
     remote.on_message(pick_message(b"peer", 1, c, 100, [5, 6]))  # the peer's endpoints are ahead of ours
     core.set_endpoints([A, B, c])
@@ -207,17 +227,17 @@ def test_a_request_to_a_replica_this_router_does_not_know_yet_never_counts_again
     assert core.load.own(own.address) == 1
     remote.on_message(end_message(b"peer", 1))
     assert core.load.own(own.address) == 1 and core.load.own(c) == (own.address == c)
-    assert c not in core.precise.pending
+    assert c not in pending(core)
 
 
 def test_a_bad_message_is_counted_and_skipped(tokenizer: ModelTokenizer) -> None:
     core = precise_core(tokenizer)
-    remote = RemoteInFlight(core, b"me", core.clock)
+    remote = remote_to(core, b"me")
     for bad in (b"\xc1", msgpack.packb([7, b"peer"]), msgpack.packb([0, b"peer", 1]), msgpack.packb("x")):
         remote.on_message(bad)
     assert remote.stats.bad == 4 and remote.requests() == 0 and in_flight(core, A) == 0
     remote.on_message(pick_message(b"peer", 1, A, 0, []))  # a learned-view pick: load only
-    assert in_flight(core, A) == 1 and not core.precise.pending
+    assert in_flight(core, A) == 1 and not pending(core)
 
 
 def test_the_setting_must_be_a_redis_url_and_needs_pick_mode() -> None:
@@ -253,11 +273,11 @@ async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) ->
 @contextlib.asynccontextmanager
 async def sharing_pair(tokenizer: ModelTokenizer, url: str) -> AsyncIterator[tuple[list[PickCore], list[InFlightBus]]]:
     """Two precise-mode routers sharing their requests in flight over the Redis at ``url``."""
-    cores = [precise_core(tokenizer), precise_core(tokenizer)]
-    buses = [InFlightBus(url, "test:in-flight", RemoteInFlight(c, bytes([i]) * 8, c.clock))
-             for i, c in enumerate(cores)]
-    for core, bus in zip(cores, buses):
-        core.share = bus
+    views, loads = [precise_view(tokenizer) for _ in range(2)], [LoadTracker() for _ in range(2)]
+    buses = [InFlightBus(url, "test:in-flight", RemoteInFlight(Remote(load, view), bytes([i]) * 8, time.monotonic))
+             for i, (view, load) in enumerate(zip(views, loads))]
+    cores = [precise_core(tokenizer, share=bus, view=view, load=load) for bus, view, load in zip(buses, views, loads)]
+    for bus in buses:
         await bus.start()
     try:
         await _until(lambda: all(b.stats.connected for b in buses), "both subscribed")
@@ -277,7 +297,7 @@ def test_two_routers_share_their_requests_over_redis(tokenizer: ModelTokenizer, 
             choice = cores[0].pick(decide(body("Is this migration safe?"), {}, PICK), PICK)
             assert choice.address is not None
             await _until(lambda: in_flight(cores[1], choice.address) == 1, "the pick reached the other router")
-            assert cores[1].precise.pending[choice.address]
+            assert pending(cores[1])[choice.address]
             assert in_flight(cores[0], choice.address) == 1  # its own, counted once
             cores[0].release(choice)
             await _until(lambda: in_flight(cores[1], choice.address) == 0, "the end reached the other router")

@@ -13,6 +13,9 @@ from extproc import metrics
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
+from extproc.pick.views.partial import CombinedView
 from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.views.precise import PreciseView
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
@@ -30,10 +33,10 @@ class Live:
 
 def setup(inline_chars: int = 200, max_wait_s: float = 1.0) -> tuple[PickCore, ModelTokenizer, TokenizeAhead]:
     tokenizer = ModelTokenizer(TINY_BYTELEVEL)
-    core = PickCore()
+    precise = PreciseView(EventIndex(), {"*": tokenizer}, {A: Live(), B: Live()})
+    core = PickCore(CombinedView(EventView(precise), LearnedView()))
     core.set_endpoints([A, B])
-    core.precise = PreciseView(EventIndex(), {"*": tokenizer}, {A: Live(), B: Live()})
-    return core, tokenizer, TokenizeAhead(core.precise, inline_chars, max_wait_s)
+    return core, tokenizer, TokenizeAhead(precise, inline_chars, max_wait_s)
 
 
 def chat(question: str, system: str = SYSTEM) -> bytes:

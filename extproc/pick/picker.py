@@ -1,33 +1,37 @@
-"""Pick mode as one object: the request path (``PickCore``) plus what gathers its state.
+"""Pick mode as one object: the request path (``PickCore``) built whole, plus what gathers its state.
 
-Endpoint discovery, metric scraping and, in precise mode, every replica's KV-cache events run
-as background tasks that ``start`` launches; the request path itself does no I/O.
+``Picker`` builds the cache view the settings ask for (the learned view, or in precise mode the
+event view and the learned view combined), the load view, and the in-flight channel, and hands
+them to ``PickCore``; endpoint discovery, metric scraping and, in precise mode, every replica's
+KV-cache events run as background tasks that ``start`` launches. The request path itself does no I/O.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from collections.abc import Sequence
 
 from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings, ServerSettings, SettingError, flag, tokenizer_dirs
-from extproc.pick.core import PickCore
-from extproc.pick.sources.endpoints import EndpointWatcher
+from extproc.pick.choice.load import LoadTracker
+from extproc.pick.core import PickCore, Remote
 from extproc.pick.events.eviction_forecast import EvictionForecast
-from extproc.pick.sources.in_flight_bus import InFlightBus
 from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.sources.endpoints import EndpointWatcher
+from extproc.pick.sources.in_flight_bus import InFlightBus
 from extproc.pick.sources.kv_subscriber import KvEventSubscriber
-from extproc.pick.views.precise import PreciseView
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer, TokenizerError
 from extproc.pick.sources.scrape import Scraper
-from extproc.pick.sources.shared_in_flight import END, HEARTBEAT, PICK, RemoteInFlight
+from extproc.pick.sources.shared_in_flight import RemoteInFlight
 from extproc.pick.sources.tokenize_ahead import TokenizeAhead
-from extproc.pick.sources.tokenizer_check import RESULTS, TokenizerCheck
+from extproc.pick.sources.tokenizer_check import TokenizerCheck
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, TokenizerError
+from extproc.pick.views.base import CacheView
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
+from extproc.pick.views.partial import CombinedView
+from extproc.pick.views.precise import PreciseView
 
 
 def load_tokenizers(cfg: ServerSettings) -> dict[str, ModelTokenizer]:
@@ -42,12 +46,14 @@ def load_tokenizers(cfg: ServerSettings) -> dict[str, ModelTokenizer]:
 
 
 class Picker(PickCore):
-    """PickCore plus its background tasks: endpoint discovery, metric scraping, KV-cache events."""
+    """PickCore, built from the settings, plus its background tasks: endpoint discovery, metric
+    scraping, KV-cache events, the in-flight channel, the tokenizer check."""
 
     def __init__(self, cfg: ServerSettings, tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
-        super().__init__(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks,
-                         cfg.prefill_tokens_per_s)
+        learned = LearnedView(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks)
+        view: CacheView = learned
         self.subscriber: KvEventSubscriber | None = None
+        self.precise: PreciseView | None = None
         self.tokenizer_check: TokenizerCheck | None = None
         self.ahead: TokenizeAhead | None = None
         if cfg.kv_events:
@@ -55,20 +61,22 @@ class Picker(PickCore):
             self.subscriber = KvEventSubscriber(events, cfg.kv_events_port, cfg.kv_replay_port or None,
                                                 cfg.kv_events_topic, cfg.kv_dp_ranks,
                                                 ports_relative=cfg.kv_ports_relative)
-            self.precise = PreciseView(events, tokenizers if tokenizers is not None else load_tokenizers(cfg),
-                                       self.subscriber.stats.replicas)
-            ahead = self.ahead = TokenizeAhead(self.precise, cfg.tokenize_inline_chars, cfg.tokenize_queue_seconds)
-            self.tokenizer_check = TokenizerCheck(self.precise, cfg.tokenizer_check_every,
+            precise = self.precise = PreciseView(events, tokenizers if tokenizers is not None else load_tokenizers(cfg),
+                                                 self.subscriber.stats.replicas)
+            ahead = self.ahead = TokenizeAhead(precise, cfg.tokenize_inline_chars, cfg.tokenize_queue_seconds)
+            self.tokenizer_check = TokenizerCheck(precise, cfg.tokenizer_check_every,
                                                   ahead=lambda decision: ahead.prepare(decision, checking=True))
-            self.on_precise_pick = self.tokenizer_check.offer
-            if cfg.eviction_forecast:
-                self.forecast = EvictionForecast()
-        self.watcher = EndpointWatcher(cfg, self.set_endpoints)
-        self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
+            forecast = EvictionForecast() if cfg.eviction_forecast else None
+            view = CombinedView(EventView(precise, forecast, self.tokenizer_check.offer), learned)
+        load = LoadTracker(cfg.prefill_tokens_per_s)
         self.bus: InFlightBus | None = None
         if cfg.share_in_flight:
-            remote = RemoteInFlight(self, os.urandom(8), self.clock, time.time, metrics.SHARING_DELAY.observe)
-            self.share = self.bus = InFlightBus(cfg.share_in_flight, cfg.share_in_flight_channel, remote)
+            remote = RemoteInFlight(Remote(load, view), os.urandom(8), time.monotonic, time.time,
+                                    metrics.SHARING_DELAY.observe)
+            self.bus = InFlightBus(cfg.share_in_flight, cfg.share_in_flight_channel, remote)
+        super().__init__(view, load=load, share=self.bus)
+        self.watcher = EndpointWatcher(cfg, self.set_endpoints)
+        self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
 
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
@@ -105,123 +113,3 @@ class Picker(PickCore):
             await self.tokenizer_check.stop()
         if self.ahead is not None:
             self.ahead.close()
-
-
-
-class PreciseCollector(Collector):
-    """Precise mode's figures, read from the subscriber, the event index and the tokenizers when
-    /metrics is scraped (nothing is counted twice on the ingest or request path)."""
-
-    def __init__(self, picker: Picker) -> None:
-        self.picker = picker
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        sub, precise = self.picker.subscriber, self.picker.precise
-        if sub is None or precise is None:
-            return
-        s = sub.stats
-        for name, doc, value in (
-                ("batches", "KV-cache event batches applied (live and replayed)", s.batches),
-                ("blocks", "Block hashes in applied BlockStored/BlockRemoved events", s.blocks),
-                ("events_skipped", "Events the decoder could not read (unknown type, malformed)", s.events_skipped),
-                ("gaps", "Missing event sequence ranges seen", s.gaps),
-                ("replays", "Replay requests sent to the replicas' replay sockets", s.replays_asked),
-                ("replayed_batches", "Batches applied from replay answers", s.replayed_batches),
-                ("bad_frames", "Event frames or payloads that did not decode (skipped)", s.bad_frames),
-                ("set_aside_events", "Events of a hybrid model's KV-cache groups the view cannot follow "
-                 "(Mamba, a sliding window that does not say its window), set aside", s.set_aside_events)):
-            yield CounterMetricFamily(f"prefix_router_kv_{name}", doc, value=value)
-        resets = CounterMetricFamily(
-            "prefix_router_kv_view_resets", "Replica cache views emptied, by cause: restart (its sequence "
-            "went back), gap (events lost beyond the replay buffer), cleared (AllBlocksCleared), left", labels=["cause"])
-        for cause, n in s.resets.items():
-            resets.add_metric([cause], n)
-        yield resets
-        yield CounterMetricFamily("prefix_router_kv_apply_seconds", "CPU time spent decoding and applying KV-cache "
-                                  "event batches: the ingest path's share of the router's core", value=s.apply_s)
-        lag = GaugeMetricFamily("prefix_router_kv_lag_seconds", "Per replica: from its last event batch's "
-                                "timestamp to its application", labels=["replica"])
-        origin = GaugeMetricFamily("prefix_router_kv_view_origin", "Per replica: 1 for where its cache view "
-                                   "comes from (events, replayed, partial: events that miss what it held before "
-                                   "them, the larger of them and the learned view counts; none: the learned view)",
-                                   labels=["replica", "origin"])
-        for address, view in list(s.replicas.items()):
-            lag.add_metric([address], view.lag)
-            origin.add_metric([address, view.origin], 1)
-        yield lag
-        yield origin
-        stats = precise.index.stats()
-        yield GaugeMetricFamily("prefix_router_kv_index_blocks", "Event index: resident block copies", value=stats.entries)
-        yield GaugeMetricFamily("prefix_router_kv_index_bytes", "Event index: estimated memory", value=stats.bytes)
-        hits = CounterMetricFamily("prefix_router_tokenize_cache_segments", "Tokenised prompt segments, by whether "
-                                   "the segment cache held them", labels=["model", "result"])
-        for model, tok in precise.tokenizers.items():
-            hits.add_metric([model, "hit"], tok.cache_hits)
-            hits.add_metric([model, "miss"], tok.cache_misses)
-        yield hits
-        chars = CounterMetricFamily("prefix_router_tokenize_chars", "Prompt characters, by where their token ids "
-                                    "came from: a remembered prompt the request extends (memo), the segment "
-                                    "cache (segment), or the tokenizer (new)", labels=["model", "source"])
-        for model, tok in precise.tokenizers.items():
-            for source, n in zip(("memo", "segment", "new"), tok.char_sources(), strict=True):
-                chars.add_metric([model, source], n)
-        yield chars
-        renders = CounterMetricFamily("prefix_router_chat_renders", "Chat templates rendered, by how: spliced (the "
-                                      "contents joined into the text the template was proven to write around "
-                                      "them, extproc.pick.tokens.chat_splice), jinja, or disagreed (a structure whose first "
-                                      "splice differed from Jinja's text: Jinja's since)", labels=["model", "how"])
-        for model, tok in precise.tokenizers.items():
-            splice = tok.splice
-            renders.add_metric([model, "spliced"], splice.spliced if splice is not None else 0)
-            renders.add_metric([model, "jinja"], tok.jinja_renders)
-            renders.add_metric([model, "disagreed"], splice.disagreed if splice is not None else 0)
-        yield renders
-        check = self.picker.tokenizer_check
-        if check is not None:
-            checks = CounterMetricFamily("prefix_router_tokenizer_checks", "Run-time checks of the router's "
-                                         "token ids against a replica's POST /tokenize, by model and result "
-                                         "(error: the check itself failed)", labels=["model", "result"])
-            trusted = GaugeMetricFamily("prefix_router_tokenizer_trusted", "Per model: 0 while its last "
-                                        "tokenizer check disagreed (its requests use the learned view)",
-                                        labels=["model"])
-            for model, c in list(check.models.items()):
-                for result in RESULTS:
-                    checks.add_metric([model, result], c.results[result])
-                trusted.add_metric([model], 0 if model in precise.distrusted else 1)
-            yield checks
-            yield trusted
-            yield CounterMetricFamily("prefix_router_tokenizer_checks_dropped", "Sampled requests not checked "
-                                      "because earlier checks were still waiting", value=check.dropped)
-
-
-class SharingCollector(Collector):
-    """``--share-in-flight``'s figures, read from the bus when /metrics is scraped."""
-
-    def __init__(self, bus: InFlightBus) -> None:
-        self.bus = bus
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        bus, remote = self.bus, self.bus.remote
-        yield GaugeMetricFamily("prefix_router_in_flight_sharing_connected", "1 while subscribed to the "
-                                "--share-in-flight channel", value=int(bus.stats.connected))
-        yield GaugeMetricFamily("prefix_router_in_flight_sharing_peers", "Other router replicas heard from "
-                                "on the channel lately", value=len(remote.peers))
-        yield GaugeMetricFamily("prefix_router_in_flight_sharing_requests", "The other router replicas' "
-                                "requests in flight, counted in this router's load and precise views",
-                                value=remote.requests())
-        sent = CounterMetricFamily("prefix_router_in_flight_sharing_messages", "Messages on the channel, by "
-                                   "direction and kind (failed: lost to a failed send or a full queue; bad: "
-                                   "received and not decoded)", labels=["direction", "kind"])
-        sent.add_metric(["sent", "any"], bus.stats.sent)
-        sent.add_metric(["sent", "failed"], bus.stats.send_failed)
-        for kind, name in ((PICK, "pick"), (END, "end"), (HEARTBEAT, "heartbeat")):
-            sent.add_metric(["received", name], remote.stats.received[kind])
-        sent.add_metric(["received", "bad"], remote.stats.bad)
-        yield sent
-        yield CounterMetricFamily("prefix_router_in_flight_sharing_dropped", "Other routers' requests dropped "
-                                  "without their end message (missed by a heartbeat, router gone quiet, "
-                                  "channel lost)", value=remote.stats.dropped)
-        yield CounterMetricFamily("prefix_router_in_flight_sharing_continued", "Other routers' requests ended "
-                                  "before their end message arrived, by a request of this router that "
-                                  "continues them (holds their whole prompt and more: their answer was out)",
-                                  value=remote.stats.continued)

@@ -1,4 +1,5 @@
-"""A frozen snapshot of the replicas, the only replica state the choice reads (pure).
+"""A frozen snapshot of the replicas, the only replica state the choice reads, and the size of the
+indexes behind the cache views (pure).
 
 NamedTuples rather than frozen dataclasses: the snapshot is rebuilt on the request path,
 and a NamedTuple is several times cheaper to construct.
@@ -6,6 +7,7 @@ and a NamedTuple is several times cheaper to construct.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -27,3 +29,12 @@ class Snapshot(NamedTuple):
 
     def by_address(self) -> dict[str, ReplicaState]:
         return {r.address: r for r in self.replicas}
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """An index's size, for its gauges: the learned view's and the event view's alike."""
+
+    entries: int  # (chunk or block, replica) pairs held
+    chunks: int  # distinct hashes
+    bytes: int  # estimated memory

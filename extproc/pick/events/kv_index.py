@@ -32,7 +32,7 @@ from typing import Final, NamedTuple
 import msgpack
 import xxhash
 
-from extproc.pick.views.learned_index import IndexStats
+from extproc.pick.choice.state import IndexStats
 from extproc.pick.events.kv_events import (
     KEY_MASK, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, window_store,
 )

@@ -52,7 +52,7 @@ from zmq.utils import monitor as zmq_monitor
 
 from extproc.pick.events.kv_events import (END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request,
                                     unplaceable_groups)
-from extproc.pick.views.partial import PARTIAL
+from extproc.pick.views.precise import PARTIAL
 
 log = logging.getLogger("extproc.pick.sources.kv_subscriber")
 

@@ -16,19 +16,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Final, Protocol
+
+from extproc.pick.choice.state import IndexStats
 
 # Memory per entry (an int in the owner map, a node in one replica's LRU), measured with
 # tracemalloc on CPython 3.11 (tests/test_pick_core.py checks the estimate stays close).
 BYTES_PER_ENTRY: Final = 200
-
-
-@dataclass(frozen=True, slots=True)
-class IndexStats:
-    entries: int  # (chunk, replica) pairs held
-    chunks: int  # distinct chunk hashes
-    bytes: int  # estimated memory
 
 
 class PrefixIndex(Protocol):

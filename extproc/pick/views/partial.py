@@ -1,4 +1,4 @@
-"""A replica whose events miss part of its cache: credit the larger of the two views (pure).
+"""Precise mode's view: the events where they reach, the learned view elsewhere, the larger where events are partial.
 
 A replica's event view is *partial* (``extproc.pick.sources.kv_subscriber.covers_from``) when the router
 learned its events from a replay buffer that no longer started at seq 0, or lost batches beyond
@@ -15,12 +15,20 @@ blocks below the prompt's last token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Final, NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final, NamedTuple
 
-from extproc.pick.views.precise import EVENTS, PARTIAL
+from extproc.core.decide import Decision
+from extproc.core.settings import RouteSettings
+from extproc.pick.choice.load import Sample
+from extproc.pick.choice.state import Snapshot
+from extproc.pick.views.base import Match, Placed
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LEARNED, LearnedView
+from extproc.pick.choice.state import IndexStats
+from extproc.pick.views.precise import EVENTS
 
-LEARNED: Final = "learned"
+_NOTHING: Final = Placed()
 
 
 class Merged(NamedTuple):
@@ -50,3 +58,90 @@ def merge(partial: Iterable[str], exact: Mapping[str, int], learned_chunks: Mapp
                                  block_sizes.get(address, 0))
         cached[address], views[address] = (learned, LEARNED) if learned > events else (events, EVENTS)
     return Merged(cached, views)
+
+
+class _Both(NamedTuple):
+    decision: Decision
+    checking: bool  # the route reads the events (cache_view is not "learned"): the tokenizer check samples it
+    events: Match | None  # the events' match (None: the request has none)
+    learned: Match | None  # the learned view's (None: the events covered every replica, wholly)
+
+
+class CombinedView:
+    """Precise mode's view: the events' exact figures for every replica they cover, the learned view's
+    for the rest (replicas not yet covered, a request that cannot be tokenised, a route with
+    ``cache_view: learned``), and the larger of the two for a partial replica. The learned view is
+    matched and kept learning only where it answers, so a fleet the events cover wholly pays nothing
+    for it."""
+
+    def __init__(self, events: EventView, learned: LearnedView) -> None:
+        self.events = events
+        self.learned = learned
+
+    def match(self, decision: Decision, settings: RouteSettings, snapshot: Snapshot,
+              max_new_chars: int = 0) -> Match:
+        checking = settings.cache_view != LEARNED
+        exact = self.events.match(decision, settings, snapshot, max_new_chars) if checking else None
+        if exact is None:
+            learned = self.learned.match(decision)
+            return learned._replace(detail=_Both(decision, checking, None, learned))
+        covered: Mapping[str, int] = exact.cached
+        partial = exact.detail.partial
+        learning = bool(partial) or any(r.address not in covered for r in snapshot.replicas)
+        learned = self.learned.match(decision) if learning else None
+        if learned is None:
+            return exact._replace(detail=_Both(decision, checking, exact, None))
+        cached = {**learned.cached, **covered}
+        views = dict(exact.views)
+        if partial:  # events that miss what the replica held before them: the learned view fills in
+            merged = merge(partial, covered, learned.detail.held, exact.detail.sizes,
+                           chunk_bytes=self.learned.chunk_bytes, prompt_bytes=len(decision.normalized),
+                           prompt_tokens=exact.prompt_tokens)
+            cached.update(merged.cached)
+            views.update(merged.views)
+        return Match(exact.prompt_tokens, cached, views, exact.runs, _Both(decision, checking, exact, learned))
+
+    def learn(self, address: str, match: Match) -> Placed:
+        both: _Both = match.detail
+        placed = _NOTHING
+        if both.events is not None:
+            placed = self.events.learn(address, both.events, credited=match.views.get(address) == EVENTS)
+        if both.checking:
+            self.events.check(address, both.decision)
+        if both.learned is not None and (both.events is None or address not in both.events.cached
+                                         or address in both.events.detail.partial):
+            self.learned.learn(address, both.learned)
+        return placed
+
+    def forget(self, address: str, placed: Placed) -> None:
+        if placed.detail is not None:
+            self.events.forget(address, placed)
+
+    def add_remote(self, address: str, run: Sequence[int]) -> None:
+        self.events.add_remote(address, run)
+
+    def drop_remote(self, address: str, run: Sequence[int]) -> None:
+        self.events.drop_remote(address, run)
+
+    def joined(self, address: str) -> None:
+        self.events.joined(address)
+
+    def left(self, address: str) -> None:
+        self.learned.left(address)
+        self.events.left(address)
+
+    def sampled(self, address: str, sample: Sample, restarted: bool) -> None:
+        self.learned.sampled(address, sample, restarted)
+        self.events.sampled(address, sample, restarted)
+
+    def describe(self, address: str, match: Match) -> dict[str, Any]:
+        return self.events.describe(address, match.detail.events)
+
+    def stats(self) -> IndexStats:
+        return self.learned.stats()
+
+    def state(self) -> dict[str, Any]:
+        return self.learned.state()
+
+    def replica_state(self, address: str) -> dict[str, Any]:
+        return self.learned.replica_state(address)
