@@ -16,7 +16,7 @@ from typing import Any
 
 from routerlab.ab import accesslog, analysis, driver, prometheus, record, report
 from routerlab.ab import windows as windows_file
-from routerlab.ab.counters import Delta
+from routerlab.ab.counters import Delta, Source
 from routerlab.ab.stats import DRAWS
 
 EXIT_BAD_INPUT = 2
@@ -136,7 +136,7 @@ def _add_record(sub: Any) -> None:
                    help="where to write the windows (default: ab-windows.jsonl)")
 
 
-def _record_source(args: argparse.Namespace) -> tuple[dict[str, list[str]] | None, record.Source | None]:
+def _record_source(args: argparse.Namespace) -> tuple[dict[str, list[str]] | None, Source | None]:
     """The pools of --metrics-url, or a Prometheus source of --prometheus and --selector (exactly one).
     DriverError for anything else."""
     server = _server(args)

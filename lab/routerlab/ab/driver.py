@@ -168,7 +168,7 @@ def run(admin: Admin, windows_path: str | Path, planned: list[Planned], burn_in:
                 raise DriverError(f"at the end of window {i + 1}/{len(planned)} no replica of the fleet could be read "
                                   "(every one down, or its series gone from Prometheus)")
 
-    done = 0
+    done: float = 0
     total = sum(p.seconds for p in planned)
     try:
         t_edge = 0.0

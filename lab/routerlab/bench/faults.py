@@ -71,14 +71,18 @@ class Replicas:
         return self
 
     def kill(self, i: int) -> None:
-        self.procs[i].process.signal(signal.SIGKILL)
+        process = self.procs[i].process
+        assert process is not None  # started
+        process.signal(signal.SIGKILL)
 
     def restart(self, i: int) -> None:
         self.procs[i].stop()
         self.procs[i].start()
 
     def freeze(self, i: int, frozen: bool) -> None:
-        self.procs[i].process.signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+        process = self.procs[i].process
+        assert process is not None  # started
+        process.signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def fail(self, i: int, rate: float) -> None:
         sim_control(self.urls[i], fail_rate=rate)

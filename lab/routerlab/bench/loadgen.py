@@ -115,7 +115,7 @@ async def _send(http: aiohttp.ClientSession, base_url: str, req: Request, t0: fl
         async with http.post(base_url + req.path, data=req.body, headers=headers,
                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             res.status = resp.status
-            res.replica = resp.headers.get("x-upstream-host") or resp.headers.get("x-sim-replica", "")
+            res.replica = resp.headers.get("x-upstream-host") or resp.headers.get("x-sim-replica") or ""
             res.arm = resp.headers.get("x-ab-arm", "")
             res.routed = bool(resp.headers.get(ROUTED_HEADER))
             if resp.status != 200:

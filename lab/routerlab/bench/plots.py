@@ -104,7 +104,7 @@ def _log_ms_axis(ax: Axes, values: Sequence[float]) -> None:
         ax.set_xlim(lo, hi)
         ax.xaxis.set_major_locator(FixedLocator(ms_ticks(lo, hi)))
     ax.xaxis.set_major_formatter(FuncFormatter(_plain_number))
-    ax.xaxis.set_minor_locator(LogLocator(base=10, subs=np.arange(2, 10)))
+    ax.xaxis.set_minor_locator(LogLocator(base=10, subs=range(2, 10)))
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 

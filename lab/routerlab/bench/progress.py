@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from routerlab.bench.loadgen import Result
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 
 class Progress(Protocol):
@@ -75,7 +78,7 @@ class Bar:
         self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
                                 console=self.console, transient=False)
-        self.task = None
+        self.task: TaskID | None = None
         self.failed = 0
 
     def note(self, text: str) -> None:

@@ -76,7 +76,7 @@ def scenario_params(scenario: Scenario, cfg: BenchConfig) -> dict[str, Any]:
 
 def _fleet(scenario: Scenario, params: Mapping[str, Any], cfg: BenchConfig) -> FleetSpec:
     spec = scenario.fleet(dict(params))
-    changes = {k: v for k, v in (("num_blocks", cfg.num_blocks), ("profile", cfg.profile),
+    changes: dict[str, Any] = {k: v for k, v in (("num_blocks", cfg.num_blocks), ("profile", cfg.profile),
                                  ("replicas", cfg.replicas),
                                  ("block_size", cfg.block_size)) if v is not None}
     return dataclasses.replace(spec, **changes)

@@ -120,7 +120,7 @@ def run_arm(name: str, cfg: Config, trace: Trace, spec: FleetSpec) -> dict[str, 
     finally:
         backend.stop()
     router = series.get("prefix_router", [])
-    row = {
+    row: dict[str, Any] = {
         "arm": name, "config": arms_mod.get(name).base,
         "requests": len(result.results), "failures": sum(not r.ok for r in result.results),
         "rss_mb": series, **flatness(router, cfg.duration_s),

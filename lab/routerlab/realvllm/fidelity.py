@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 from pathlib import Path
 
 from routerlab import REPO_DIR
@@ -227,7 +228,7 @@ def summarize(rows: list[Row], with_sim: bool, tail_ref: Trace | None = None) ->
         pr = [r for r in rows if r.phase == phase]
         if not pr:
             continue
-        d = {
+        d: dict[str, Any] = {
             "requests": len(pr),
             "real_vs_ref_match": sum(r.ref_match for r in pr),
             "real_queries": sum(r.real_queries for r in pr),

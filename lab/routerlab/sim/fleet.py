@@ -122,8 +122,9 @@ async def start_fleet(config: SimConfig) -> Fleet:
             site = web.TCPSite(runner, config.host, port, backlog=1024)
             await site.start()
             server = site._server  # the asyncio Server: read the bound port
-            assert server is not None and server.sockets
-            rep.port = server.sockets[0].getsockname()[1]
+            # typed as AbstractServer, which declares no sockets; asyncio's and uvloop's Server have them
+            assert server is not None and server.sockets  # type: ignore[attr-defined]
+            rep.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
             await rep.open_kv_events()
     except BaseException:
         await Fleet(config, replicas, runners).stop()

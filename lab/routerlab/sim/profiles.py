@@ -8,6 +8,7 @@ Llama 3.1 70B / TP8 / 8x H100 numbers in design.md section 5 (+-30 %).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Profile:
             + self.per_decode_s * decodes
         )
 
-    def with_overrides(self, **overrides: object) -> "Profile":
+    def with_overrides(self, **overrides: Any) -> "Profile":
         """Copy with the non-None overrides applied; max_model_len is capped to KV capacity."""
         p = replace(self, **{k: v for k, v in overrides.items() if v is not None})
         capacity = (p.num_blocks - 1) * p.block_size

@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from routerlab.bench.ingest import report
 from routerlab.bench.ingest.run import Config, ints_arg, rates_arg, run
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     before = uptime()
     note(f"machine before: {before}")
     started = time.time()
-    doc = {"command": shlex.join([os.path.basename(sys.executable), "-m", "routerlab.bench.ingest",
+    doc: dict[str, Any] = {"command": shlex.join([os.path.basename(sys.executable), "-m", "routerlab.bench.ingest",
                                   *(sys.argv[1:] if argv is None else argv)]),
            "config": asdict(cfg), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
            "seconds": 0.0, "complete": False, "machine": {"cpus": os.cpu_count(), "uptime_before": before},

@@ -23,13 +23,13 @@ import random
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from routerlab.sim.kv_events import BlockRemoved, BlockStored, Event, encode_batch
 
 BLOCK_SIZE: Final = 16  # vLLM's default
 VOCAB: Final = 32_000
-_GROUP: Final = {"group_idx": 0}  # what vLLM 0.32 sends on both events (routerlab.sim.kv_events)
+_GROUP: Final[dict[str, Any]] = {"group_idx": 0}  # what vLLM 0.32 sends on both events (routerlab.sim.kv_events)
 _TS_AT: Final = slice(2, 10)  # a batch array [ts, events, rank]: 0x93, 0xcb, then ts as a big-endian double
 
 
