@@ -15,7 +15,8 @@ from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 
 from extproc import metrics
-from extproc.adapters import ext_authz, ext_proc
+from extproc.adapters import authz, ext_authz
+from extproc.adapters.service import RouterService
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 
@@ -99,36 +100,36 @@ def test_listener_metadata_then_per_route_context_extensions_set_the_settings(
 
 
 def test_pick_and_tenant_isolation_asked_of_the_authz_shape_are_ignored_once_counted() -> None:
-    router = ext_proc.PrefixRouter(RouteSettings(), secret=b"0123456789abcdef0123456789abcdef")
+    service = RouterService(RouteSettings(), secret=b"0123456789abcdef0123456789abcdef")
     asked = [("x-prefix-router-mode", "pick"), ("x-prefix-router-tenant-isolation", "on")]
     before = metrics.METADATA_ERRORS._value.get()
     for _ in range(3):  # the same route's calls: counted once
-        settings = router.settings_for(asked, authz=True)
+        settings = service.settings_for(asked, authz.LIMITS)
         assert (settings.mode, settings.tenant_isolation) == ("hash", False)
     assert metrics.METADATA_ERRORS._value.get() - before == 2
-    assert router.settings_for(asked[1:]).tenant_isolation  # ext_proc's stream can still isolate
-    assert router.settings_for([], authz=True).tenant_isolation is False
+    assert service.settings_for(asked[1:]).tenant_isolation  # ext_proc's stream can still isolate
+    assert service.settings_for([], authz.LIMITS).tenant_isolation is False
 
 
 def test_a_process_default_of_tenant_isolation_is_dropped_for_the_authz_shape() -> None:
-    router = ext_proc.PrefixRouter(RouteSettings(tenant_isolation=True), secret=b"0123456789abcdef0123456789abcdef")
-    assert router.settings_for([], authz=True).tenant_isolation is False
-    assert router.settings_for([]).tenant_isolation is True
+    service = RouterService(RouteSettings(tenant_isolation=True), secret=b"0123456789abcdef0123456789abcdef")
+    assert service.settings_for([], authz.LIMITS).tenant_isolation is False
+    assert service.settings_for([]).tenant_isolation is True
 
 
 def test_an_exception_answers_ok_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in the router must cost the request its key, never deny it."""
-    router = ext_proc.PrefixRouter(RouteSettings())
+    service = RouterService(RouteSettings())
 
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(router, "settings_for", broken)
+    monkeypatch.setattr(service, "settings_for", broken)
     before = metrics.ERRORS.labels("authz")._value.get()
 
     async def run() -> pb.CheckResponse:
         srv = grpc.aio.server()
-        ext_authz.add_to_server(router, srv)
+        ext_authz.add_to_server(service, srv)
         port = srv.add_insecure_port("127.0.0.1:0")
         await srv.start()
         try:

@@ -15,8 +15,9 @@ import time
 import pytest
 
 from extproc import metrics
-from extproc.adapters import authz, ext_proc
+from extproc.adapters import authz
 from extproc.adapters.ext_authz_http import REMOVE_HEADER, HttpAuthz
+from extproc.adapters.service import RouterService
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, ServerSettings
 from extproc.process import http1, serve
@@ -205,14 +206,14 @@ def test_health_answers_on_its_path_and_is_not_a_check(router: tuple[Process, in
 # --- in-process: the parts a running router cannot show ------------------------------------------
 
 def test_an_exception_answers_200_removing_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    router = ext_proc.PrefixRouter(RouteSettings())
+    service = RouterService(RouteSettings())
 
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(router, "settings_for", broken)
+    monkeypatch.setattr(service, "settings_for", broken)
     before = metrics.ERRORS.labels("authz_http")._value.get()
-    assert HttpAuthz(router).answer({}, BODY) == f"{REMOVE_HEADER}: {KEY}\r\n".encode()
+    assert HttpAuthz(service).answer({}, BODY) == f"{REMOVE_HEADER}: {KEY}\r\n".encode()
     assert metrics.ERRORS.labels("authz_http")._value.get() == before + 1
 
 
@@ -229,7 +230,7 @@ async def _answers(port: int, request: bytes) -> bytes:
 def in_process(body, serving: dict[str, bool] | None = None) -> None:  # type: ignore[no-untyped-def]
     """Run ``body(server)`` against start_http_authz in this process, on a fresh event loop."""
     async def main() -> None:
-        server = await serve.start_http_authz(ext_proc.PrefixRouter(RouteSettings()), ServerSettings(http_authz_port=0),
+        server = await serve.start_http_authz(RouterService(RouteSettings()), ServerSettings(http_authz_port=0),
                                               serving if serving is not None else {"ok": True})
         try:
             await body(server)

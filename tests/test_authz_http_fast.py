@@ -16,8 +16,10 @@ from hypothesis import given, settings as hsettings, strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from extproc import metrics
-from extproc.adapters import authz, ext_proc
+from extproc.adapters import authz
+from extproc.adapters import service as service_module
 from extproc.adapters.ext_authz_http import REMOVE_HEADER, HttpAuthz
+from extproc.adapters.service import NO_LIMITS, RouterService
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.process.http1 import header_dict
@@ -25,11 +27,11 @@ from extproc.process.http1 import header_dict
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
 
 
-def plain_answer(router: ext_proc.PrefixRouter, headers: dict[str, str], body: bytes, cut: bool) -> bytes:
+def plain_answer(service: RouterService, headers: dict[str, str], body: bytes, cut: bool) -> bytes:
     """The answer as the adapter computed it before the shortcuts: resolve, decide, format, per request."""
     ours = sorted((k, v) for k, v in headers.items() if k.startswith("x-prefix-router-"))
-    settings = router.settings_for(ours, authz=True)
-    key = authz.authz_key(router, settings, headers, body, authz.DECLARED_LENGTH_HEADER, cut)
+    settings = service.settings_for(ours, authz.LIMITS)
+    key = authz.authz_key(service, settings, headers, body, authz.DECLARED_LENGTH_HEADER, cut)
     remove = [name for name, _ in ours] + ([settings.key_header] if key is None else [])
     lines = f"{settings.key_header}: {key}\r\n" if key is not None else ""
     if remove:
@@ -54,21 +56,22 @@ OTHER = st.sampled_from([
        others=st.lists(OTHER, max_size=4, unique_by=lambda kv: kv[0]),
        body=st.sampled_from([BODY, BODY[:60], b"", b"\x1f\x8bnot json"]), cut=st.booleans(), order=st.randoms())
 def test_the_answer_is_the_plain_paths_for_any_headers(ours, others, body, cut, order) -> None:  # type: ignore[no-untyped-def]
-    router = ext_proc.PrefixRouter(RouteSettings())
-    fast = HttpAuthz(router)
+    service = RouterService(RouteSettings())
+    fast = HttpAuthz(service)
     items = [*ours, *others]
     for _ in range(3):  # a cached route answers as the first time, in whatever order the headers come
         order.shuffle(items)
         sent = {k.encode(): v.encode() for k, v in items}
-        assert fast.answer(sent, body, cut) == plain_answer(router, dict(items), body, cut)
+        assert fast.answer(sent, body, cut) == plain_answer(service, dict(items), body, cut)
 
 
 def test_a_route_is_resolved_once_per_set_and_the_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    router = ext_proc.PrefixRouter(RouteSettings())
+    service = RouterService(RouteSettings())
     asked: list[object] = []
-    real = router.settings_for
-    monkeypatch.setattr(router, "settings_for", lambda pairs, authz=False: asked.append(pairs) or real(pairs, authz))
-    fast = HttpAuthz(router)
+    real = service.settings_for
+    monkeypatch.setattr(service, "settings_for",
+                        lambda pairs, limits=NO_LIMITS: asked.append(pairs) or real(pairs, limits))
+    fast = HttpAuthz(service)
     sent = {b"x-prefix-router-prefix-length": b"64", b"x-prefix-router-normalize": b"raw"}
     want = decide(BODY, {}, RouteSettings(prefix_length=64, normalize="raw")).key
     for _ in range(5):
@@ -104,7 +107,7 @@ def test_the_loop_histogram_exposes_what_prometheus_clients_histogram_does(value
 @pytest.mark.parametrize("gc_on", [True, False])
 @pytest.mark.parametrize("fails", [False, True])
 def test_decide_runs_without_the_gc_and_restores_it(monkeypatch: pytest.MonkeyPatch, gc_on: bool, fails: bool) -> None:
-    router = ext_proc.PrefixRouter(RouteSettings())
+    service = RouterService(RouteSettings())
     seen: list[bool] = []
 
     def spy(*args: object, **kwargs: object) -> object:
@@ -113,11 +116,11 @@ def test_decide_runs_without_the_gc_and_restores_it(monkeypatch: pytest.MonkeyPa
             raise RuntimeError("injected")
         return decide(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ext_proc, "decide", spy)
+    monkeypatch.setattr(service_module, "decide", spy)
     was = gc.isenabled()
     (gc.enable if gc_on else gc.disable)()
     try:
-        decision = router.decide(BODY, {}, RouteSettings(), complete=True)
+        decision = service.decide(BODY, {}, RouteSettings(), complete=True)
         assert gc.isenabled() is gc_on
     finally:
         (gc.enable if was else gc.disable)()

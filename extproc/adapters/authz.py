@@ -1,8 +1,10 @@
-"""What both ext_authz shapes (gRPC Check, HTTP) decide: one key from the sent headers and body.
+"""What both ext_authz shapes (gRPC Check, HTTP) share: one key from the sent headers and body.
 
 Envoy's ext_authz filter sends the same things either way (the allowed headers, the buffered
-body, a partial-body flag); only the envelope differs. So the choice of key lives here once, and
-``ext_authz`` (gRPC) and ``ext_authz_http`` (HTTP/1.1) only unpack and pack.
+body, a partial-body flag); only the envelope differs. So reading a check lives here once (is the
+body whole, which headers count, what the shape cannot do: ``LIMITS``), the key comes from the
+router service (extproc.adapters.service), and ``ext_authz`` (gRPC) and ``ext_authz_http``
+(HTTP/1.1) only unpack and pack.
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-from extproc import metrics
-from extproc.adapters.ext_proc import PrefixRouter
+from extproc.adapters.service import Limits, RouterService
 from extproc.core.decide import CONTENT_ENCODING
 from extproc.core.settings import RouteSettings
 
@@ -21,6 +22,10 @@ CONTENT_LENGTH: Final = "content-length"
 # client's declared length comes under this name (envoy-fast.yaml: authorization_request
 # headers_to_add, %REQ(content-length)%).
 DECLARED_LENGTH_HEADER: Final = "x-prefix-declared-length"
+# Envoy never tells ext_authz when the response ends (nothing could count the request in flight),
+# and ext_authz cannot rewrite a body: a setting that asks for either is logged, counted and ignored.
+LIMITS: Final = Limits(cannot_pick="the ext_authz shape cannot pick (it never sees the response end)",
+                       cannot_edit_body="the ext_authz shape cannot rewrite the body (use envoy.yaml)")
 
 
 def is_whole(body_bytes: int, partial: bool, declared: str | bytes | None) -> bool:
@@ -44,7 +49,7 @@ def body_is_whole(body: bytes, sent: Mapping[str, str], length_header: str = CON
     return is_whole(len(body), sent.get(PARTIAL_BODY_HEADER) == "true", sent.get(length_header))
 
 
-def key_for(router: PrefixRouter, settings: RouteSettings, tenant_headers: Mapping[str, str], body: bytes,
+def key_for(service: RouterService, settings: RouteSettings, tenant_headers: Mapping[str, str], body: bytes,
             complete: bool) -> str | None:
     """The key for one ext_authz call, or None: the caller then removes any client-sent key.
 
@@ -52,13 +57,13 @@ def key_for(router: PrefixRouter, settings: RouteSettings, tenant_headers: Mappi
     lower-case names; ``complete``: the body is the whole request body (``is_whole``).
     """
     if not body:
-        metrics.decision_counter(settings.normalize, "empty").inc()
+        service.no_body(settings)
         return None
-    decision = router.decide(body, tenant_headers, settings, complete=complete)
+    decision = service.decide(body, tenant_headers, settings, complete=complete)
     return None if decision is None else decision.key
 
 
-def authz_key(router: PrefixRouter, settings: RouteSettings, sent: Mapping[str, str], body: bytes,
+def authz_key(service: RouterService, settings: RouteSettings, sent: Mapping[str, str], body: bytes,
               length_header: str = CONTENT_LENGTH, cut: bool = False) -> str | None:
     """``key_for`` from the call's headers as a str mapping (the gRPC Check's).
 
@@ -66,4 +71,4 @@ def authz_key(router: PrefixRouter, settings: RouteSettings, sent: Mapping[str, 
     start of the body (its own size limit), so it is not whole whatever Envoy said.
     """
     headers = {name: sent[name] for name in (*settings.tenant_headers, CONTENT_ENCODING) if name in sent}
-    return key_for(router, settings, headers, body, not cut and body_is_whole(body, sent, length_header))
+    return key_for(service, settings, headers, body, not cut and body_is_whole(body, sent, length_header))

@@ -6,10 +6,11 @@ send the body with them (``with_request_body``, ``allow_partial_message``: a bod
 place when the route's hash policy reads it. One unary call is about half the gRPC work of
 envoy.yaml's two-message stream (docs/benchmark.md, "Routing overhead").
 
-The decision is the one both ext_authz shapes share (extproc.adapters.authz, also behind the
-HTTP shape of envoy-fast.yaml, extproc.adapters.ext_authz_http), and the settings come
-the same way: the listener's ``x-prefix-router-*`` gRPC initial metadata, overridden per
-route by the same keys in ``check_settings.context_extensions``. What this shape cannot do:
+The reading of a check is the one both ext_authz shapes share (extproc.adapters.authz, also
+behind the HTTP shape of envoy-fast.yaml, extproc.adapters.ext_authz_http), and the key and the
+settings come from the router service (extproc.adapters.service), as for ext_proc: the settings
+from the listener's ``x-prefix-router-*`` gRPC initial metadata, overridden per route by the
+same keys in ``check_settings.context_extensions``. What this shape cannot do (``authz.LIMITS``):
 pick mode (Envoy never tells ext_authz when the response ends, so nothing could count
 requests in flight) and tenant isolation (ext_authz cannot rewrite a body); a setting that
 asks for either is logged once, counted, and ignored. We answer OK to every Check, whatever
@@ -28,8 +29,8 @@ from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 
 from extproc import metrics
-from extproc.adapters.authz import PARTIAL_BODY_HEADER, authz_key, body_is_whole
-from extproc.adapters.ext_proc import PrefixRouter
+from extproc.adapters.authz import LIMITS, PARTIAL_BODY_HEADER, authz_key, body_is_whole
+from extproc.adapters.service import HasService, RouterService, service_of
 
 log = logging.getLogger("extproc.adapters.ext_authz")
 
@@ -41,8 +42,8 @@ _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 class PrefixAuthz(pb_grpc.AuthorizationServicer):
     """Authorization service that never denies: it only adds (or removes) the key header."""
 
-    def __init__(self, router: PrefixRouter) -> None:
-        self.router = router
+    def __init__(self, service: RouterService | HasService) -> None:
+        self.service = service_of(service)
 
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
         try:
@@ -56,11 +57,12 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):
               invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.CheckResponse:
         attributes = request.attributes
         # the route's context_extensions come after the listener's metadata, so they win
-        settings = self.router.settings_for(
-            (*(invocation_metadata or ()), *attributes.context_extensions.items()), authz=True)
+        service = self.service
+        settings = service.settings_for(
+            (*(invocation_metadata or ()), *attributes.context_extensions.items()), LIMITS)
         http = attributes.request.http
         body = http.raw_body or http.body.encode()  # raw_body with pack_as_bytes
-        key = authz_key(self.router, settings, http.headers, body)
+        key = authz_key(service, settings, http.headers, body)
         reply = pb.CheckResponse()
         ok = reply.ok_response
         if key is None:
@@ -73,5 +75,5 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):
         return reply
 
 
-def add_to_server(router: PrefixRouter, server: grpc.aio.Server) -> None:
-    pb_grpc.add_AuthorizationServicer_to_server(PrefixAuthz(router), server)
+def add_to_server(service: RouterService | HasService, server: grpc.aio.Server) -> None:
+    pb_grpc.add_AuthorizationServicer_to_server(PrefixAuthz(service), server)

@@ -5,14 +5,15 @@ buffered body as a plain HTTP/1.1 request, and from a 200 answer copies the head
 ``allowed_upstream_headers`` onto the upstream request (replacing any the client sent) and
 removes those listed in ``x-envoy-auth-headers-to-remove``. Envoy applies the removals after
 the copies, so an answer either sets the key or removes it, never both. The HTTP hop costs a
-fraction of the gRPC one (docs/overhead.md); the decision is the one the gRPC Check shares
-(extproc.adapters.authz).
+fraction of the gRPC one (docs/overhead.md); the reading of a check is the one the gRPC Check
+shares (extproc.adapters.authz), the key and the settings the router service's
+(extproc.adapters.service), as for every adapter.
 
 Settings: the process's own, overridden per route by ``x-prefix-router-*`` request headers
 that envoy.yaml-style metadata cannot carry here (``context_extensions`` reach gRPC services
 only): a per-route ``header_mutation`` sets them before ext_authz, ``allowed_headers`` forwards
 them, and the answer asks Envoy to drop them before the request goes upstream. A bad value is
-logged once per distinct set and ignored (``PrefixRouter.settings_for``). The answer is always
+logged once per distinct set and ignored (``RouterService.settings_for``). The answer is always
 200: a router that denied a request would fail the user; the server (extproc.process.http1)
 answers 400 only to a request it cannot parse, which Envoy never sends.
 
@@ -29,8 +30,8 @@ from collections.abc import Mapping
 from typing import Final
 
 from extproc import metrics
-from extproc.adapters.authz import DECLARED_LENGTH_HEADER, PARTIAL_BODY_HEADER, is_whole, key_for
-from extproc.adapters.ext_proc import PrefixRouter
+from extproc.adapters.authz import DECLARED_LENGTH_HEADER, LIMITS, PARTIAL_BODY_HEADER, is_whole, key_for
+from extproc.adapters.service import HasService, RouterService, service_of
 from extproc.core.decide import CONTENT_ENCODING
 from extproc.core.settings import METADATA_PREFIX, RouteSettings
 
@@ -65,8 +66,8 @@ class _Route:
 class HttpAuthz:
     """Answers Envoy's HTTP check requests; one instance serves every connection."""
 
-    def __init__(self, router: PrefixRouter) -> None:
-        self.router = router
+    def __init__(self, service: RouterService | HasService) -> None:
+        self.service = service_of(service)
         self._routes: dict[tuple[tuple[bytes, bytes], ...], _Route] = {}
 
     def answer(self, headers: Headers, body: bytes, cut: bool = False) -> bytes:
@@ -80,14 +81,14 @@ class HttpAuthz:
         except Exception:  # never let the router fail a request
             log.exception("answering an HTTP check failed; passing the request on without a key")
             metrics.ERRORS.labels("authz_http").inc()
-            return f"{REMOVE_HEADER}: {self.router.settings.key_header}\r\n".encode()
+            return f"{REMOVE_HEADER}: {self.service.settings.key_header}\r\n".encode()
 
     def _answer(self, headers: Headers, body: bytes, cut: bool) -> bytes:
         ours = tuple([item for item in headers.items() if item[0].startswith(_PREFIX)])
         route = self._routes.get(ours) or self._route(ours)
         sent = {name: value.decode("latin-1") for raw, name in route.wanted if (value := headers.get(raw)) is not None}
         complete = not cut and is_whole(len(body), headers.get(_PARTIAL) == _TRUE, headers.get(_DECLARED))
-        key = key_for(self.router, route.settings, sent, body, complete)
+        key = key_for(self.service, route.settings, sent, body, complete)
         if key is None:
             return route.unkeyed
         return b"".join((route.keyed, key.encode("latin-1"), route.tail))
@@ -96,7 +97,7 @@ class HttpAuthz:
         # sorted: one set of settings is one entry (and one log line) in settings_for whatever order
         # Envoy sends it in (Envoy 1.36 and 1.38 change the order between requests of one route)
         pairs = sorted((name.decode("latin-1"), value.decode("latin-1")) for name, value in ours)
-        route = _Route(self.router.settings_for(pairs, authz=True), [name for name, _ in pairs])
+        route = _Route(self.service.settings_for(pairs, LIMITS), [name for name, _ in pairs])
         if len(self._routes) >= _MAX_ROUTES:
             self._routes.clear()
         self._routes[ours] = route

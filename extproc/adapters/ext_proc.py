@@ -7,17 +7,17 @@ skip the header phase). In hash mode the RPC then ends: Envoy needs nothing more
 In pick mode the reply also names the replica, and the RPC stays open until Envoy ends it
 with the HTTP response: that end is how the picker learns the request is no longer in
 flight (one open stream per request in flight is the price).
+
+The settings, the decision and the pick are the router service's (extproc.adapters.service),
+which the ext_authz adapters call too; this module only reads Envoy's messages and writes its
+replies.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
-import dataclasses
-import gc
 import logging
-import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Final
 
 import grpc
@@ -26,8 +26,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import metrics
-from extproc.core.decide import CONTENT_ENCODING, Decision, decide
-from extproc.core.settings import METADATA_PREFIX, RouteSettings, with_metadata
+from extproc.adapters.service import RouterService, without_gc
+from extproc.core.decide import CONTENT_ENCODING, Decision
+from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import Choice
 from extproc.pick.core import PickCore
 
@@ -35,26 +36,10 @@ log = logging.getLogger("extproc.adapters.ext_proc")
 
 _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _ATTR_HEADER_PREFIX: Final = "request.headers['"
-_MAX_CACHED_METADATA: Final = 1024
 LB_NAMESPACE: Final = "envoy.lb"
 DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"  # Gateway API Inference Extension
-
-
-@contextlib.contextmanager
-def without_gc() -> Iterator[None]:
-    """Pause the cyclic GC while one body is decided.
-
-    A body of millions of tiny JSON containers makes the parse allocate them all at once, and
-    the GC would walk them again and again (measured here: 8 MiB of ``[],`` took 0.78 s with it,
-    0.23 s without). The parsed document holds no cycles, so reference counting frees it all anyway.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+__all__ = ["DESTINATION_ENDPOINT", "LB_NAMESPACE", "PrefixRouter", "read_attribute_headers", "read_headers",
+           "without_gc"]  # without_gc: the service's, still importable here (the lab's fuzz runner)
 
 
 def read_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
@@ -78,72 +63,35 @@ def read_attribute_headers(request: pb.ProcessingRequest) -> dict[str, str]:
 
 
 class PrefixRouter(pb_grpc.ExternalProcessorServicer):
-    """ExternalProcessor service; one instance serves every stream.
+    """ExternalProcessor service; one instance serves every stream, through the router ``service``.
 
-    With a ``picker`` (pick mode configured for the process), a stream whose settings say
-    ``mode: pick`` also names the replica, and stays open until Envoy ends it (when the
-    HTTP response ends), so the picker counts the request as in flight until then.
+    With a picker in the service (pick mode configured for the process), a stream whose settings
+    say ``mode: pick`` also names the replica, and stays open until Envoy ends it (when the HTTP
+    response ends), so the picker counts the request as in flight until then. ``metadata_namespace``:
+    where the replies' dynamic metadata goes.
+
+    ``service`` may also be a RouteSettings, with ``picker`` and ``secret``: the servicer then
+    builds its own service from them (the lab's microbench builds it that way).
     """
 
-    def __init__(self, settings: RouteSettings, metadata_namespace: str = "prefix_router",
+    def __init__(self, service: RouterService | RouteSettings, metadata_namespace: str = "prefix_router",
                  picker: PickCore | None = None, secret: bytes | None = None) -> None:
-        self.settings = settings
+        self.service = service if isinstance(service, RouterService) else RouterService(service, picker, secret)
         self.namespace = metadata_namespace
-        self.picker = picker
-        self.secret = secret  # tenant isolation's HMAC key; None: isolation cannot be turned on
-        self._by_metadata: dict[tuple[bool | tuple[str, str], ...], RouteSettings] = {}
         self._headers_replies: dict[tuple[str, str], pb.ProcessingResponse] = {}
         self.open_streams = 0  # `serve` has the streams_active gauge read it at scrape time
-
-    def settings_for(self, invocation_metadata: Iterable[tuple[str, str | bytes]] | None,
-                     authz: bool = False) -> RouteSettings:
-        """Process settings overridden by this stream's x-prefix-router-* metadata.
-
-        Metadata is the same for every stream of a route, so results are cached and a bad
-        value is logged once per distinct metadata set, not once per request. ``authz``: the
-        caller is the ext_authz shape (extproc.adapters.ext_authz), which can neither pick nor rewrite a body.
-        """
-        ours = tuple(
-            (k, v if isinstance(v, str) else v.decode("utf-8", "replace"))
-            for k, v in (invocation_metadata or ())
-            if k.startswith(METADATA_PREFIX)
-        )
-        if not ours and not authz:
-            return self.settings
-        cache_key = (authz, *ours)
-        cached = self._by_metadata.get(cache_key)
-        if cached is None:
-            cached, errors = with_metadata(self.settings, ours)
-            if cached.mode == "pick" and (authz or self.picker is None):
-                errors.append("x-prefix-router-mode pick: " + (
-                    "the ext_authz shape cannot pick (it never sees the response end)" if authz else
-                    "the router has no endpoints (--endpoints, --endpoints-file or --endpoints-dns)")
-                    + "; using hash mode")
-                cached = dataclasses.replace(cached, mode="hash")
-            if cached.tenant_isolation and (authz or self.secret is None):
-                errors.append("x-prefix-router-tenant-isolation on: " + (
-                    "the ext_authz shape cannot rewrite the body (use envoy.yaml)" if authz else
-                    "the router has no tenant secret (--tenant-secret-file or PREFIX_ROUTER_TENANT_SECRET)")
-                    + "; isolation stays off")
-                cached = dataclasses.replace(cached, tenant_isolation=False)
-            for error in errors:
-                metrics.METADATA_ERRORS.inc()
-                log.warning("ignoring per-stream setting (using the process default): %s", error)
-            if len(self._by_metadata) >= _MAX_CACHED_METADATA:
-                self._by_metadata.clear()
-            self._by_metadata[cache_key] = cached
-        return cached
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         self.open_streams += 1
+        service = self.service
         try:
-            settings = self.settings_for(context.invocation_metadata())
+            settings = service.settings_for(context.invocation_metadata())
         except Exception:  # never let the router fail a request
             log.exception("reading stream metadata failed")
             metrics.ERRORS.labels("metadata").inc()
-            settings = self.settings
+            settings = service.settings
         wanted = (*settings.tenant_headers, CONTENT_ENCODING)
         headers: dict[str, str] = {}
         try:
@@ -153,7 +101,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     headers = self.safe_headers(request.request_headers, wanted)
                     yield self.headers_reply(settings)
                     if request.request_headers.end_of_stream:
-                        metrics.decision_counter(settings.normalize, "empty").inc()
+                        service.no_body(settings)
                         return
                 elif phase == "request_body":
                     # BUFFERED: the whole body. BUFFERED_PARTIAL: the whole body, or its first
@@ -164,8 +112,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                     if settings.mode != "pick":
                         yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
                         return
-                    decision = self.decide(body.body, headers, settings, body.end_of_stream)
-                    reply, picked = self.pick_reply(decision, settings, await self.prepare(decision, settings))
+                    decision = service.decide(body.body, headers, settings, body.end_of_stream)
+                    reply, picked = self.pick_reply(decision, settings, await service.prepare(decision, settings))
                     if picked is None:
                         yield reply
                         return
@@ -177,7 +125,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
                         async for request in request_iterator:
                             yield _pass_through(request.WhichOneof("request"))
                     finally:
-                        self.picker.release(picked)
+                        service.release(picked)
                     return
                 else:
                     yield _pass_through(phase)
@@ -206,45 +154,10 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
             self._headers_replies[names] = reply
         return reply
 
-    def decide(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
-                complete: bool) -> Decision | None:
-        started = time.perf_counter()
-        gc_was_on = gc.isenabled()  # without_gc(), inlined: its context manager cost ~1 us a request
-        gc.disable()
-        try:
-            decision = decide(body, headers, settings, complete=complete, secret=self.secret)
-        except Exception:
-            log.exception("deciding a prefix key failed; passing the request on without one")
-            metrics.ERRORS.labels("decide").inc()
-            return None
-        finally:
-            if gc_was_on:
-                gc.enable()
-        metrics.DECISION_SECONDS.observe(time.perf_counter() - started)
-        metrics.BODY_BYTES.observe(len(body))
-        metrics.decision_counter(decision.normalize, decision.fallback or "none").inc()
-        if decision.tenant_rejected:
-            metrics.TENANTS_REJECTED.labels(decision.tenant_rejected).inc()
-        if decision.isolation:
-            metrics.ISOLATION.labels(decision.isolation).inc()
-        return decision
-
     def body_reply(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
                    complete: bool = True) -> pb.ProcessingResponse:
-        decision = self.decide(body, headers, settings, complete)
+        decision = self.service.decide(body, headers, settings, complete)
         return _empty_body_reply() if decision is None else self.decision_reply(decision, settings)
-
-    async def prepare(self, decision: Decision | None, settings: RouteSettings) -> int:
-        """What the picker does off the event loop before ``pick_reply`` (precise mode's long new
-        text tokenised on its worker); returns the pick's ``max_new_chars``. Never raises."""
-        if decision is None or self.picker is None:
-            return 0
-        try:
-            return await self.picker.prepare(decision, settings)
-        except Exception:
-            log.exception("tokenizing ahead failed; the pick tokenises on the loop")
-            metrics.ERRORS.labels("tokenize_ahead").inc()
-            return 0
 
     def pick_reply(self, decision: Decision | None, settings: RouteSettings,
                    max_new_chars: int = 0) -> tuple[pb.ProcessingResponse, Choice | None]:
@@ -255,14 +168,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         if decision is None:
             return _empty_body_reply(), None
         reply = self.decision_reply(decision, settings)
-        assert self.picker is not None
-        try:
-            choice = self.picker.pick(decision, settings, max_new_chars)
-        except Exception:
-            log.exception("picking a replica failed; Envoy's load balancer chooses")
-            metrics.ERRORS.labels("pick").inc()
-            return reply, None
-        if choice.address is None:
+        choice = self.service.pick(decision, settings, max_new_chars)
+        if choice is None or choice.address is None:
             return reply, None
         _set_header(reply.request_body.response.header_mutation, settings.pick_header,
                     base64.b64encode(choice.address.encode()))

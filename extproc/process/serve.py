@@ -22,6 +22,7 @@ from extproc import metrics
 from extproc.adapters import ext_authz
 from extproc.adapters.ext_authz_http import HttpAuthz
 from extproc.adapters.ext_proc import PrefixRouter
+from extproc.adapters.service import RouterService
 from extproc.core.decide import decide
 from extproc.core.settings import (
     ROUTE_FIELDS,
@@ -36,7 +37,8 @@ from extproc.core.settings import (
     tenant_secret,
     with_metadata,
 )
-from extproc.pick.picker import Picker, PreciseCollector, SharingCollector, load_tokenizers
+from extproc.pick.collectors import PreciseCollector, SharingCollector
+from extproc.pick.picker import Picker, load_tokenizers
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from extproc.process.health import SERVICE
@@ -100,10 +102,10 @@ async def start_http(server_cfg: ServerSettings, picker: Picker | None,
 HTTP_HEALTH_PATH = "/health"  # envoy-fast.yaml's checks come under path_prefix /check, never here
 
 
-async def start_http_authz(router: PrefixRouter, server_cfg: ServerSettings, serving: dict[str, bool]) -> Http1Server:
+async def start_http_authz(service: RouterService, server_cfg: ServerSettings, serving: dict[str, bool]) -> Http1Server:
     """ext_authz over HTTP (envoy-fast.yaml) on its own port, on this event loop; ``GET /health``
     answers 200 while ``serving["ok"]``, 503 once draining (Envoy's health check on the port)."""
-    authz = HttpAuthz(router)
+    authz = HttpAuthz(service)
 
     def handle(request: Request) -> Answer:
         if request.path == HTTP_HEALTH_PATH:
@@ -128,10 +130,12 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     if picker is not None:
         await picker.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    router = PrefixRouter(route_cfg, server_cfg.metadata_namespace, picker, secret)
+    # one router service; the three adapters (ext_proc, ext_authz over gRPC and over HTTP) call it as peers
+    service = RouterService(route_cfg, picker, secret)
+    router = PrefixRouter(service, server_cfg.metadata_namespace)
     metrics.STREAMS_ACTIVE.set_function(lambda: router.open_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(router, server)
-    ext_authz.add_to_server(router, server)  # the same decisions for the ext_authz shape (envoy-fast.yaml)
+    ext_authz.add_to_server(service, server)  # the ext_authz shape (envoy-fast.yaml)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{server_cfg.host}:{server_cfg.port}"
@@ -140,7 +144,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         raise OSError(f"cannot bind the gRPC port {address}")
     http = await start_http(server_cfg, picker, route_cfg) if server_cfg.metrics_port else None
     serving = {"ok": True}
-    http_authz = await start_http_authz(router, server_cfg, serving) if server_cfg.http_authz_port else None
+    http_authz = await start_http_authz(service, server_cfg, serving) if server_cfg.http_authz_port else None
     await server.start()
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
