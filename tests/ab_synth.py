@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ T0 = 1_800_000_000.0
 
 def stamp(t: float) -> str:
     """Envoy's %START_TIME%: 2027-01-15T08:00:00.123Z."""
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 def line(t: float, arm: str, ttft: float | None, session: str = "s0", status: int | str = 200,

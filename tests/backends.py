@@ -113,7 +113,7 @@ class BackendFleet:
         for runner in self._runners:
             await runner.cleanup()
 
-    def start(self) -> "BackendFleet":
+    def start(self) -> BackendFleet:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self

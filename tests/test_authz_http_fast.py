@@ -12,7 +12,9 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from extproc import metrics

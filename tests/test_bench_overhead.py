@@ -8,10 +8,10 @@ wrk must be installed (Debian package ``wrk``): without it these tests fail, the
 from __future__ import annotations
 
 import asyncio
-import socket
 import json
 import os
 import shutil
+import socket
 from collections.abc import AsyncIterator
 from itertools import product
 from pathlib import Path

@@ -6,12 +6,12 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import EnvoyFactory
 
 from routerlab.harness import envoy_config
 from routerlab.harness.procs import wait_until
 
 from backends import SSE_CHUNKS, BackendFleet
+from conftest import EnvoyFactory
 from support import send, start_router, start_router_http
 
 # The two hash-mode shapes: ext_proc's two-message stream, and ext_authz's one HTTP check

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import EnvoyFactory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,7 @@ from routerlab.harness import envoy_config
 from routerlab.harness.procs import Process, python_module
 
 from backends import BackendFleet
+from conftest import EnvoyFactory
 from support import send, start_router
 
 SECRET = b"0123456789abcdef-test-secret"

@@ -8,8 +8,17 @@ import msgpack
 import pytest
 
 from extproc.pick.events.kv_events import (
-    END_OF_REPLAY, KEY_MASK, AllBlocksCleared, BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
-    replay_request, unplaceable_groups, window_store,
+    END_OF_REPLAY,
+    KEY_MASK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    decode_batch,
+    parse_frames,
+    replay_request,
+    unplaceable_groups,
+    window_store,
 )
 
 BIG = 2**64 - 5  # unsigned block hash above int64, as vLLM publishes by default

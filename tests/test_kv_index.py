@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import random
 import tracemalloc
-
-import msgpack
 from array import array
 
+import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.pick.events.chain_cache import ChainCache
 from extproc.pick.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from extproc.pick.events.kv_index import (
-    BYTES_PER_BLOCK, BYTES_PER_READING, ROOT, EventIndex, block_hashes, request_extra_keys,
+    BYTES_PER_BLOCK,
+    BYTES_PER_READING,
+    ROOT,
+    EventIndex,
+    block_hashes,
+    request_extra_keys,
 )
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"

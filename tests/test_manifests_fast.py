@@ -26,9 +26,26 @@ import yaml
 
 from extproc.core import settings
 from routerlab.harness import envoy_config, envoy_proc
-from test_manifests import (DEPLOY, ROUTER_FILTER, Doc, _edit, apply_envoy_filter, apply_envoy_patch_policy,
-                            bare_gateway, envoy_accepts, label, one, quantity, render, render_dir, router_service,
-                            router_settings, schema_errors, seconds)
+
+from test_manifests import (
+    DEPLOY,
+    ROUTER_FILTER,
+    Doc,
+    _edit,
+    apply_envoy_filter,
+    apply_envoy_patch_policy,
+    bare_gateway,
+    envoy_accepts,
+    label,
+    one,
+    quantity,
+    render,
+    render_dir,
+    router_service,
+    router_settings,
+    schema_errors,
+    seconds,
+)
 
 EXT_AUTHZ_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
 HEADER_MUTATION = "envoy.filters.http.header_mutation"

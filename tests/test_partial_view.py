@@ -10,13 +10,13 @@ import pytest
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.views.event_view import EventView
-from extproc.pick.views.learned import LearnedView
 from extproc.pick.events.kv_events import BlockStored
 from extproc.pick.events.kv_index import EventIndex, request_extra_keys
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.partial import CombinedView, learned_tokens
 from extproc.pick.views.precise import PreciseView
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process.explain import render_pick
 from routerlab.assets import TINY_BYTELEVEL
 

@@ -17,14 +17,14 @@ from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, ServerSettings, SettingError, server_settings
 from extproc.pick.choice import choose as choose_mod
 from extproc.pick.choice.choose import choose, cost, rendezvous
-from extproc.pick.views.chunks import chunk_hashes
+from extproc.pick.choice.load import LoadTracker, Sample
+from extproc.pick.choice.state import ReplicaState, Snapshot
 from extproc.pick.core import PickCore
 from extproc.pick.sources.endpoints import EndpointWatcher, parse_endpoint_lines
+from extproc.pick.sources.scrape import parse_metrics
+from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.learned_index import BYTES_PER_ENTRY, LearnedIndex
-from extproc.pick.choice.load import LoadTracker, Sample
-from extproc.pick.sources.scrape import parse_metrics
-from extproc.pick.choice.state import ReplicaState, Snapshot
 from routerlab.harness.procs import python_module
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"

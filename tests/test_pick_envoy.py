@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import EnvoyFactory
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -22,6 +21,7 @@ from routerlab.harness import envoy_config
 from routerlab.harness.procs import python_module, wait_until
 
 from backends import BackendFleet
+from conftest import EnvoyFactory
 from support import send, start_router
 
 SYSTEM = "You are the on-call assistant of the ACME platform team; answer with runbook steps. " * 200  # 17 KB

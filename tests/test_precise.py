@@ -15,12 +15,12 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.events.kv_events import BlockRemoved, BlockStored
 from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.learned_index import LearnedIndex
 from extproc.pick.views.partial import CombinedView
 from extproc.pick.views.precise import PreciseView, _longest_shared, _shared
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 from routerlab.assets import TINY_BYTELEVEL
 
 BS = 16

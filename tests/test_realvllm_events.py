@@ -8,11 +8,11 @@ import json
 import time
 
 from extproc.pick.events.kv_index import ROOT, block_hashes
+from routerlab.harness.procs import free_ports
 from routerlab.realvllm.chat_trace import CHAT, COMPLETIONS, build_chat_trace
 from routerlab.realvllm.event_fidelity import per_request
 from routerlab.realvllm.event_recorder import EventRecorder, RawFrame, replay
 from routerlab.realvllm.fleet import VllmFleet
-from routerlab.harness.procs import free_ports
 from routerlab.sim.kv_events import BlockRemoved, BlockStored, KvEventPublisher, encode_batch
 
 

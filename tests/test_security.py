@@ -13,13 +13,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import EnvoyFactory
-from test_pick_envoy import chat, write_endpoints
 
 from routerlab.harness import envoy_config
 
 from backends import BackendFleet
+from conftest import EnvoyFactory
 from support import send, start_router
+from test_pick_envoy import chat, write_endpoints
 
 
 @pytest.mark.parametrize("config,mode", [("envoy.yaml", "hash"), ("pick.yaml", "pick")])

@@ -26,8 +26,8 @@ from extproc.adapters.service import RouterService
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, route_settings, with_metadata
 from routerlab.harness import envoy_config, envoy_proc
-from routerlab.harness.procs import wait_until
 from routerlab.harness.extproc_messages import body_message, headers_message
+from routerlab.harness.procs import wait_until
 
 from support import send, start_router
 

@@ -21,14 +21,20 @@ from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, server_settings
 from extproc.pick.choice.load import LoadTracker
 from extproc.pick.core import PickCore, Remote, Share
-from extproc.pick.sources.in_flight_bus import InFlightBus
 from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.sources.in_flight_bus import InFlightBus
+from extproc.pick.sources.shared_in_flight import (
+    PEER_TIMEOUT_S,
+    RemoteInFlight,
+    end_message,
+    heartbeat_message,
+    pick_message,
+)
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.partial import CombinedView
 from extproc.pick.views.precise import PreciseView
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer
-from extproc.pick.sources.shared_in_flight import PEER_TIMEOUT_S, RemoteInFlight, end_message, heartbeat_message, pick_message
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.arms import ARMS, RunningArm
 from routerlab.bench.backends import SimBackend

@@ -13,13 +13,13 @@ from extproc import metrics
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
+from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.sources.tokenize_ahead import TokenizeAhead
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.partial import CombinedView
-from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.views.precise import PreciseView
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
-from extproc.pick.sources.tokenize_ahead import TokenizeAhead
 from routerlab.assets import TINY_BYTELEVEL
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"

@@ -15,9 +15,9 @@ from aiohttp import web
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.events.kv_index import EventIndex
-from extproc.pick.views.precise import PreciseView
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 from extproc.pick.sources.tokenizer_check import TokenizerCheck, first_difference, tokenize_body
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.views.precise import PreciseView
 from routerlab.assets import TINY_BYTELEVEL
 
 MODEL = "m"

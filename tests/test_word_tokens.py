@@ -13,14 +13,23 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import regex
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
-from extproc.pick.tokens.word_tokens import (BYTES_PER_WORD, GPT2_PATTERN, LLAMA3_PATTERN, MAX_WORD_CHARS, MAX_WORDS,
-                                      QWEN2_PATTERN, SPACE_SEPARABLE, WordTokens, _ascii_pattern)
+from extproc.pick.tokens.word_tokens import (
+    BYTES_PER_WORD,
+    GPT2_PATTERN,
+    LLAMA3_PATTERN,
+    MAX_WORD_CHARS,
+    MAX_WORDS,
+    QWEN2_PATTERN,
+    SPACE_SEPARABLE,
+    WordTokens,
+    _ascii_pattern,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "lab" / "routerlab" / "assets"
 WORDS = ["the", "The", "cat", "sat", "on", "mat", "hello", "world", "it's", "we'll", "DON'T", "snake_case",

@@ -89,7 +89,7 @@ BAD_REQUEST: Final = _status_line(400) + CLOSE + b"\r\n"
 class Http1Protocol(asyncio.Protocol):
     """One connection: feeds httptools, answers each complete request through ``handler``."""
 
-    def __init__(self, server: "Http1Server") -> None:
+    def __init__(self, server: Http1Server) -> None:
         self.server = server
         self.handler = server.handler
         self.now = server.now

@@ -18,17 +18,16 @@ construction (tests/test_kv_index.py checks cached == uncached); pure, no clock,
 
 from __future__ import annotations
 
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final, TypeAlias
 
-import weakref
-
 import xxhash
 
-from extproc.pick.tokens.id_run import IdRun
 from extproc.pick.events.kv_index import block_hashes, request_extra_keys
+from extproc.pick.tokens.id_run import IdRun
 
 Ids: TypeAlias = "array[int] | IdRun"  # a request's ids, known by their identity
 

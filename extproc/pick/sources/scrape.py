@@ -98,7 +98,7 @@ class Scraper:
                 # A server that answers without vLLM metrics is up but its load unknown.
                 text = await resp.text() if resp.status == 200 else ""
                 sample = parse_metrics(text)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.debug("scrape of %s timed out", address)
         except (aiohttp.ClientError, OSError, UnicodeError) as exc:
             refused = True  # nothing listening, or the connection broke: down at once

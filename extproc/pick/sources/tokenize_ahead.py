@@ -27,8 +27,8 @@ from typing import Final
 
 from extproc import metrics
 from extproc.core.decide import Decision
-from extproc.pick.views.precise import PreciseView
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
+from extproc.pick.views.precise import PreciseView
 
 RATE_WEIGHT: Final = 0.2  # of the newest job in the measured characters per second
 # The word cache against the tokenizer's own encode (the tiny byte-level BPE, about 3,300 characters of

@@ -32,8 +32,8 @@ from typing import Any, Final
 import aiohttp
 
 from extproc.core.decide import Decision
-from extproc.pick.views.precise import PreciseView
 from extproc.pick.tokens.prompt_tokens import NotTokenizable
+from extproc.pick.views.precise import PreciseView
 
 log = logging.getLogger("extproc.pick.sources.tokenizer_check")
 
@@ -160,7 +160,7 @@ class TokenizerCheck:
                     log.warning("tokenizer check: %s answered /tokenize with HTTP %d", address, resp.status)
                     return self._count(model, "error")
                 answer = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             log.warning("tokenizer check: /tokenize on %s failed: %r", address, exc)
             return self._count(model, "error")
         theirs = answer.get("tokens") if isinstance(answer, dict) else None

@@ -86,7 +86,7 @@ class WordTokens:
         self._new_left: float = math.inf  # new things ``encode_all`` may still take while it runs (none: no bound)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> "WordTokens | None":
+    def for_tokenizer(cls, tokenizer: Any) -> WordTokens | None:
         """The word path for a ``tokenizers.Tokenizer``, or None where it would not be exact."""
         pattern = _pattern(json.loads(tokenizer.to_str()))
         if pattern is None:

@@ -85,7 +85,7 @@ class Delta:
     def hit_rate(self) -> float | None:
         return self.hits / self.queries if self.queries > 0 else None
 
-    def add(self, other: "Delta") -> "Delta":
+    def add(self, other: Delta) -> Delta:
         return Delta(self.queries + other.queries, self.hits + other.hits, self.success + other.success,
                      max(self.replicas, other.replicas), self.resets + other.resets, self.missing + other.missing)
 

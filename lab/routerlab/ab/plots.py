@@ -3,7 +3,7 @@ TTFT p50 over time with the switches marked. Drawn with the benchmark's plot hel
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from routerlab.ab.analysis import Analysis
@@ -48,7 +48,7 @@ def over_time(a: Analysis, path: Path) -> Path:
         top.set_ylim(bottom=0)
         bottom.set_ylabel("KV hit rate (%)")
         bottom.set_ylim(0, 105)
-        stamp = datetime.fromtimestamp(t0, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if t0 else "start"
+        stamp = datetime.fromtimestamp(t0, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if t0 else "start"
         bottom.set_xlabel(f"seconds since {stamp}")
         for ax in (top, bottom):
             ax.grid(True, alpha=0.3)

@@ -31,7 +31,7 @@ class Clustered:
     clusters: int
 
     @classmethod
-    def of(cls, groups: Sequence[Sequence[float]]) -> "Clustered":
+    def of(cls, groups: Sequence[Sequence[float]]) -> Clustered:
         groups = [g for g in groups if len(g)]
         if not groups:
             return cls(np.zeros(0), np.zeros(0, dtype=np.int64), 0)

@@ -20,8 +20,15 @@ this module is the benchmark's catalogue of them.
 
 from __future__ import annotations
 
-from routerlab.harness.arm import (DEFAULT_BALANCE_FACTOR, ROUTER_ENV, UPSTREAM_HEADER, ArmSpec, RunningArm,
-                                   envoy_config_for, host_ports)
+from routerlab.harness.arm import (
+    DEFAULT_BALANCE_FACTOR,
+    ROUTER_ENV,
+    UPSTREAM_HEADER,
+    ArmSpec,
+    RunningArm,
+    envoy_config_for,
+    host_ports,
+)
 
 __all__ = ["ARMS", "ArmSpec", "DEFAULT_BALANCE_FACTOR", "ROUTER_ENV", "RunningArm", "UPSTREAM_HEADER",
            "envoy_config_for", "get", "host_ports"]

@@ -24,7 +24,7 @@ class Backend(Protocol):
 
     @property
     def block_size(self) -> int: ...
-    def start(self) -> "Backend": ...
+    def start(self) -> Backend: ...
     def stop(self) -> None: ...
     def event_flags(self) -> list[str]: ...
     @property
@@ -57,7 +57,7 @@ class _ChildFleet:
         """Router flags this fleet asks of precise arms (none: it publishes no KV-cache events)."""
         return []
 
-    def start(self) -> "_ChildFleet":
+    def start(self) -> _ChildFleet:
         self.process = proc = Process(self.argv(), name=self.name)
         proc.wait_ready(lambda: bool(_ready_urls(proc, self.count())), timeout=60)
         self.urls = _ready_urls(proc, self.count())
@@ -89,7 +89,7 @@ class SimBackend(_ChildFleet):
     def count(self) -> int:
         return self.spec.replicas
 
-    def start(self) -> "SimBackend":
+    def start(self) -> SimBackend:
         if self.spec.kv_events and not self.base_port:
             # replica i on base + i, its events on base + n + i, its replay socket on base + 2n + i:
             # the router finds them at fixed offsets from each replica's port (--kv-ports-relative)
@@ -163,7 +163,7 @@ class ExternalBackend:
     block_size: int = 16
     reset_ok: bool | None = None
 
-    def start(self) -> "ExternalBackend":
+    def start(self) -> ExternalBackend:
         self.reset_ok = all(reset_prefix_cache(u) for u in self.urls)
         return self
 

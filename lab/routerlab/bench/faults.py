@@ -65,7 +65,7 @@ class Replicas:
         self.procs = [SimBackend(one, base_port=base + i) for i in range(spec.replicas)]
         self.urls = [f"http://127.0.0.1:{base + i}" for i in range(spec.replicas)]
 
-    def start(self) -> "Replicas":
+    def start(self) -> Replicas:
         for p in self.procs:
             p.start()
         return self

@@ -149,7 +149,7 @@ async def _send(http: aiohttp.ClientSession, base_url: str, req: Request, t0: fl
             elif res.ttft is None and res.output_tokens:
                 res.error = "no content"
             res.ok = not res.error
-    except asyncio.TimeoutError:
+    except TimeoutError:
         res.error = "timeout"
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         res.error = type(exc).__name__

@@ -33,10 +33,10 @@ class ReplicaCounters:
     cross_tenant_hits: float = 0.0
     hits_at_arrival: float = 0.0
 
-    def __sub__(self, other: "ReplicaCounters") -> "ReplicaCounters":
+    def __sub__(self, other: ReplicaCounters) -> ReplicaCounters:
         return ReplicaCounters(*(a - b for a, b in zip(self._values(), other._values())))
 
-    def __add__(self, other: "ReplicaCounters") -> "ReplicaCounters":
+    def __add__(self, other: ReplicaCounters) -> ReplicaCounters:
         return ReplicaCounters(*(a + b for a, b in zip(self._values(), other._values())))
 
     def _values(self) -> tuple[float, ...]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from extproc.process import event_loop
+from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench import arms as arms_mod
 from routerlab.bench import backends, loadgen, replica_metrics, router_restart
 from routerlab.bench import progress as progress_mod
@@ -27,11 +28,10 @@ from routerlab.bench import report as report_mod
 from routerlab.bench.oracle import oracle, parse
 from routerlab.bench.scenarios import FleetEvent, FleetSpec, LoadSpec, Scenario
 from routerlab.bench.scenarios import get as get_scenario
-from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.trace import Trace
 from routerlab.harness.proc_cpu import CpuMeter
-from routerlab.sim.hf_tokenizer import HfTokenizer
 from routerlab.realvllm.promtext import fetch_metrics, http_post_json, served_model
+from routerlab.sim.hf_tokenizer import HfTokenizer
 
 T = TypeVar("T")
 

@@ -25,8 +25,8 @@ from typing import Any
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.pick.sources.tokenize_ahead import TokenizeAhead
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.microbench import chat_body, precise_core, questions

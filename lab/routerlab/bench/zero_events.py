@@ -49,7 +49,7 @@ async def publish(publisher: KvEventPublisher, events: Sequence[BlockStored], st
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), POLL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         served = publisher.replays_served
         if served > answered and publisher.subscriptions() > 0:

@@ -147,7 +147,7 @@ class RunningArm:
         self.url = ""
 
     # --- lifecycle ---------------------------------------------------------------------
-    def start(self) -> "RunningArm":
+    def start(self) -> RunningArm:
         try:
             if self.arm.peer:
                 self._start_peer()
@@ -242,7 +242,7 @@ class RunningArm:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "RunningArm":
+    def __enter__(self) -> RunningArm:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

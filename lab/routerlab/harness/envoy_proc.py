@@ -94,7 +94,7 @@ class Envoy:
         except OSError:
             return False
 
-    def start(self, timeout: float = 30.0) -> "Envoy":
+    def start(self, timeout: float = 30.0) -> Envoy:
         self.process.wait_ready(self.ready, timeout)
         return self
 
@@ -116,7 +116,7 @@ class Envoy:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "Envoy":
+    def __enter__(self) -> Envoy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

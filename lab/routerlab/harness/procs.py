@@ -103,7 +103,7 @@ class Process:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_ready(self, check: Callable[[], bool], timeout: float = 30.0) -> "Process":
+    def wait_ready(self, check: Callable[[], bool], timeout: float = 30.0) -> Process:
         def ready() -> bool:
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
@@ -118,7 +118,7 @@ class Process:
             raise
         return self
 
-    def wait_for_line(self, text: str, timeout: float = 30.0) -> "Process":
+    def wait_for_line(self, text: str, timeout: float = 30.0) -> Process:
         return self.wait_ready(lambda: any(text in line for line in list(self.lines)), timeout)
 
     def signal(self, sig: int) -> None:
@@ -136,7 +136,7 @@ class Process:
         self._reader.join(timeout=2)
         return self.proc.returncode
 
-    def __enter__(self) -> "Process":
+    def __enter__(self) -> Process:
         return self
 
     def __exit__(self, *exc: object) -> None:

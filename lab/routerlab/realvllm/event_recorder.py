@@ -20,8 +20,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from extproc.pick.events.kv_events import (BlockRemoved, BlockStored, EventDecodeError, decode_batch, parse_frames,
-                                    replay_request)
+from extproc.pick.events.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    decode_batch,
+    parse_frames,
+    replay_request,
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class RawFrame:
                 "seq": base64.b64encode(self.seq).decode(), "payload": base64.b64encode(self.payload).decode()}
 
     @classmethod
-    def from_json(cls, d: dict) -> "RawFrame":
+    def from_json(cls, d: dict) -> RawFrame:
         return cls(int(d["replica"]), base64.b64decode(d["topic"]), base64.b64decode(d["seq"]),
                    base64.b64decode(d["payload"]), 0.0)
 
@@ -90,7 +96,7 @@ class EventRecorder:
         self._thread: threading.Thread | None = None
         self._ctx = zmq.Context()
 
-    def start(self) -> "EventRecorder":
+    def start(self) -> EventRecorder:
         self._running = True
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True, name="event-recorder")
@@ -137,7 +143,7 @@ class EventRecorder:
             self._thread.join(timeout=5)
         self._ctx.term()
 
-    def __enter__(self) -> "EventRecorder":
+    def __enter__(self) -> EventRecorder:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

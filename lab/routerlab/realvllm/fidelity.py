@@ -29,8 +29,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from routerlab import REPO_DIR
 from routerlab.realvllm import promtext

@@ -343,7 +343,7 @@ class VllmFleet:
         if self.workdir and self._own_workdir and not self.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "VllmFleet":
+    def __enter__(self) -> VllmFleet:
         self.start()
         return self
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 

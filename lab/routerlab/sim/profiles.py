@@ -44,7 +44,7 @@ class Profile:
             + self.per_decode_s * decodes
         )
 
-    def with_overrides(self, **overrides: Any) -> "Profile":
+    def with_overrides(self, **overrides: Any) -> Profile:
         """Copy with the non-None overrides applied; max_model_len is capped to KV capacity."""
         p = replace(self, **{k: v for k, v in overrides.items() if v is not None})
         capacity = (p.num_blocks - 1) * p.block_size

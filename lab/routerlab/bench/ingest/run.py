@@ -128,7 +128,7 @@ class Sampler:
         self._last = self._t0
         self._blocks0: float | None = None
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self._thread.start()
         return self
 

@@ -15,8 +15,15 @@ from __future__ import annotations
 from routerlab.bench.scenarios.clients import SERIALIZATION, TENANTS
 from routerlab.bench.scenarios.conversations import KV_PRESSURE, MULTI_TURN, RESTART, ROUTER_RESTART, ZIPF_CHAT
 from routerlab.bench.scenarios.parts import blocks
-from routerlab.bench.scenarios.shared_prompts import (FAULT_LOAD, GSP, HOT_PREFIX, NO_SHARING, SAGEMAKER_8K, SCALE_OUT,
-                                                      SHORT_CHAT)
+from routerlab.bench.scenarios.shared_prompts import (
+    FAULT_LOAD,
+    GSP,
+    HOT_PREFIX,
+    NO_SHARING,
+    SAGEMAKER_8K,
+    SCALE_OUT,
+    SHORT_CHAT,
+)
 from routerlab.bench.scenarios.spec import ENVOY_ARMS, FleetEvent, FleetSpec, LoadSpec, Scenario
 
 # What importers reach through this package (the catalogue, the drills' load, the spec types).

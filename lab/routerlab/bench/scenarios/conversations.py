@@ -11,7 +11,15 @@ from functools import lru_cache
 from typing import Any
 
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, blocks, zipf_weights
-from routerlab.bench.scenarios.spec import DEFAULT_ARMS, SHARED_VARIANT, FleetEvent, FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.scenarios.spec import (
+    DEFAULT_ARMS,
+    SHARED_VARIANT,
+    FleetEvent,
+    FleetSpec,
+    LoadSpec,
+    Params,
+    Scenario,
+)
 from routerlab.bench.trace import TextSource, build_sessions, chat_body, encode
 
 # --- multi-turn -------------------------------------------------------------------------

@@ -8,7 +8,15 @@ import dataclasses
 import random
 
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, ask, blocks, prompt_blocks, single, zipf_weights
-from routerlab.bench.scenarios.spec import DEFAULT_ARMS, PICK_VARIANTS, FleetEvent, FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.scenarios.spec import (
+    DEFAULT_ARMS,
+    PICK_VARIANTS,
+    FleetEvent,
+    FleetSpec,
+    LoadSpec,
+    Params,
+    Scenario,
+)
 from routerlab.bench.trace import TextSource, build_sessions, chat_body
 
 # --- sagemaker-8k -----------------------------------------------------------------------
