@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from routerlab.bench.microbench import chat_body
+from routerlab.bench.micro.bodies import chat_body
 
 
 MARKER = "@@REQUEST-ID@@"
