@@ -18,9 +18,11 @@ import orjson
 from aiohttp import web
 
 SSE_CHUNKS = [
-    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+    b'data: {"id":"c1","object":"chat.completion.chunk",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
     b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hello"}}]}\n\n',
-    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" \xc3\xa9t\xc3\xa9"}}]}\n\n',
+    b'data: {"id":"c1","object":"chat.completion.chunk",'
+    b'"choices":[{"index":0,"delta":{"content":" \xc3\xa9t\xc3\xa9"}}]}\n\n',
     b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
     b"data: [DONE]\n\n",
 ]

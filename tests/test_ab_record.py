@@ -35,7 +35,8 @@ def fleet() -> Iterator[SimBackend]:
 
 
 @pytest.fixture()
-def pools_envoy(fleet: SimBackend, router: tuple[Process, int, int, int], tmp_path: Path) -> Iterator[tuple[Envoy, int]]:
+def pools_envoy(fleet: SimBackend, router: tuple[Process, int, int, int],
+                tmp_path: Path) -> Iterator[tuple[Envoy, int]]:
     """envoy/ab-pools.yaml: the first two replicas the prefix pool (vllm), the last two the stock pool."""
     listener, admin = free_ports(2)
     backends = [("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in fleet.urls]

@@ -75,7 +75,8 @@ def start_prometheus(fleet: SimBackend, tmp: Path, web: dict | None = None,
                   {"targets": targets[:2], "labels": {"pool": "prefix"}},
                   {"targets": targets[2:], "labels": {"pool": "stock"}}]},
                   # a second job on one replica (a ServiceMonitor and a PodMonitor on the same pod)
-                  {"job_name": "vllm-again", "static_configs": [{"targets": targets[:1], "labels": {"pool": "again"}}]}]}
+                  {"job_name": "vllm-again",
+                   "static_configs": [{"targets": targets[:1], "labels": {"pool": "again"}}]}]}
     (tmp / "prometheus.yaml").write_text(yaml.safe_dump(config))
     if web is not None:
         (tmp / "web.yaml").write_text(yaml.safe_dump(web))
@@ -141,7 +142,8 @@ def control(url: str, **body: object) -> None:
         assert resp.status == 200
 
 
-def test_record_from_prometheus_reads_each_edge_at_its_time(fleet, prom, pools_envoy, tmp_path, capsys) -> None:
+def test_record_from_prometheus_reads_each_edge_at_its_time(fleet, prom, pools_envoy,  # noqa: F811 (the fixture)
+                                                             tmp_path, capsys) -> None:
     _, port = pools_envoy
     prefix, stock = fleet.urls[:2], fleet.urls[2:]
     path, log = tmp_path / "prom.jsonl", tmp_path / "access.log"
@@ -234,7 +236,8 @@ def test_on_an_idle_fleet_prometheus_and_metrics_record_the_same_counters(fleet,
 
     wait_until(settled, 30, "Prometheus caught up with the idle replicas", interval=0.2)
     by_url, by_prom = tmp_path / "metrics.jsonl", tmp_path / "prom.jsonl"
-    pools = ["--metrics-url", "prefix=" + ",".join(fleet.urls[:2]), "--metrics-url", "stock=" + ",".join(fleet.urls[2:])]
+    pools = ["--metrics-url", "prefix=" + ",".join(fleet.urls[:2]),
+             "--metrics-url", "stock=" + ",".join(fleet.urls[2:])]
     assert ab("record", *pools, "--duration", "4", "--window", "2", "--windows", str(by_url)) == 0
     assert ab("record", "--prometheus", prom, "--selector", 'prefix=pool="prefix"', "--selector",
               'stock=pool="stock"', "--duration", "4", "--window", "2", "--windows", str(by_prom)) == 0, \
@@ -386,7 +389,8 @@ def test_prometheus_behind_basic_auth_gets_the_credentials_and_a_refusal_is_name
         assert code == 0, err
         assert "s3cret" not in err  # the credentials are never printed
         recorded = windows_of(path)
-        assert len(recorded) == 2 and all(len(w["counters"][g]["end"]) == 2 for w in recorded for g in ("prefix", "stock"))
+        assert len(recorded) == 2 and all(len(w["counters"][g]["end"]) == 2
+                                          for w in recorded for g in ("prefix", "stock"))
     for argv, message in (
             (["--prometheus", prom_auth, *pools], "refused the query (HTTP 401): it wants credentials"),
             (["--prometheus", prom_auth, "--prometheus-auth-file", str(bad), *pools], "were not accepted"),

@@ -103,7 +103,8 @@ def test_the_loop_histogram_exposes_what_prometheus_clients_histogram_does(value
         reference.observe(v)
         loop.observe(v)
     created = re.compile(r"(h_seconds_created) \S+")
-    assert created.sub(r"\1 T", generate_latest(ours).decode()) == created.sub(r"\1 T", generate_latest(theirs).decode())
+    assert created.sub(r"\1 T", generate_latest(ours).decode()) == \
+        created.sub(r"\1 T", generate_latest(theirs).decode())
 
 
 @pytest.mark.parametrize("gc_on", [True, False])

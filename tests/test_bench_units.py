@@ -244,7 +244,8 @@ def test_prediction_splits_the_view_s_error_from_what_the_cache_lost_while_reque
 def test_kv_pressure_restarts_a_replica_only_when_asked() -> None:
     sc = scenarios.get("kv-pressure")
     assert sc.events(sc.params) == ()
-    assert [(e.at_s, e.action, e.replica) for e in sc.events({**sc.params, "restart_at_s": 60.0})] == [(60.0, "restart", 0)]
+    restart = {**sc.params, "restart_at_s": 60.0}
+    assert [(e.at_s, e.action, e.replica) for e in sc.events(restart)] == [(60.0, "restart", 0)]
     reset = {**sc.params, "restart_at_s": 60.0, "restart_kind": "reset_cache"}
     assert [(e.at_s, e.action) for e in sc.events(reset)] == [(60.0, "reset_cache")]
 

@@ -11,8 +11,9 @@ from extproc.pick.tokens.chat_render import _parse_message, compile_template, pa
 ROLES = st.sampled_from(["system", "user", "assistant", "tool", "developer", ""]) | st.text(max_size=3)
 VALUES = st.none() | st.text(max_size=8) | st.integers() | st.lists(st.fixed_dictionaries(
     {"type": st.just("text"), "text": st.text(max_size=5)}), max_size=2)
-MESSAGES = st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls", "tool_call_id", "reasoning"]),
-                           VALUES | ROLES, max_size=3) | st.fixed_dictionaries({"role": ROLES, "content": st.text(max_size=8)})
+MESSAGES = (st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls", "tool_call_id", "reasoning"]),
+                            VALUES | ROLES, max_size=3)
+            | st.fixed_dictionaries({"role": ROLES, "content": st.text(max_size=8)}))
 
 
 @given(content=st.text(max_size=20), role=st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
@@ -43,6 +44,7 @@ def test_the_common_messages_shortcut_gives_the_general_walks_result(message: di
 
 
 def test_flattened_globals_are_the_environments() -> None:
-    env, template = compile_template("{{ raise_exception is defined }} {{ strftime_now('%Y') | length }} {{ range(2) | list }}")
+    env, template = compile_template("{{ raise_exception is defined }} {{ strftime_now('%Y') | length }} "
+                                     "{{ range(2) | list }}")
     assert type(template.globals) is dict and template.globals == dict(env.make_globals(None))
     assert template.render() == "True 4 [0, 1]"

@@ -1,4 +1,5 @@
-"""extproc.pick.tokens.chat_splice: a spliced chat text is Jinja's text; templates that read a content are left to Jinja."""
+"""extproc.pick.tokens.chat_splice: a spliced chat text is Jinja's text; templates that read a content are
+left to Jinja."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ CHATML = ("{% for message in messages %}"
           "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 # Llama 3's shape: the system message taken out and trimmed, every content trimmed, a default system text
-LLAMA3_LIKE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system_message = messages[0]['content'] | trim %}"
+LLAMA3_LIKE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+               "{% set system_message = messages[0]['content'] | trim %}"
                "{% set messages = messages[1:] %}{% else %}{% set system_message = 'You are helpful.' %}{% endif %}"
                "{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' + system_message + '<|eot_id|>' }}"
                "{% for message in messages %}{% if message.role not in ['user', 'assistant', 'tool'] %}"
-               "{{ raise_exception('bad role') }}{% endif %}{{ '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n'"
+               "{{ raise_exception('bad role') }}{% endif %}"
+               "{{ '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n'"
                " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
                "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
 # Qwen 3's shape: an assistant's content is split at its reasoning (read: never spliced with an assistant turn)
@@ -58,8 +61,8 @@ def _spliced(mt: ModelTokenizer, doc: dict[str, Any]) -> str | type[NotTokenizab
         return NotTokenizable
 
 
-CONTENT = st.one_of(st.text(max_size=12), st.sampled_from(["", " ", "  padded  ", "\n", "a</think>b", "\x00", "\u2003x\u2003",
-                                                          "\x000\x01", "{{ x }}", "<|im_end|>"]))
+CONTENT = st.one_of(st.text(max_size=12), st.sampled_from(["", " ", "  padded  ", "\n", "a</think>b", "\x00",
+                                                          "\u2003x\u2003", "\x000\x01", "{{ x }}", "<|im_end|>"]))
 CONVERSATION = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
                                                "content": CONTENT}), min_size=1, max_size=6)
 
@@ -69,7 +72,8 @@ CONVERSATION = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system"
 @given(messages=CONVERSATION, generation=st.sampled_from([None, True, False]))
 def test_a_spliced_text_is_jinjas(tmp_path_factory: pytest.TempPathFactory, template: str,
                                   messages: list[dict[str, str]], generation: bool | None) -> None:
-    mt = _TOKENIZERS.get(template) or _TOKENIZERS.setdefault(template, _with_template(tmp_path_factory.mktemp("t"), template))
+    mt = _TOKENIZERS.get(template) or _TOKENIZERS.setdefault(
+        template, _with_template(tmp_path_factory.mktemp("t"), template))
     doc: dict[str, Any] = {"messages": messages}
     if generation is not None:
         doc["add_generation_prompt"] = generation
@@ -103,7 +107,8 @@ def test_the_shipped_templates_splice_where_they_only_copy(tmp_path: Path) -> No
 
 
 READS = {  # templates that read a content (or the date): never spliced
-    "compares": "{% for m in messages %}{% if m['content'] == '' %}EMPTY{% else %}{{ m['content'] }}{% endif %}{% endfor %}",
+    "compares": "{% for m in messages %}{% if m['content'] == '' %}EMPTY{% else %}{{ m['content'] }}{% endif %}"
+                "{% endfor %}",
     "truth": "{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}|{% endfor %}",
     "filter": "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",
     "slice": "{% for m in messages %}{{ m['content'][:3] }}{% endfor %}",
@@ -112,13 +117,16 @@ READS = {  # templates that read a content (or the date): never spliced
     "tojson": "{% for m in messages %}{{ m | tojson }}{% endfor %}",
     "map": "{{ messages | map(attribute='content') | join(',') }}",
     "captured": "{% for m in messages %}{% set x %}{{ m['content'] }}{% endset %}{{ x | trim }}{% endfor %}",
-    "macro": "{% macro show(t) %}{{ t | trim }}{% endmacro %}{% for m in messages %}{{ show(m['content']) }}{% endfor %}",
-    "previtem": "{% for m in messages %}{% if loop.previtem and loop.previtem['content'] %}P{% endif %}{{ m.content }}{% endfor %}",
+    "macro": "{% macro show(t) %}{{ t | trim }}{% endmacro %}"
+             "{% for m in messages %}{{ show(m['content']) }}{% endfor %}",
+    "previtem": "{% for m in messages %}{% if loop.previtem and loop.previtem['content'] %}P{% endif %}"
+                "{{ m.content }}{% endfor %}",
     "characters": "{% for m in messages %}{% for c in m['content'] %}{{ c }}.{% endfor %}{% endfor %}",
     "get": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
     "length": "{% for m in messages %}{{ m['content'] | length }}{% endfor %}",
     "date": "{{ strftime_now('%Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-    "namespace": "{% set ns = namespace(c='') %}{% for m in messages %}{% set ns.c = m['content'] %}{% endfor %}{{ ns.c.strip() }}",
+    "namespace": "{% set ns = namespace(c='') %}{% for m in messages %}{% set ns.c = m['content'] %}{% endfor %}"
+                 "{{ ns.c.strip() }}",
     "in": "{% for m in messages %}{% if 'x' in m['content'] %}X{% endif %}{{ m['content'] }}{% endfor %}",
 }
 

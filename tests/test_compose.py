@@ -206,7 +206,8 @@ class Stack:
         self.wait_router(healthy=True, timeout=timeout)
 
     def metrics(self, router: int = 0) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[ROUTERS[router].metrics_port]}/metrics", timeout=5) as r:
+        url = f"http://127.0.0.1:{self.ports[ROUTERS[router].metrics_port]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
             return r.read().decode()
 
     def metric(self, name: str, router: int = 0, **labels: str) -> float:

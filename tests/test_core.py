@@ -111,16 +111,19 @@ def test_text_parts_equal_plain_string_and_completions_shapes() -> None:
     image["messages"][1]["content"] = [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]
     assert key(image) != key(chat_doc())
     for prompt in ("Once upon a time", ["Once upon", "a time"], [1, 2, 3], [[1, 2], [3]]):
-        assert decide(json.dumps({"model": "m", "prompt": prompt, "temperature": 1}).encode(), {}, PROMPT).normalize == "prompt"
-        assert key({"model": "m", "prompt": prompt, "temperature": 1}) == key({"prompt": prompt, "model": "m", "top_p": 0.1})
-    assert key({"inputs": "hello", "parameters": {"max_new_tokens": 5}}) == key({"inputs": "hello", "parameters": {"top_k": 3}})
+        doc = {"model": "m", "prompt": prompt, "temperature": 1}
+        assert decide(json.dumps(doc).encode(), {}, PROMPT).normalize == "prompt"
+        assert key(doc) == key({"prompt": prompt, "model": "m", "top_p": 0.1})
+    assert key({"inputs": "hello", "parameters": {"max_new_tokens": 5}}) == \
+        key({"inputs": "hello", "parameters": {"top_k": 3}})
     assert key({"model": "m", "prompt": [1, 2, 3]}) != key({"model": "m", "prompt": [1, 2, 4]})
 
 
 def test_tool_calls_and_tool_results_are_part_of_the_prompt() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     a = chat_doc()
-    a["messages"] += [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    a["messages"] += [{"role": "assistant", "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "1"}]
     b = json.loads(json.dumps(a))
     b["messages"][3]["content"] = "2"
     assert key(a) != key(b)

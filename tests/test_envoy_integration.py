@@ -252,7 +252,8 @@ def test_fast_shape_keys_by_body_and_tenant_attribute(backends: BackendFleet, ma
     assert no_body.status == 200 and no_body.json()["prefix_key"] is None
 
 
-def test_named_replicas_keep_their_keys_when_their_address_changes(backends: BackendFleet, make_envoy: EnvoyFactory) -> None:
+def test_named_replicas_keep_their_keys_when_their_address_changes(backends: BackendFleet,
+                                                                   make_envoy: EnvoyFactory) -> None:
     """Maglev hashes each replica's hash_key (vllm-i), not its address: a replica that comes
     back on another address (a restarted pod) gets its old keys back."""
     bodies = [chat(f"prefix {i}", "q") for i in range(120)]

@@ -269,7 +269,6 @@ def test_a_forecast_checks_itself_against_the_removals_while_the_request_is_in_f
     route = RouteSettings(mode="pick")
     core = core_with(_forecast_of_50_blocks_a_request())
     core.load.scraped(B, Sample(running=30, waiting=30, kv_usage=0.99, capacity_tokens=1600), 0)  # far busier
-    n = len(prompt.block_hashes)
 
     def counted(outcome: str) -> float:
         return metrics.EVICTION_FORECAST_CHECKED.labels(A, outcome)._value.get()

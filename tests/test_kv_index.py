@@ -397,7 +397,8 @@ def test_the_chain_cache_serves_remembered_chains_exactly_and_stays_in_its_bound
         tokens = talks[i] if rng.random() < 0.8 else talks[i][: rng.randrange(len(talks[i]) + 1)]
         bs, salt = rng.choice([1, 4]), rng.choice([None, None, "s"])
         n = len(tokens) // bs
-        assert list(cache.hashes(tokens, bs, salt)) == block_hashes(tokens, bs, request_extra_keys(n, salt, None) if salt else None)
+        extra = request_extra_keys(n, salt, None) if salt else None
+        assert list(cache.hashes(tokens, bs, salt)) == block_hashes(tokens, bs, extra)
         distinct = {id(c): len(c) for c in cache._chains.values()}
         assert cache.held == sum(distinct.values()) and (cache.held <= cache.max_hashes or not cache._chains)
 

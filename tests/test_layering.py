@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([venv_tool("lint-imports") or "lint-imports", "--no-cache", *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    return subprocess.run([venv_tool("lint-imports") or "lint-imports", "--no-cache", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
 
 
 def test_every_import_contract_is_kept() -> None:

@@ -825,7 +825,8 @@ def test_precise_routers_share_their_requests_in_flight_over_the_redis_it_deploy
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     (container,) = pod["spec"]["containers"]
     assert {"--save", "--appendonly"} <= set(container["args"])  # pub/sub only: nothing persisted
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True and pod["spec"]["securityContext"]["runAsNonRoot"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["spec"]["securityContext"]["runAsNonRoot"]
     # only the router pods reach it
     policy = one(docs, "NetworkPolicy", service)
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()

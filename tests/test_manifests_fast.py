@@ -117,7 +117,8 @@ def istio_field_errors(value: dict[str, Any], fields: dict[str, Any] = ISTIO_HTT
         if want is None:
             errors.append(f"{at}{key}: no such field in Istio's MeshConfig")
         elif isinstance(want, dict):
-            errors += istio_field_errors(got, want, f"{at}{key}.") if isinstance(got, dict) else [f"{at}{key}: not an object"]
+            errors += (istio_field_errors(got, want, f"{at}{key}.") if isinstance(got, dict)
+                       else [f"{at}{key}: not an object"])
         elif not isinstance(got, want) or (want is int and isinstance(got, bool)):
             errors.append(f"{at}{key}: {type(got).__name__}, not {want.__name__}")
         elif want is list and not all(isinstance(v, str) for v in got):
@@ -192,7 +193,8 @@ def istio_fast_gateway(docs: tuple[Doc, ...], provider: dict[str, Any]) -> envoy
             "shadow_rules_stat_prefix": "istio_ext_authz_"}
     at = [f["name"] for f in filters].index(ROUTER_FILTER)
     filters[at:at] = [{"name": RBAC, "typed_config": rbac},
-                      {"name": envoy_config.EXT_AUTHZ, "typed_config": istio_ext_authz(provider, p["service"], cluster)}]
+                      {"name": envoy_config.EXT_AUTHZ,
+                       "typed_config": istio_ext_authz(provider, p["service"], cluster)}]
     apply_envoy_filter(cfg, one(docs, "EnvoyFilter"), one(docs, "DestinationRule")["spec"]["host"])
     return cfg
 

@@ -277,7 +277,8 @@ def _override_host_from_metadata(cfg: envoy_config.Config) -> None:
                                                     "path": [{"key": "x-gateway-destination-endpoint"}]}}],
             "fallback_policy": {"policies": [{"typed_extension_config": {
                 "name": "envoy.load_balancing_policies.maglev",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.maglev.v3.Maglev"},
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.maglev.v3.Maglev"},
             }}]},
         }}}]}
 

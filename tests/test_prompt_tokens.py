@@ -302,8 +302,9 @@ def test_flags_that_break_independence_disable_the_cache(tmp_path: Path, caplog:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=300, deadline=None)
-@given(base=st.lists(pieces, max_size=16), tails=st.lists(st.tuples(st.integers(0, 16), st.lists(pieces, max_size=6)),
-                                                          min_size=1, max_size=5), lead=st.sampled_from(["", "x" * HEAD]))
+@given(base=st.lists(pieces, max_size=16),
+       tails=st.lists(st.tuples(st.integers(0, 16), st.lists(pieces, max_size=6)), min_size=1, max_size=5),
+       lead=st.sampled_from(["", "x" * HEAD]))
 def test_memo_resumed_text_equals_uncached(family: str, base: list[str], tails: list[tuple[int, list[str]]],
                                            lead: str) -> None:
     """Texts that share a prefix with one tokenised before, cut anywhere, even inside an added token
@@ -358,7 +359,8 @@ def _check_memo(memo: PromptMemo) -> None:
             assert all(p.text.startswith(head.latest.text[:head.agree]) for p in group)
     for prompt, filed, key, cost in memo._order.values():  # where each is filed, as its drop will find it
         text = prompt.text
-        assert filed == text[:HEAD] and key == memo._key(memo._heads[filed].agree, text) and cost == _memo_cost(text, prompt)
+        assert filed == text[:HEAD] and key == memo._key(memo._heads[filed].agree, text)
+        assert cost == _memo_cost(text, prompt)
 
 
 def test_a_new_question_on_a_remembered_system_prompt_shares_its_pieces_and_ids() -> None:

@@ -100,7 +100,8 @@ def test_each_phase_s_accuracy_is_over_the_hits_of_the_requests_its_router_proce
     assert before["chosen_hit_tokens"] == 500 and before["accuracy"] == 1.0
     assert before["counters_accuracy"] == 1.25  # 500 predicted against the 400 counted before the restart
     assert after["chosen_hit_tokens"] == 700 and after["accuracy"] == 0.9
-    assert after["counters_accuracy"] == round(630 / 1100, 4)  # 630 against 1,100: the queued and the unkeyed requests' hits too
+    # 630 against 1,100: the queued and the unkeyed requests' hits too
+    assert after["counters_accuracy"] == round(630 / 1100, 4)
 
 
 def test_a_standby_router_decides_nothing_until_the_first_fails_then_takes_over() -> None:

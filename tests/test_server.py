@@ -63,7 +63,8 @@ def test_headers_then_body_sets_the_key_and_strips_the_client_copy(channel: grpc
     assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefix-key", "x-prefix-pick"]
     expected = decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
     assert key_set(replies[1]) == expected
-    assert replies[1].dynamic_metadata.fields["prefix_router"].struct_value.fields["prefix_key"].string_value == expected
+    fields = replies[1].dynamic_metadata.fields["prefix_router"].struct_value.fields
+    assert fields["prefix_key"].string_value == expected
 
 
 def test_body_without_header_phase_reads_tenant_from_attributes(channel: grpc.Channel) -> None:
@@ -230,7 +231,8 @@ def test_sigterm_drains_an_open_stream_then_exits() -> None:
     ([], {"PREFIX_ROUTER_PREFIX_LENGTH": "100000"}, "PREFIX_ROUTER_PREFIX_LENGTH"),
     ([], {"PREFIX_ROUTER_TENANT_HEADERS": " , "}, "PREFIX_ROUTER_TENANT_HEADERS"),
 ])
-def test_bad_startup_settings_exit_non_zero_naming_the_setting(argv: list[str], env: dict[str, str], needle: str) -> None:
+def test_bad_startup_settings_exit_non_zero_naming_the_setting(argv: list[str], env: dict[str, str],
+                                                               needle: str) -> None:
     import os
     done = subprocess.run([sys.executable, "-m", "extproc", "serve", *argv], capture_output=True, text=True,
                           timeout=30, env={**os.environ, **env})
@@ -243,7 +245,8 @@ def test_flags_beat_env_and_metadata_beats_both() -> None:
     args = argparse.Namespace(prefix_length="8192", normalize=None, key_header=None, tenant_headers=None)
     s = route_settings(args, {"PREFIX_ROUTER_PREFIX_LENGTH": "1024", "PREFIX_ROUTER_NORMALIZE": "raw"})
     assert (s.prefix_length, s.normalize) == (8192, "raw")
-    s2, errors = with_metadata(s, [("x-prefix-router-normalize", "canonical"), ("x-prefix-router-tenant-headers", "a,B")])
+    s2, errors = with_metadata(s, [("x-prefix-router-normalize", "canonical"),
+                                   ("x-prefix-router-tenant-headers", "a,B")])
     assert (s2.normalize, s2.tenant_headers, errors) == ("canonical", ("a", "b"), [])
     with pytest.raises(SettingError, match="PREFIX_ROUTER_KEY_HEADER"):
         route_settings(None, {"PREFIX_ROUTER_KEY_HEADER": "bad header"})
@@ -252,8 +255,9 @@ def test_flags_beat_env_and_metadata_beats_both() -> None:
 def test_explain_json_matches_the_server_decision(tmp_path) -> None:
     path = tmp_path / "body.json"
     path.write_bytes(BODY)
-    done = subprocess.run([sys.executable, "-m", "extproc", "explain", str(path), "--json", "-H", "X-Prefix-Aware-Id: acme",
-                           "--prefix-length", "128"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([sys.executable, "-m", "extproc", "explain", str(path), "--json",
+                           "-H", "X-Prefix-Aware-Id: acme", "--prefix-length", "128"],
+                          capture_output=True, text=True, timeout=30)
     info = json.loads(done.stdout)
     assert info["key"] == decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings(prefix_length=128)).key
     assert (info["tenant"], info["normalize"], info["fallback"], info["prefix_bytes"]) == ("acme", "prompt", None, 128)
@@ -289,7 +293,8 @@ def test_explain_compares_two_bodies(tmp_path) -> None:
     assert "different normalisation" in raw["reason"]
     (tmp_path / "a.json").write_bytes(a)
     (tmp_path / "b.json").write_bytes(b)
-    done = subprocess.run([sys.executable, "-m", "extproc", "explain", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                           "--json", "-H", "x-prefix-aware-id: t"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([sys.executable, "-m", "extproc", "explain", str(tmp_path / "a.json"),
+                           str(tmp_path / "b.json"), "--json", "-H", "x-prefix-aware-id: t"],
+                          capture_output=True, text=True, timeout=30)
     out = json.loads(done.stdout)
     assert out["same_key"] is False and out["a"]["tenant"] == out["b"]["tenant"] == "t"

@@ -357,7 +357,8 @@ def test_two_routers_behind_envoy_hear_every_pick_of_the_other() -> None:
             sent = 24
             for i in range(sent):
                 messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i}"}]
-                reply = send(port, body=json.dumps({"model": "sim-tiny", "messages": messages, "max_tokens": 2}).encode())
+                payload = json.dumps({"model": "sim-tiny", "messages": messages, "max_tokens": 2}).encode()
+                reply = send(port, body=payload)
                 assert reply.status == 200, reply.body
 
             def received(kind: str) -> float:

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if o.problem:
             print(f"    problem: {o.problem}")
     bad = [o.version for o in outcomes if not o.ok]
-    print(f"\n{len(outcomes) - len(bad)} of {len(outcomes)} Envoy versions pass" + (f"; failing: {' '.join(bad)}" if bad else ""))
+    print(f"\n{len(outcomes) - len(bad)} of {len(outcomes)} Envoy versions pass"
+          + (f"; failing: {' '.join(bad)}" if bad else ""))
     return 1 if bad else 0
 
 

@@ -40,7 +40,8 @@ PERF_HZ = 499
 # `python -c CPROFILE OUT serve ...`: prefix-router serve under cProfile on the main thread's CPU time
 CPROFILE = ("import cProfile, sys, time\nfrom extproc.cli import main\n"
             "profile = cProfile.Profile(time.thread_time)\nprofile.enable()\n"
-            "try:\n    code = main(sys.argv[2:])\nfinally:\n    profile.disable()\n    profile.dump_stats(sys.argv[1])\n"
+            "try:\n    code = main(sys.argv[2:])\n"
+            "finally:\n    profile.disable()\n    profile.dump_stats(sys.argv[1])\n"
             "sys.exit(code)\n")
 
 

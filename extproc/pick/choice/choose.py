@@ -7,13 +7,13 @@ Estimated cost of serving the request on replica r, in prefill-token units:
             + load_tokens x in_flight(r)                 every request it runs
 
 The first term is the prefill r would have to compute (the prompt minus what r most likely
-holds); the others the work already on r: the prefill tokens still queued (this
-request waits for them), and a charge per request in flight (decode steps, and the wait
-for a sequence slot on a full replica). Dynamo's KV router weighs prefill blocks against
-active blocks the same way; the weights were chosen by the sweep in docs/results/pick-sweep. ``concurrency_threshold`` is SageMaker's hard cap: a replica with that
-many in flight is not chosen while another is below it. Equal costs (a cold prompt on an
-idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
-replicas with the same view agree without talking to each other.
+holds); the others the work already on r: the prefill tokens still queued (this request waits
+for them), and a charge per request in flight (decode steps, and the wait for a sequence slot on
+a full replica). Dynamo's KV router weighs prefill blocks against active blocks the same way;
+the weights were chosen by the sweep in docs/results/pick-sweep. ``concurrency_threshold`` is
+SageMaker's hard cap: a replica with that many in flight is not chosen while another is below
+it. Equal costs (a cold prompt on an idle fleet) go to the highest rendezvous hash of (key,
+replica), so independent router replicas with the same view agree without talking to each other.
 """
 
 from __future__ import annotations

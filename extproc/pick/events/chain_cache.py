@@ -104,7 +104,8 @@ class ChainCache:
             self._owned.move_to_end(at)
         entry[1][key] = chain
 
-    def _probed(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None, blocks: int) -> array[int]:
+    def _probed(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None,
+                blocks: int) -> array[int]:
         if isinstance(tokens, IdRun):
             tokens = tokens.array()
         spans = blocks // self.span

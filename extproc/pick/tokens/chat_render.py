@@ -289,7 +289,8 @@ def _tools_as_vllm_dumps(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(fn.get("name"), str):
             raise NotTokenizable("bad_request", "a tool function without a name")
         dumped_fn = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
-        dumped_fn.update({k: v for k, v in fn.items() if k not in dumped_fn and not (k == "defer_loading" and v is None)})
+        dumped_fn.update({k: v for k, v in fn.items()
+                          if k not in dumped_fn and not (k == "defer_loading" and v is None)})
         dumped = {"type": tool.get("type", "function"), "function": dumped_fn}
         dumped.update({k: v for k, v in tool.items() if k not in dumped and not (k == "defer_loading" and v is None)})
         out.append(dumped)

@@ -1,11 +1,11 @@
 """A chat rendered by splicing its messages' contents into fixed text, where the template only copies them.
 
 Jinja renders a chat template in 22-28 us a request at 32 KB (the stage profile in
-docs/pick-mode.md), and most of a long conversation's turn. Yet for most templates and requests the rendered text is fixed pieces (role headers,
-special tokens) with each message's content written between them as it is, or trimmed: what
-differs from request to request is the contents, and where they go depends only on the roles and
-``add_generation_prompt``. This module proves that per template and per such structure, then
-renders by joining strings.
+docs/pick-mode.md), and most of a long conversation's turn. Yet for most templates and requests the
+rendered text is fixed pieces (role headers, special tokens) with each message's content written
+between them as it is, or trimmed: what differs from request to request is the contents, and where
+they go depends only on the roles and ``add_generation_prompt``. This module proves that per
+template and per such structure, then renders by joining strings.
 
 The proof has two parts. The template's syntax tree is walked once: every expression that can
 hold a message's content, or a container it can be reached from (``messages``, a message, its

@@ -291,8 +291,9 @@ def analyze(log: Log, design: str, windows: WindowsFile | None = None,
         per_more = elapsed / fewest if fewest else 0.0
         a.fatal.append(f"too few {unit} for a verdict: {len(clusters[TREATMENT])} prefix + {len(clusters[CONTROL])} "
                        f"stock; a verdict needs at least {VERDICT_CLUSTERS} per arm (a bootstrap over fewer makes "
-                       "the interval far too narrow)" + (f": run about {(VERDICT_CLUSTERS - fewest) * per_more / 60:.1f}"
-                                                         " more minutes" if per_more else ""))
+                       "the interval far too narrow)"
+                       + (f": run about {(VERDICT_CLUSTERS - fewest) * per_more / 60:.1f} more minutes"
+                          if per_more else ""))
         return a
     by_metric = {c.metric: c for c in a.changes}
     for metric in ("TTFT p50", "TTFT p90", "KV hit rate"):

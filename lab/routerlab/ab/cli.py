@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--access-log", required=True, metavar="FILE", help="Envoy's JSON access log")
     a.add_argument("--design", required=True, choices=analysis.DESIGNS,
                    help="switchback (interval over windows), pools or shared (interval over sessions)")
-    a.add_argument("--windows", metavar="FILE", help="the windows file (switchback: required, written by `ab switchback`; pools and shared: "
+    a.add_argument("--windows", metavar="FILE",
+                   help="the windows file (switchback: required, written by `ab switchback`; pools and shared: "
                         "optional, windows whose counters are keyed by arm give each pool's hit rate)")
     a.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     _add_analysis_arguments(a)

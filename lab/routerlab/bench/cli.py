@@ -18,7 +18,8 @@ DRILLS = {
     "overhead": "the hop's cost: Envoy alone vs a do-nothing server (the floor) vs the router, per "
                 "shipped config and body size, wrk at 1/16/64 connections in interleaved rounds, CPU per request; "
                 "--replicas (backends), --param rounds= phase_s= sizes=2,32 configs= arms= connections=16,64 "
-                "warmup_s= threads= envoy_concurrency= floor_shape=aio-uvloop|aio-asyncio|sync http_floor=server|bare processes=",
+                "warmup_s= threads= envoy_concurrency= floor_shape=aio-uvloop|aio-asyncio|sync "
+                "http_floor=server|bare processes=",
 }
 
 
@@ -66,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="a process flag for every prefix arm's router, e.g. --bytes-per-token=1.9 "
                               "(what stream metadata cannot set; repeatable)")
     routing.add_argument("--balance-factor", type=int, default=DEFAULT_BALANCE_FACTOR,
-                         help=f"hash_balance_factor of the prefix-bounded arm (default {DEFAULT_BALANCE_FACTOR}, as shipped)")
+                         help=f"hash_balance_factor of the prefix-bounded arm "
+                              f"(default {DEFAULT_BALANCE_FACTOR}, as shipped)")
     backend = parser.add_argument_group("backend")
     backend.add_argument("--backend", choices=("sim", "vllm-cpu"), default="sim",
                          help="sim (default) or real vLLM on CPU (routerlab.realvllm)")

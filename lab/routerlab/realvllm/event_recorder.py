@@ -107,7 +107,7 @@ class EventRecorder:
     def _run(self, ready: threading.Event) -> None:
         socks = []
         poller = zmq.Poller()
-        for i, url in enumerate(self.endpoints):
+        for url in self.endpoints:
             s = self._ctx.socket(zmq.SUB)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SUBSCRIBE, self.topic)

@@ -3,11 +3,11 @@
 Each server is ``python -m vllm.entrypoints.openai.api_server`` with
 ``VLLM_CPU_OMP_THREADS_BIND=<core>`` (replica i on core i mod cores), caches under a temp dir
 (``VLLM_CACHE_ROOT``, ``XDG_CACHE_HOME``, ``HF_HOME``), ``HF_HUB_OFFLINE=1``,
-``--enable-prefix-caching`` and, when given, ``--block-size``,
-``--num-gpu-blocks-override``, ``--enable-prompt-tokens-details`` and a ``--kv-events-config``
-that publishes KV-cache events (replica port + ``kv_events_offset``, bound on every interface
-since vLLM binds its PUB socket only for a wildcard endpoint; its replay socket on
-127.0.0.1:<replica port + ``kv_replay_offset``>: the router's ``--kv-ports-relative on``). Logs go to ``<workdir>/vllm-<port>.log``. Usage and CLI:
+``--enable-prefix-caching`` and, when given, ``--block-size``, ``--num-gpu-blocks-override``,
+``--enable-prompt-tokens-details`` and a ``--kv-events-config`` that publishes KV-cache events
+(replica port + ``kv_events_offset``, bound on every interface since vLLM binds its PUB socket only
+for a wildcard endpoint; its replay socket on 127.0.0.1:<replica port + ``kv_replay_offset``>: the
+router's ``--kv-ports-relative on``). Logs go to ``<workdir>/vllm-<port>.log``. Usage and CLI:
 :mod:`routerlab.realvllm.launcher`.
 """
 
