@@ -45,6 +45,7 @@ def request(mode: str, kb: int) -> Callable[[], None]:
     from extproc.pick.tokens.prompt_tokens import ModelTokenizer
     from routerlab.assets import TINY_BYTELEVEL
     from routerlab.bench import microbench as mb
+    from routerlab.bench.micro.precise import precise_of
 
     if mode == "pick":
         return mb.pick_request(kb, 8, WARM)[1]
@@ -60,13 +61,13 @@ def request(mode: str, kb: int) -> Callable[[], None]:
     system = json.loads(mb.chat_body(kb * 1024, 0))["messages"][0]["content"]
     bodies = iter(mb.questions(system, MAX_REQUESTS + 20 + WARM + 1))
     core = mb.precise_core(tokenizer, 8, tokenizer.token_array(json.loads(next(bodies)), "chat").tolist())
-    assert core.precise is not None
     served = mode == "precise-served"
+    precise = precise_of(core)
 
     def once() -> None:
         decision = decide(next(bodies), {}, settings)
         if served:
-            core.precise.missing(decision)  # type: ignore[union-attr]
+            precise.missing(decision)
         core.release(core.pick(decision, settings))
     return once
 

@@ -29,7 +29,8 @@ from extproc.pick.sources.tokenize_ahead import TokenizeAhead
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from routerlab.assets import TINY_BYTELEVEL
-from routerlab.bench.microbench import chat_body, precise_core, questions
+from routerlab.bench.micro.bodies import chat_body, questions
+from routerlab.bench.micro.precise import precise_core, precise_of
 
 PICK = RouteSettings(mode="pick")
 
@@ -108,7 +109,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         short, long = _bodies(int(args.seconds / args.short_every), int(args.seconds / args.long_every),
                               args.size_kb, system)
         tokenizer.encode(tokenizer.render_chat(json.loads(short[0])))  # the system prompt: seen before
-        ahead = TokenizeAhead(core.precise, inline, args.queue_seconds) if inline else None  # type: ignore[arg-type]
+        ahead = TokenizeAhead(precise_of(core), inline, args.queue_seconds) if inline else None
         started = time.perf_counter()
         try:
             out = event_loop.run(_run(core, ahead, short, long, args.short_every, args.long_every))

@@ -14,8 +14,9 @@ from extproc.adapters.ext_proc import PrefixRouter
 from extproc.core.decide import decide, prefix_key
 from extproc.core.normalize import normalize
 from extproc.core.settings import RouteSettings
-from extproc.pick.core import MAX_REQUEST_CHUNKS, PickCore
+from extproc.pick.core import PickCore
 from extproc.pick.views.chunks import chunk_hashes
+from extproc.pick.views.learned import MAX_REQUEST_CHUNKS, LearnedView
 from routerlab.bench.micro.adapters import (StubContext, adapter_once, check_message, check_once, http_check,
                                             http_server, wire_messages)
 from routerlab.bench.micro.bodies import chat_body
@@ -28,7 +29,8 @@ def unique_choice_us(size_kb: int, replicas: int, index_chunks: int, number: int
     """Pick mode's worst case: every prompt new (its every chunk recorded, as many evicted),
     on an index already at its capacity of ``index_chunks`` chunks."""
     settings = RouteSettings(mode="pick")
-    core = PickCore(index_max_chunks=index_chunks)
+    learned = LearnedView(index_max_chunks=index_chunks)
+    core = PickCore(learned)
     core.set_endpoints([f"10.0.0.{i}:8000" for i in range(replicas)])
     seeds = iter(range(1, 1 << 30))
 
@@ -36,7 +38,7 @@ def unique_choice_us(size_kb: int, replicas: int, index_chunks: int, number: int
         seed = next(seeds)
         return decide(chat_body(size_kb * 1024, seed, marker=f"{seed:09d} "), {}, settings)
 
-    while core.index.stats().entries < index_chunks * 0.98:
+    while learned.index.stats().entries < index_chunks * 0.98:
         core.release(core.pick(fresh(), settings))
     runs = []
     for _ in range(5):
@@ -72,8 +74,10 @@ def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 
     isolated, secret, tenant = RouteSettings(tenant_isolation=True), b"microbench-secret-0123456789", {
         "x-prefix-aware-id": "acme"}
     core, pick_once = pick or pick_request(size_kb, replicas, warm_prompts)
+    learned = core.view
+    assert isinstance(learned, LearnedView)
     decision = decide(body, {}, pick_settings)
-    chunks = chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS)
+    chunks = chunk_hashes(decision.normalized, learned.chunk_bytes, MAX_REQUEST_CHUNKS)
     prefix = normalize(body, hash_settings.normalize).data[:hash_settings.prefix_length]
 
     def choice_once() -> None:
@@ -97,9 +101,9 @@ def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 
         "pick_choice_us": round(median_us(choice_once, number), 1),
         "pick_total_us": round(median_us(pick_once, number), 1),
         "chunk_hashes_us": round(median_us(
-            lambda: chunk_hashes(decision.normalized, core.chunk_bytes, MAX_REQUEST_CHUNKS), number), 1),
-        "index_match_us": round(median_us(lambda: core.index.match(chunks), number), 1),
+            lambda: chunk_hashes(decision.normalized, learned.chunk_bytes, MAX_REQUEST_CHUNKS), number), 1),
+        "index_match_us": round(median_us(lambda: learned.index.match(chunks), number), 1),
         "pick_unique_us": round(unique_choice_us(size_kb, replicas, index_chunks, number // 4), 1),
         "chunks": len(chunks),
-        "index_entries": core.index.stats().entries,
+        "index_entries": learned.index.stats().entries,
     }

@@ -15,6 +15,9 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.events.kv_events import BlockStored
 from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.views.event_view import EventView
+from extproc.pick.views.learned import LearnedView
+from extproc.pick.views.partial import CombinedView
 from extproc.pick.views.precise import PreciseView
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
@@ -33,14 +36,21 @@ def precise_core(tokenizer: ModelTokenizer, replicas: int, held: Sequence[int], 
     holding the full blocks of the token ids ``held``."""
     index = EventIndex()
     addresses = [f"10.0.0.{i}:8000" for i in range(replicas)]
-    core = PickCore()
+    core = PickCore(CombinedView(EventView(PreciseView(index, {"*": tokenizer}, {a: _Live() for a in addresses})),
+                                 LearnedView()))
     core.set_endpoints(addresses)
-    core.precise = PreciseView(index, {"*": tokenizer}, {a: _Live() for a in addresses})
     full = len(held) // block_size * block_size
     for i, address in enumerate(addresses[: replicas // 2]):
         hashes = [(i << 32) + n for n in range(full // block_size)]
         index.apply(address, [BlockStored(tuple(hashes), None, tuple(held[:full]), block_size)])
     return core
+
+
+def precise_of(core: PickCore) -> PreciseView:
+    """The event matcher inside ``precise_core``'s view."""
+    view = core.view
+    assert isinstance(view, CombinedView)
+    return view.events.precise
 
 
 MAX_WARM: Final = 20_000  # requests at most to bring the prompt memo to its bound
@@ -115,7 +125,7 @@ def precise_measure(size_kb: int, replicas: int, block_size: int = 16,
         "precise_total_no_words_us": without_words,
         "precise_in_flight_us": loaded,
         "precise_tokenize_us": median_us(lambda: tokenizer.token_array(next(warm_docs), "chat"), number),
-        "precise_hash_us": median_us(lambda: core.precise.chains.hashes(ids[:full], block_size), number),
+        "precise_hash_us": median_us(lambda: precise_of(core).chains.hashes(ids[:full], block_size), number),
         "precise_tokenize_cold_us": median_us(cold, max(5, number // 10)),
         "prompt_tokens": len(ids),
         "warm_requests": warmed,
