@@ -25,12 +25,10 @@ import numpy as np
 import orjson
 
 from routerlab.bench.trace import Request, Session
+from routerlab.harness.arm import ROUTED_HEADER
 
 SATURATED_CPU = 0.85  # fraction of one core
 SATURATED_LAG_MS = 50.0
-# Envoy arms echo the router's routing header in the response (routerlab.bench.arms): a request the
-# router chose a replica for, told from one Envoy sent on unkeyed (failure_mode_allow)
-ROUTED_HEADER = "x-bench-routed"
 
 
 @dataclass(slots=True)
