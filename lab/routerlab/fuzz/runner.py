@@ -1,11 +1,17 @@
 """The fuzz run, its report and its command line: every case through ``decide`` (and pick), timed.
 
 The run generates ``--bodies`` cases (deterministic from ``--seed``), one shape after another
-in turn, and runs each through ``decide`` under a normalise mode that rotates per round of
-shapes and a random prefix length. Every 10th round also runs the pick path's choice
-(``PickCore.evaluate`` on ``checks.pick_core``'s fleet) and checks that ``decide`` is
-deterministic. A broken promise is a *violation*, an escaped exception an *exception*, and
-either makes the exit code 1.
+in turn, each shape cycling its hostile variants with its round (``shapes.FuzzRandom``), and
+runs each through ``decide`` under a normalise mode that rotates per round of shapes and a
+random prefix length. Every 10th round also runs the pick path's choice (``PickCore.evaluate``
+on ``checks.pick_core``'s fleet). Every body up to 256 KiB, and every body of a pick round, is
+decided twice to check that ``decide`` is deterministic, field by field (``checks.differences``:
+the parsed document by its serialisation, not by ``==``, which recurses past Python's limit on
+a 1,000-deep body). Precise mode's render, tokenise and match (``precise``) runs on every body
+of the ``precise_*`` shapes and on the pick rounds' bodies: token ids, an Exact or
+NotTokenizable, nothing else. A broken promise is a *violation*, an escaped exception an
+*exception* (by stage: decide, pick, precise), and either makes the exit code 1; the first
+failing body of each kind is saved (``--save-failures``) for ``--replay``.
 
 Times are wall time per body (``time.perf_counter``). ``decide`` runs with the cyclic GC paused,
 as the server runs it (``server.without_gc``); the pick path runs with it on, as in the server.
@@ -26,6 +32,7 @@ ratio up. A quadratic path shows up as a shape's ratio growing with its size.
 from __future__ import annotations
 
 import argparse
+import base64
 import gc
 import json
 import math
@@ -38,20 +45,27 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from extproc.adapters.ext_proc import without_gc
-from extproc.core.decide import decide
+from extproc.adapters.service import without_gc
+from extproc.core.decide import Decision, decide
 from extproc.core.normalize import MODES
 from extproc.core.settings import PREFIX_LENGTH_RANGE, RouteSettings
-from routerlab.fuzz.checks import check, choice_problems, pick_core
-from routerlab.fuzz.shapes import DEFAULT_MAX_BODY_BYTES, MIB, SHAPES, Case, fit
+from routerlab.fuzz import precise
+from routerlab.fuzz.checks import check, choice_problems, differences, pick_core
+from routerlab.fuzz.shapes import DEFAULT_MAX_BODY_BYTES, MIB, PRECISE_SHAPES, SHAPES, Case, FuzzRandom, fit
 from routerlab.harness.proc_cpu import process_rss_mb
 
 DEFAULT_BODIES: Final = 100_000
 SMALL_MIB: Final = 1 / 16  # bodies under 64 KiB are charged as 64 KiB in max_ms_per_mib
 PICK_EVERY: Final = 10  # every 10th round of shapes also runs the pick path
-EXAMPLES: Final = 5
+EXAMPLES: Final = 10  # the first failure of each kind, up to this many
+AGAIN_MAX_BYTES: Final = 256 * 1024  # bodies up to this size are decided twice (determinism) on every round
+PRECISE_SMALL: Final = 256 * 1024  # larger bodies of the decide shapes run precise mode one pick round in 100
+DEFAULT_SAVE_DIR: Final = "fuzz-failures"  # as libFuzzer writes crash-* files: in the working directory, on failure
+SAVED_SETTINGS: Final = ("prefix_length", "normalize", "mode", "concurrency_threshold", "tie_tokens",
+                         "tenant_isolation")
 SECRET: Final = b"fuzz-tenant-isolation-secret"  # every third round salts tenants' caches
 
 
@@ -80,7 +94,7 @@ class GcClock:
         self.cpu_s += cpu - self._start_cpu
         self.max_pause_s = max(self.max_pause_s, pause)
 
-    def __enter__(self) -> "GcClock":
+    def __enter__(self) -> GcClock:
         gc.callbacks.append(self)
         return self
 
@@ -102,29 +116,62 @@ class ShapeStats:
     max_ms_per_mib: float = 0.0
 
 
+class Body(NamedTuple):
+    """One generated request and how the run takes it."""
+
+    number: int  # 1-based, in generation order: with the seed, it names the body
+    shape: str
+    turn: int  # the shape's round (its variants cycle with it)
+    case: Case
+    settings: RouteSettings
+    pick: bool  # also run the pick path's choice
+    precise: bool  # also run precise mode's render, tokenise and match
+
+    @property
+    def size(self) -> int:
+        return len(self.case.body) + sum(len(v) for v in self.case.headers.values())
+
+
 @dataclass(slots=True)
 class Run:
     """Counters of one fuzz run, turned into the report at the end."""
 
+    seed: int = 0
+    save_dir: Path | None = None  # where failing bodies are written as reproducers (None: not saved)
     gc: GcClock = field(default_factory=GcClock)
     exceptions: int = 0
     violations: int = 0
-    examples: list[dict[str, str]] = field(default_factory=list)
+    stages: Counter[str] = field(default_factory=Counter)  # failures by stage
+    kinds: Counter[str] = field(default_factory=Counter)  # failures by kind (``_kind``)
+    examples: list[dict[str, Any]] = field(default_factory=list)
     times_ms: list[float] = field(default_factory=list)
     max_ms_per_mib: tuple[float, str, int, Timing] = (0.0, "", 0, Timing(0.0, 0.0))  # ratio, shape, bytes
     shapes: dict[str, ShapeStats] = field(default_factory=lambda: {name: ShapeStats() for name in SHAPES})
     fallbacks: Counter[str] = field(default_factory=Counter)
     pick_reasons: Counter[str] = field(default_factory=Counter)
+    precise_outcomes: Counter[str] = field(default_factory=Counter)
+    precise_ms: list[float] = field(default_factory=list)
+    lanes: tuple[precise.Lane, ...] = ()
 
-    def fail(self, shape: str, stage: str, error: str, where: str = "") -> None:
-        """Count a failure; keep the first few (stage "check" is a broken promise, else an exception)."""
-        self.shapes[shape].failures += 1
+    def fail(self, body: Body, stage: str, error: str, exc: BaseException | None = None) -> None:
+        """Count a failure (stage "check" is a broken promise, else an exception); keep the first of
+        each kind as an example and save its body as a reproducer."""
+        self.shapes[body.shape].failures += 1
+        self.stages[stage] += 1
         if stage == "check":
             self.violations += 1
         else:
             self.exceptions += 1
-        if len(self.examples) < EXAMPLES:
-            self.examples.append({"shape": shape, "stage": stage, "error": error[:300], "where": where})
+        where = _where(exc) if exc is not None else ""
+        kind = _kind(stage, error, exc, where)
+        self.kinds[kind] += 1
+        if self.kinds[kind] > 1 or len(self.examples) >= EXAMPLES:
+            return
+        example: dict[str, Any] = {"shape": body.shape, "stage": stage, "error": error[:300], "where": where,
+                                   "body": body.number, "variant": body.case.label}
+        if self.save_dir is not None:
+            example["reproducer"] = str(save(self.save_dir, self.seed, body, stage, error, exc))
+        self.examples.append(example)
 
     def timed(self, shape: str, size: int, timing: Timing) -> None:
         """One body's wall time (GC pauses included) and, for the linear bound, its own CPU time."""
@@ -139,6 +186,13 @@ class Run:
             self.max_ms_per_mib = (per_mib, shape, size, timing)
 
 
+def _kind(stage: str, error: str, exc: BaseException | None, where: str) -> str:
+    """What tells two failures apart: an exception's type and place, a violation's first broken promise."""
+    if exc is None:
+        return f"{stage}: {error.split(';')[0][:80]}"
+    return f"{stage}: {type(exc).__name__} at {where}"
+
+
 def _settings(rng: random.Random, mode: str, pick: bool) -> RouteSettings:
     low, high = PREFIX_LENGTH_RANGE
     return RouteSettings(prefix_length=rng.choice((low, high, rng.randint(low, high))), normalize=mode,
@@ -146,56 +200,127 @@ def _settings(rng: random.Random, mode: str, pick: bool) -> RouteSettings:
                          tie_tokens=rng.choice((0, 256)), tenant_isolation=rng.random() < 1 / 3)
 
 
-def cases(bodies: int, seed: int, limit: int) -> Iterator[tuple[str, Case, RouteSettings, bool]]:
-    """(shape, case, settings, run the pick path too) for each body: shapes in turn, modes per round."""
-    rng = random.Random(seed)
+def _runs_precise(shape: str, size: int, rnd: int, pick: bool) -> bool:
+    """Every body of the precise shapes; a pick round's body of any other shape (one of 100 of the
+    large ones: a 1 MiB text costs 1-3 s to tokenise five times, an 8 MiB chat up to 25 s)."""
+    if shape in PRECISE_SHAPES:
+        return True
+    return pick and (size <= PRECISE_SMALL or rnd % (PICK_EVERY * 100) == 0)
+
+
+def cases(bodies: int, seed: int, limit: int) -> Iterator[Body]:
+    """Each body: shapes in turn, modes per round, each shape's variants cycled with its round."""
+    rng = FuzzRandom(seed)
     shapes = list(SHAPES.items())
     for i in range(bodies):
         name, make = shapes[i % len(shapes)]
-        rnd = i // len(shapes)
+        rnd = rng.turn = i // len(shapes)
         pick = rnd % PICK_EVERY == 0
-        yield name, fit(make(rng, limit), limit), _settings(rng, MODES[rnd % len(MODES)], pick), pick
+        case = fit(make(rng, limit), limit)
+        settings = _settings(rng, MODES[rnd % len(MODES)], pick)
+        size = len(case.body) + sum(len(v) for v in case.headers.values())
+        yield Body(i + 1, name, rnd, case, settings, pick, _runs_precise(name, size, rnd, pick))
 
 
 def _where(exc: BaseException) -> str:
-    """file:line in function of the innermost frame an exception came from."""
+    """file:line in function of the innermost frame an exception came from, and of the innermost
+    frame of the router's own code when that is another (a bug in ``json`` is the caller's to catch)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    if not frames:
+        return ""
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
+    own = [f for f in frames if f"{os.sep}extproc{os.sep}" in f.filename]
+    if own and own[-1] is not frames[-1]:
+        where += f" (from {own[-1].filename}:{own[-1].lineno} in {own[-1].name})"
+    return where
 
 
 def _timing(start: float, cpu: float, gc_cpu_s: float) -> Timing:
     return Timing((time.perf_counter() - start) * 1e3, (time.thread_time() - cpu - gc_cpu_s) * 1e3)
 
 
-def _try(run: Run, shape: str, case: Case, settings: RouteSettings, pick: bool) -> Timing:
-    """Decide (and pick) one case and time it. Failures go to ``run``.
+def _decide(body: Body) -> Decision:
+    case = body.case
+    return decide(case.body, case.headers, body.settings, complete=case.complete, secret=SECRET)
 
-    A picked case is decided a second time (untimed) to check that ``decide`` is deterministic.
-    """
-    stage, timing = "decide", None
+
+def _checks_again(body: Body) -> bool:
+    """Decide twice (untimed) on every pick round and every body up to 256 KiB (all that parse deep)."""
+    return body.pick or body.size <= AGAIN_MAX_BYTES
+
+
+def _try(run: Run, body: Body) -> Timing:
+    """Decide (and pick, and check determinism, and run precise mode) one body; time decide and pick.
+    Failures go to ``run``."""
+    stage, timing, choice = "decide", None, None
     start, cpu, gc_cpu = time.perf_counter(), time.thread_time(), run.gc.cpu_s
     try:
         with without_gc():
-            d = decide(case.body, case.headers, settings, complete=case.complete, secret=SECRET)
-        if pick:
+            d = _decide(body)
+        if body.pick:
             stage = "pick"
-            choice, _ = pick_core().evaluate(d, settings)
+            choice, _ = pick_core().evaluate(d, body.settings)
         timing = _timing(start, cpu, run.gc.cpu_s - gc_cpu)
         stage = "decide"
-        again = decide(case.body, case.headers, settings, complete=case.complete, secret=SECRET) if pick else d
+        again = _decide(body) if _checks_again(body) else d
     except Exception as exc:  # noqa: BLE001 - counting every escape is the point
-        run.fail(shape, stage, repr(exc), _where(exc))
+        run.fail(body, stage, repr(exc), exc)
         return timing or _timing(start, cpu, run.gc.cpu_s - gc_cpu)
     run.fallbacks[d.fallback or "none"] += 1
-    problems = check(case, settings, d)
-    if pick:
+    problems = check(body.case, body.settings, d)
+    if choice is not None:
         run.pick_reasons[choice.reason] += 1
         problems += choice_problems(choice)
-        if again != d:
-            problems.append("decide is deterministic")
+    problems += [f"decide is deterministic ({name} differs)" for name in differences(again, d)]
+    if body.precise:
+        problems += _precise(run, body, d)
     if problems:
-        run.fail(shape, "check", "; ".join(problems))
+        run.fail(body, "check", "; ".join(problems))
     return timing
+
+
+def _precise(run: Run, body: Body, d: Decision) -> list[str]:
+    """Precise mode's calls on the decision (timed apart, GC on); an exception is a stage "precise" failure."""
+    start = time.perf_counter()
+    try:
+        outcomes, problems = precise.check(run.lanes, d, body.turn)
+    except Exception as exc:  # noqa: BLE001 - anything but NotTokenizable is the finding
+        run.fail(body, "precise", repr(exc), exc)
+        return []
+    finally:
+        run.precise_ms.append((time.perf_counter() - start) * 1e3)
+    run.precise_outcomes.update(outcomes)
+    return problems
+
+
+# --- reproducers ---------------------------------------------------------------------------
+def save(directory: Path, seed: int, body: Body, stage: str, error: str, exc: BaseException | None) -> Path:
+    """Write one failing body, its headers and settings (enough for ``replay``) and the traceback."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"fuzz-seed{seed}-body{body.number}-{body.shape}-{stage}.json"
+    case, settings = body.case, body.settings
+    path.write_text(json.dumps({
+        "seed": seed, "body": body.number, "shape": body.shape, "turn": body.turn, "variant": case.label,
+        "stage": stage, "error": error,
+        "traceback": "".join(traceback.format_exception(exc)[-12:]) if exc is not None else "",
+        "headers": dict(case.headers), "complete": case.complete, "pick": body.pick, "precise": body.precise,
+        "settings": {name: getattr(settings, name) for name in SAVED_SETTINGS},
+        "body_base64": base64.b64encode(case.body).decode(),
+    }, indent=1) + "\n")
+    return path
+
+
+def replay(path: Path) -> dict[str, Any]:
+    """Run one saved body again (fresh precise lanes, so a failure that needs earlier bodies' cache
+    state may not recur): its failures, as the report's examples."""
+    saved = json.loads(path.read_text())
+    case = Case(base64.b64decode(saved["body_base64"]), saved["headers"], saved["complete"], label=saved["variant"])
+    body = Body(saved["body"], saved["shape"], saved["turn"], case, RouteSettings(**saved["settings"]),
+                saved["pick"], saved["precise"])
+    run = Run(seed=saved["seed"], lanes=precise.lanes() if body.precise else ())
+    _try(run, body)
+    return {"body": body.number, "shape": body.shape, "exceptions": run.exceptions, "violations": run.violations,
+            "examples": run.examples}
 
 
 def rss_mib() -> float:
@@ -214,16 +339,16 @@ def _p99(values: list[float]) -> float:
 
 
 def fuzz(bodies: int = DEFAULT_BODIES, seed: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run ``bodies`` hostile requests through decide (and pick); the report as a JSON-able dict."""
+         progress: Callable[[str], None] | None = None, save_dir: Path | None = None) -> dict[str, Any]:
+    """Run ``bodies`` hostile requests through decide (and pick, and precise mode); the report as a
+    JSON-able dict. Failing bodies are saved to ``save_dir`` (the first of each kind)."""
     rss_before, started = rss_mib(), time.perf_counter()
     pick_core()  # built (and decide warmed) before the first body is timed
-    run = Run()
+    run = Run(seed=seed, save_dir=save_dir, lanes=precise.lanes())
     step = max(1, bodies // 10)
     with run.gc:
-        for i, (shape, case, settings, pick) in enumerate(cases(bodies, seed, max_body_bytes), 1):
-            size = len(case.body) + sum(len(v) for v in case.headers.values())
-            run.timed(shape, size, _try(run, shape, case, settings, pick))
+        for i, body in enumerate(cases(bodies, seed, max_body_bytes), 1):
+            run.timed(body.shape, body.size, _try(run, body))
             if progress and i % step == 0:
                 progress(f"fuzz: {i}/{bodies} bodies, {run.exceptions} exceptions, {run.violations} violations, "
                          f"{time.perf_counter() - started:.1f} s")
@@ -234,6 +359,8 @@ def fuzz(bodies: int = DEFAULT_BODIES, seed: int = 0, max_body_bytes: int = DEFA
         "max_body_bytes": max_body_bytes,
         "exceptions": run.exceptions,
         "violations": run.violations,
+        "failures_by_stage": dict(sorted(run.stages.items())),
+        "failure_kinds": dict(run.kinds.most_common()),
         "examples": run.examples,
         "shapes": {name: {"count": s.count, "failures": s.failures, "max_ms": round(s.max_ms, 3),
                           "max_bytes": s.max_bytes, "max_ms_per_mib": round(s.max_ms_per_mib, 3)}
@@ -247,6 +374,7 @@ def fuzz(bodies: int = DEFAULT_BODIES, seed: int = 0, max_body_bytes: int = DEFA
                "cpu_s": round(run.gc.cpu_s, 2), "max_pause_ms": round(run.gc.max_pause_s * 1e3, 3)},
         "fallbacks": dict(sorted(run.fallbacks.items())),
         "pick_reasons": dict(sorted(run.pick_reasons.items())),
+        "precise": _precise_report(run),
         "rss_before_mib": round(rss_before, 1),
         "rss_after_mib": round(rss_mib(), 1),
         "peak_rss_mib": round(peak_rss_mib(), 1),
@@ -254,9 +382,16 @@ def fuzz(bodies: int = DEFAULT_BODIES, seed: int = 0, max_body_bytes: int = DEFA
     }
 
 
-REPORT_KEYS: Final = ("bodies", "seed", "max_body_bytes", "exceptions", "violations", "examples", "shapes", "max_ms",
-                      "p99_ms", "max_ms_per_mib", "max_ms_per_mib_at", "gc", "fallbacks", "pick_reasons",
-                      "rss_before_mib", "rss_after_mib", "peak_rss_mib", "wall_s")
+def _precise_report(run: Run) -> dict[str, Any]:
+    times = run.precise_ms
+    return {"bodies": len(times), "total_s": round(sum(times) / 1e3, 2), "max_ms": round(max(times, default=0.0), 3),
+            "p99_ms": round(_p99(times), 3), "outcomes": dict(sorted(run.precise_outcomes.items()))}
+
+
+REPORT_KEYS: Final = ("bodies", "seed", "max_body_bytes", "exceptions", "violations", "failures_by_stage",
+                      "failure_kinds", "examples", "shapes", "max_ms", "p99_ms", "max_ms_per_mib", "max_ms_per_mib_at",
+                      "gc", "fallbacks", "pick_reasons", "precise", "rss_before_mib", "rss_after_mib", "peak_rss_mib",
+                      "wall_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +400,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest body generated; longer ones are cut (default: Envoy's 8 MiB buffer limit)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--save-failures", metavar="DIR", default=DEFAULT_SAVE_DIR,
+                        help="write the first failing body of each kind here as a reproducer, only when one fails "
+                             "(default: %(default)s; '' to not save)")
+    parser.add_argument("--replay", metavar="FILE", type=Path,
+                        help="run one saved reproducer again instead of a fuzz run; exit 1 if it still fails")
 
 
 def _print_table(report: dict[str, Any]) -> None:
@@ -280,13 +420,23 @@ def _print_table(report: dict[str, Any]) -> None:
     print(f"RSS {report['rss_before_mib']} -> {report['rss_after_mib']} MiB, peak {report['peak_rss_mib']} MiB; "
           f"GC {report['gc']}")
     print(f"fallbacks {report['fallbacks']}\npick reasons {report['pick_reasons']}")
+    p = report["precise"]
+    print(f"precise: {p['bodies']} bodies, max {p['max_ms']} ms, p99 {p['p99_ms']} ms; outcomes {p['outcomes']}")
+    if report["failure_kinds"]:
+        print(f"failures by stage {report['failures_by_stage']}; kinds {report['failure_kinds']}")
     for e in report["examples"]:
-        print(f"  {e['shape']} [{e['stage']}]: {e['error']} {e['where']}")
+        print(f"  {e['shape']} [{e['stage']}] body {e['body']} {e['variant']}: {e['error']} {e['where']} "
+              f"{e.get('reproducer', '')}")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replay is not None:
+        again = replay(args.replay)
+        print(json.dumps(again, indent=2))
+        return 1 if again["exceptions"] or again["violations"] else 0
     report = fuzz(args.bodies, args.seed, args.max_body_bytes,
-                  progress=(lambda line: print(line, file=sys.stderr, flush=True)) if args.bodies >= 1000 else None)
+                  progress=(lambda line: print(line, file=sys.stderr, flush=True)) if args.bodies >= 1000 else None,
+                  save_dir=Path(args.save_failures) if args.save_failures else None)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

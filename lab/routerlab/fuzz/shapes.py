@@ -17,15 +17,25 @@ import gzip
 import json
 import random
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from extproc.core.decide import CONTENT_ENCODING
 from extproc.core.settings import DEFAULT_TENANT_HEADERS
 from extproc.core.tenant import MAX_TENANT_CHARS, TENANT_BAD_CHARS, TENANT_TOO_LONG
-from routerlab.fuzz.documents import (MODELS, UNICODE, chat_body, chat_doc, completions_doc, dump, json_value,
-                                      random_text, with_raw_field)
+from routerlab.fuzz import hostile_docs as hostile
+from routerlab.fuzz.documents import (
+    MODELS,
+    UNICODE,
+    chat_body,
+    chat_doc,
+    completions_doc,
+    dump,
+    json_value,
+    random_text,
+    with_raw_field,
+)
 
 MIB: Final = 1 << 20
 DEFAULT_MAX_BODY_BYTES: Final = 8 * MIB  # Envoy's per_connection_buffer_limit_bytes in envoy/*.yaml
@@ -43,6 +53,33 @@ class Case:
     headers: Headers = field(default_factory=dict)
     complete: bool = True
     expect: Mapping[str, Any] = field(default_factory=dict)
+    label: str = ""  # the hostile variant, for a failure's report (the precise shapes say which)
+
+
+T = TypeVar("T")
+
+
+class FuzzRandom(random.Random):
+    """``random.Random`` that also cycles a shape's hostile variants, so a short run meets every one.
+
+    Drawn at random, the 13 deep bodies of ``deep_nesting`` left a 300-body run (17 per shape)
+    without the ones that broke; cycled, every shape meets each of its variants within as many of
+    its rounds. ``turn`` is the shape's round (``runner.cases`` sets it before each call).
+    """
+
+    def __init__(self, seed: int = 0, turn: int = 0) -> None:
+        super().__init__(seed)
+        self.turn = turn
+
+    def cycle(self, options: Sequence[T], every: int = 1) -> T:
+        """The variant for this turn: ``options`` in order, each held for ``every`` turns (mixed
+        radix: give a second cycle ``every=len(first)`` and the two meet in every combination)."""
+        return options[(self.turn // every) % len(options)]
+
+
+def cycle(rng: random.Random, options: Sequence[T], every: int = 1) -> T:
+    """``rng.cycle`` for a ``FuzzRandom``; a random choice for a plain ``random.Random``."""
+    return rng.cycle(options, every) if isinstance(rng, FuzzRandom) else rng.choice(options)
 
 
 Shape = Callable[[random.Random, int], Case]  # (rng, max body bytes) -> case
@@ -58,7 +95,7 @@ def _shape(name: str) -> Callable[[Shape], Shape]:
 
 def fit(case: Case, limit: int) -> Case:
     """A case cut to ``limit`` bytes (its shape's pins no longer hold)."""
-    return case if len(case.body) <= limit else Case(case.body[:limit], case.headers, case.complete)
+    return case if len(case.body) <= limit else Case(case.body[:limit], case.headers, case.complete, label=case.label)
 
 
 _JSON_TOKENS: Final = (b"{", b"}", b"[", b"]", b'"', b":", b",", b"0", b"-1", b"1e999", b"\\", b"\\u", b"d800",
@@ -67,7 +104,7 @@ _JSON_TOKENS: Final = (b"{", b"}", b"[", b"]", b'"', b":", b",", b"0", b"-1", b"
 
 @_shape("arbitrary_bytes")
 def _arbitrary_bytes(rng: random.Random, limit: int) -> Case:
-    return Case(rng.randbytes(min(limit, rng.choice((1, 2, 16, 256, 4096, 65536)))))
+    return Case(rng.randbytes(min(limit, cycle(rng, (1, 2, 16, 256, 4096, 65536)))))
 
 
 @_shape("json_fragments")
@@ -104,7 +141,7 @@ def _deep_bodies(limit: int) -> tuple[bytes, ...]:
 
 @_shape("deep_nesting")
 def _deep_nesting(rng: random.Random, limit: int) -> Case:
-    return Case(rng.choice(_deep_bodies(limit)))
+    return Case(cycle(rng, _deep_bodies(limit)))
 
 
 @functools.cache
@@ -122,7 +159,7 @@ def _huge_contents(limit: int) -> tuple[bytes, ...]:
 def _huge_string(rng: random.Random, limit: int) -> Case:
     head = b'{"model":"%s","messages":[{"role":"system","content":' % rng.choice(MODELS).encode()
     tail = b'},{"role":"user","content":"%s"}]}' % random_text(rng, 20).encode()
-    return Case(head + rng.choice(_huge_contents(limit)) + tail)
+    return Case(head + cycle(rng, _huge_contents(limit)) + tail)
 
 
 WIDE_SIZES: Final = (16 * 1024, 256 * 1024, MIB, DEFAULT_MAX_BODY_BYTES)
@@ -152,8 +189,10 @@ def _wide_bodies(size: int) -> tuple[bytes, ...]:
 
 @_shape("wide")
 def _wide(rng: random.Random, limit: int) -> Case:
-    size = min(limit, rng.choices(WIDE_SIZES, _WIDE_WEIGHTS)[0])
-    return Case(rng.choice(_wide_bodies(size)))
+    turn = rng.turn if isinstance(rng, FuzzRandom) else len(WIDE_SIZES)
+    # each size once first (the 8 MiB ones at the 4th body), then by weight: an 8 MiB body costs ~1 s
+    size = min(limit, WIDE_SIZES[turn] if turn < len(WIDE_SIZES) else rng.choices(WIDE_SIZES, _WIDE_WEIGHTS)[0])
+    return Case(cycle(rng, _wide_bodies(size)))
 
 
 HUGE_NUMBERS: Final = (str(10**400).encode(), b"-" + str(10**400).encode(), b"1e999", b"-1e999", b"-1e-999",
@@ -164,15 +203,16 @@ SPLICE_FIELDS: Final = ("seed", "temperature", "max_tokens", "prompt", "messages
 
 @_shape("huge_numbers")
 def _huge_numbers(rng: random.Random, limit: int) -> Case:
-    number = rng.choice(HUGE_NUMBERS)
-    raw = rng.choice((number, b"[" + number + b"]", b'[{"role":"user","content":' + number + b"}]"))
+    number = cycle(rng, HUGE_NUMBERS)
+    raw = cycle(rng, (number, b"[" + number + b"]", b'[{"role":"user","content":' + number + b"}]"),
+                every=len(HUGE_NUMBERS))
     return Case(with_raw_field(chat_body(rng), rng.choice(SPLICE_FIELDS), raw))
 
 
 @_shape("duplicate_keys")
 def _duplicate_keys(rng: random.Random, limit: int) -> Case:
-    name = rng.choice(("messages", "model", "prompt_cache_key", "cache_salt", "prompt"))
-    raw = rng.choice((b'[{"role":"user","content":"second"}]', b'"second"', b"null", b"{}"))
+    name = cycle(rng, ("messages", "model", "prompt_cache_key", "cache_salt", "prompt"))
+    raw = cycle(rng, (b'[{"role":"user","content":"second"}]', b'"second"', b"null", b"{}"), every=5)
     return Case(with_raw_field(chat_body(rng), name, raw))
 
 
@@ -181,8 +221,8 @@ NON_FINITE: Final = (b"NaN", b"Infinity", b"-Infinity", b"[NaN, Infinity]", b"na
 
 @_shape("nan_infinity")
 def _nan_infinity(rng: random.Random, limit: int) -> Case:
-    raw = rng.choice(NON_FINITE)
-    return Case(with_raw_field(chat_body(rng), rng.choice(SPLICE_FIELDS), raw))
+    raw = cycle(rng, NON_FINITE)
+    return Case(with_raw_field(chat_body(rng), cycle(rng, SPLICE_FIELDS, every=len(NON_FINITE)), raw))
 
 
 BAD_UNICODE: Final = (b"\xff", b"\x80", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82", b"\x00",
@@ -195,7 +235,7 @@ _MARK: Final = "@@bad@@"
 def _bad_unicode(rng: random.Random, limit: int) -> Case:
     """Invalid UTF-8, lone or reversed surrogate escapes and pairs, in content, model, keys or tenant."""
     doc = chat_doc(rng, tenant=False)
-    where = rng.randrange(4)
+    where = cycle(rng, range(4))
     if where == 0:
         doc["messages"][0] = {"role": "user", "content": "hi " + _MARK + " there"}
     elif where == 1:
@@ -204,13 +244,13 @@ def _bad_unicode(rng: random.Random, limit: int) -> Case:
         doc[_MARK] = 1
     else:
         doc["prompt_cache_key"] = "t" + _MARK
-    return Case(dump(rng, doc).replace(_MARK.encode(), rng.choice(BAD_UNICODE)))
+    return Case(dump(rng, doc).replace(_MARK.encode(), cycle(rng, BAD_UNICODE, every=4)))
 
 
 @_shape("bom")
 def _bom(rng: random.Random, limit: int) -> Case:
     text = json.dumps(chat_doc(rng))
-    return Case(rng.choice((b"\xef\xbb\xbf" + text.encode(), text.encode("utf-16"), text.encode("utf-32"),
+    return Case(cycle(rng, (b"\xef\xbb\xbf" + text.encode(), text.encode("utf-16"), text.encode("utf-32"),
                             b"\xef\xbb\xbf\xef\xbb\xbf" + text.encode())))
 
 
@@ -221,7 +261,7 @@ def _bomb() -> bytes:
 
 
 def _compress(rng: random.Random, payload: bytes) -> tuple[bytes, str]:
-    kind = rng.randrange(4)
+    kind = cycle(rng, range(4))
     if kind == 0:
         return gzip.compress(payload, mtime=0), "gzip"
     if kind == 1:
@@ -254,7 +294,7 @@ def _multipart(rng: random.Random, limit: int) -> Case:
 
 @_shape("empty")
 def _empty(rng: random.Random, limit: int) -> Case:
-    headers = rng.choice(({}, {TENANT_HEADER: "tenant-a"}, {CONTENT_ENCODING: "gzip"}))
+    headers = cycle(rng, ({}, {TENANT_HEADER: "tenant-a"}, {CONTENT_ENCODING: "gzip"}))
     return Case(b"", headers, complete=rng.random() < 0.5)
 
 
@@ -269,7 +309,7 @@ _LONG_TENANT: Final = "a" * 100_000
 
 
 def _hostile_tenant(rng: random.Random) -> str:
-    return rng.choice((
+    return cycle(rng, (
         _LONG_TENANT, " " * 100_000 + "t", "t" * (MAX_TENANT_CHARS + 1), "t" * MAX_TENANT_CHARS, "acme\x00corp",
         "acme\ncorp", "\x7f", "ümlaut", "租户", "\ud800", "  padded  ", "\t\x1f", " ",
         random_text(rng, rng.randint(1, 300)), random_text(rng, rng.randint(1, 20), UNICODE),
@@ -301,3 +341,46 @@ def _hostile_tenant_case(rng: random.Random, limit: int) -> Case:
     pins = not any("\ud800" <= c <= "\udfff" for c in value)  # a lone surrogate makes the body unreadable
     return Case(body, expect={"tenant": tenant, "tenant_rejected": rejected} if pins else {})
 
+
+
+# --- precise mode's render and tokenise path (hostile_docs) ----------------------------------------
+PRECISE_SHAPES: Final = ("precise_messages", "precise_request", "precise_completions", "precise_deep")
+
+
+def _precise_case(rng: random.Random, doc: Any, label: str) -> Case:
+    return Case(hostile.dump_raw(rng, doc), label=label)
+
+
+@_shape("precise_messages")
+def _precise_messages(rng: random.Random, limit: int) -> Case:
+    """A chat request with one message's role, content, parts, name, tool calls or reasoning made hostile."""
+    doc = hostile.chat_base(rng)
+    label = hostile.edit_message(rng, doc, cycle(rng, hostile.MESSAGE_EDITS))
+    return _precise_case(rng, doc, label)
+
+
+@_shape("precise_request")
+def _precise_request(rng: random.Random, limit: int) -> Case:
+    """A chat request with one of its own fields made hostile: model, messages, flags, tools, kwargs, salt."""
+    doc = hostile.chat_base(rng)
+    label, edit = cycle(rng, hostile.DOC_EDITS)
+    edit(rng, doc)
+    return _precise_case(rng, doc, label)
+
+
+@_shape("precise_completions")
+def _precise_completions(rng: random.Random, limit: int) -> Case:
+    """A completions request whose prompt is text, token ids, id lists, nested lists or nothing of those."""
+    doc = hostile.completions_base(rng)
+    label, edit = cycle(rng, hostile.COMPLETIONS_EDITS)
+    edit(rng, doc)
+    return _precise_case(rng, doc, label)
+
+
+@_shape("precise_deep")
+def _precise_deep(rng: random.Random, limit: int) -> Case:
+    """Nesting around Python's and orjson's limits at every place the precise path reads."""
+    doc = hostile.chat_base(rng) if rng.random() < 0.8 else hostile.completions_base(rng)
+    label, put = cycle(rng, hostile.DEEP_CASES)
+    put(doc)
+    return _precise_case(rng, doc, label)
