@@ -30,7 +30,7 @@ from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 
 from extproc import metrics
 from extproc.adapters.authz import LIMITS, PARTIAL_BODY_HEADER, authz_key, body_is_whole
-from extproc.adapters.service import HasService, RouterService, service_of
+from extproc.adapters.service import RouterService
 
 log = logging.getLogger("extproc.adapters.ext_authz")
 
@@ -42,8 +42,8 @@ _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 class PrefixAuthz(pb_grpc.AuthorizationServicer):
     """Authorization service that never denies: it only adds (or removes) the key header."""
 
-    def __init__(self, service: RouterService | HasService) -> None:
-        self.service = service_of(service)
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
 
     async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
         try:
@@ -75,5 +75,5 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):
         return reply
 
 
-def add_to_server(service: RouterService | HasService, server: grpc.aio.Server) -> None:
+def add_to_server(service: RouterService, server: grpc.aio.Server) -> None:
     pb_grpc.add_AuthorizationServicer_to_server(PrefixAuthz(service), server)

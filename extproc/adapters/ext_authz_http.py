@@ -31,7 +31,7 @@ from typing import Final
 
 from extproc import metrics
 from extproc.adapters.authz import DECLARED_LENGTH_HEADER, LIMITS, PARTIAL_BODY_HEADER, is_whole, key_for
-from extproc.adapters.service import HasService, RouterService, service_of
+from extproc.adapters.service import RouterService
 from extproc.core.decide import CONTENT_ENCODING
 from extproc.core.settings import METADATA_PREFIX, RouteSettings
 
@@ -66,8 +66,8 @@ class _Route:
 class HttpAuthz:
     """Answers Envoy's HTTP check requests; one instance serves every connection."""
 
-    def __init__(self, service: RouterService | HasService) -> None:
-        self.service = service_of(service)
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
         self._routes: dict[tuple[tuple[bytes, bytes], ...], _Route] = {}
 
     def answer(self, headers: Headers, body: bytes, cut: bool = False) -> bytes:

@@ -26,11 +26,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc import metrics
-from extproc.adapters.service import RouterService, without_gc
+from extproc.adapters.service import RouterService
 from extproc.core.decide import CONTENT_ENCODING, Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import Choice
-from extproc.pick.core import PickCore
 
 log = logging.getLogger("extproc.adapters.ext_proc")
 
@@ -38,8 +37,7 @@ _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _ATTR_HEADER_PREFIX: Final = "request.headers['"
 LB_NAMESPACE: Final = "envoy.lb"
 DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"  # Gateway API Inference Extension
-__all__ = ["DESTINATION_ENDPOINT", "LB_NAMESPACE", "PrefixRouter", "read_attribute_headers", "read_headers",
-           "without_gc"]  # without_gc: the service's, still importable here (the lab's fuzz runner)
+__all__ = ["DESTINATION_ENDPOINT", "LB_NAMESPACE", "PrefixRouter", "read_attribute_headers", "read_headers"]
 
 
 def read_headers(http_headers: pb.HttpHeaders, wanted: Iterable[str]) -> dict[str, str]:
@@ -69,14 +67,10 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
     say ``mode: pick`` also names the replica, and stays open until Envoy ends it (when the HTTP
     response ends), so the picker counts the request as in flight until then. ``metadata_namespace``:
     where the replies' dynamic metadata goes.
-
-    ``service`` may also be a RouteSettings, with ``picker`` and ``secret``: the servicer then
-    builds its own service from them (the lab's microbench builds it that way).
     """
 
-    def __init__(self, service: RouterService | RouteSettings, metadata_namespace: str = "prefix_router",
-                 picker: PickCore | None = None, secret: bytes | None = None) -> None:
-        self.service = service if isinstance(service, RouterService) else RouterService(service, picker, secret)
+    def __init__(self, service: RouterService, metadata_namespace: str = "prefix_router") -> None:
+        self.service = service
         self.namespace = metadata_namespace
         self._headers_replies: dict[tuple[str, str], pb.ProcessingResponse] = {}
         self.open_streams = 0  # `serve` has the streams_active gauge read it at scrape time

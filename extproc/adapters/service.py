@@ -27,7 +27,7 @@ import gc
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Final, Protocol
+from typing import Final
 
 from extproc import metrics
 from extproc.core.decide import Decision, decide
@@ -189,12 +189,3 @@ class RouterService:
         assert self.picker is not None  # pick named a replica, so there is a picker
         self.picker.release(choice)
 
-
-class HasService(Protocol):
-    service: RouterService
-
-
-def service_of(source: RouterService | HasService) -> RouterService:
-    """The service itself, or the one an adapter built beside it calls (so an adapter can be built
-    from another's, as the lab's microbench does, without either importing the other)."""
-    return source if isinstance(source, RouterService) else source.service

@@ -94,7 +94,7 @@ def python_profile(args: argparse.Namespace, binary: str) -> None:
                                                     "profile-router"), args.seconds)
     stats = pstats.Stats(str(out))
     raw: dict = stats.stats  # type: ignore[attr-defined]  # (file, line, name) -> (cc, nc, tt, ct, callers)
-    requests = sum(v[1] for k, v in raw.items() if k[2] == "decide" and k[0].endswith("adapters/ext_proc.py"))
+    requests = sum(v[1] for k, v in raw.items() if k[2] == "decide" and k[0].endswith("adapters/service.py"))
     print(f"{args.config} {args.size} KB, {args.connections} connections, router: "
           f"{int(result['requests']) / (result['duration_us'] / 1e6):.0f} req/s under cProfile; {requests} decided "
           f"while profiled; CPU us per request by function (own time, then with callees):")

@@ -10,6 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.ext_authz import PrefixAuthz
 from extproc.adapters.ext_authz_http import HttpAuthz
 from extproc.adapters.ext_proc import PrefixRouter
+from extproc.adapters.service import RouterService
 from extproc.process.http1 import Http1Protocol
 from routerlab.harness.extproc_messages import body_message, headers_message
 
@@ -72,9 +73,9 @@ class _Sink:
         self.written += len(data)
 
 
-def http_server(router: PrefixRouter) -> Http1Protocol:
+def http_server(service: RouterService) -> Http1Protocol:
     """The HTTP port's connection code (extproc.process.http1) with the adapter, on a transport that writes nowhere."""
-    authz = HttpAuthz(router)
+    authz = HttpAuthz(service)
     server = type("Server", (), {"connections": set(), "now": staticmethod(lambda: 0.0),
                                  "handler": staticmethod(lambda r: (200, authz.answer(r.headers, r.body, r.cut)))})()
     protocol = Http1Protocol(server)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from typing import Any
 
 from extproc.adapters.ext_authz import PrefixAuthz
 from extproc.adapters.ext_proc import PrefixRouter
+from extproc.adapters.service import RouterService
 from extproc.core.decide import decide, prefix_key
 from extproc.core.normalize import normalize
 from extproc.core.settings import RouteSettings
@@ -83,9 +84,10 @@ def measure(size_kb: int, replicas: int, warm_prompts: int, index_chunks: int = 
     def choice_once() -> None:
         core.release(core.pick(decision, pick_settings))
 
-    router = PrefixRouter(hash_settings)
-    authz, check = PrefixAuthz(router), check_message(body)
-    http, http_raw = http_server(router), http_check(body)
+    service = RouterService(hash_settings)
+    router = PrefixRouter(service)
+    authz, check = PrefixAuthz(service), check_message(body)
+    http, http_raw = http_server(service), http_check(body)
     wire, context = wire_messages(body), StubContext((("x-prefix-router-prefix-length", "4096"),
                                                    ("x-prefix-router-normalize", "prompt")))
     number = 2000 if size_kb <= 4 else 500
