@@ -34,7 +34,14 @@ import xxhash
 
 from extproc.pick.choice.state import IndexStats
 from extproc.pick.events.kv_events import (
-    KEY_MASK, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, window_store,
+    KEY_MASK,
+    SLIDING_WINDOW,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    window_store,
 )
 from extproc.pick.events.match_memo import SPAN, MatchMemo
 from extproc.pick.events.window_groups import WindowGroups
@@ -60,11 +67,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     """Own chain hash of every FULL block of ``token_ids``, continuing from ``parent``.
 
     h_i = xxh3_64(block tokens as u32 LE + msgpack(list(extra_i)), seed = h_{i-1}) & KEY_MASK (h_{-1} =
-    ``parent``, ROOT for a chain's first block), so a hash names the whole prefix up to its block's end and a salt or
-    LoRA on block 0 changes every hash after it. 60 bits, as the engine hashes' keys (kv_events): a
-    32-byte int per resident block where 64 bits take 48, and 5.4 M blocks collide with odds of 1e-5. Seeding with the parent rather than hashing it
-    in halves the work per block: this runs over every block of every precise-mode request. Lists and tuples in extra keys pack identically (events arrive as
-    lists, requests build tuples). Token ids outside uint32 raise OverflowError.
+    ``parent``, ROOT for a chain's first block), so a hash names the whole prefix up to its block's end
+    and a salt or LoRA on block 0 changes every hash after it. 60 bits, as the engine hashes' keys
+    (kv_events): a 32-byte int per resident block where 64 bits take 48, and 5.4 M blocks collide with
+    odds of 1e-5. Seeding with the parent rather than hashing it in halves the work per block: this
+    runs over every block of every precise-mode request. Lists and tuples in extra keys pack
+    identically (events arrive as lists, requests build tuples). Token ids outside uint32 raise
+    OverflowError.
     """
     n = len(token_ids) // block_size
     if n <= 0:
@@ -118,6 +127,14 @@ class ApplyResult(NamedTuple):
     refused: int = 0  # blocks not indexed: the replica's share of max_blocks is full
     unknown_removed: int = 0  # BlockRemoved hashes this replica was not known to hold
     unplaced: int = 0  # a sliding-window group's hashes not placed (extproc.pick.events.window_groups)
+
+
+class _Tally:
+    """One ``apply``'s rarer counts, as the event kinds' methods add them up (``ApplyResult``'s fields;
+    the copies stored and removed are the methods' return values). Class-level zeros and no
+    ``__init__``: one is made per batch, on the ingest path."""
+
+    duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
 
 
 @dataclass(slots=True)
@@ -247,11 +264,13 @@ class EventIndex:
 
     # --- writes ------------------------------------------------------------------------
     def apply(self, address: str, events: Iterable[Event]) -> ApplyResult:
-        """Apply one replica's events in order (BlockStored, BlockRemoved, AllBlocksCleared)."""
+        """Apply one replica's events in order (BlockStored, BlockRemoved, AllBlocksCleared).
+
+        Each kind is its own method, called once per event with what the batch shares (the per-block
+        loops stay inside them: this is the ingest path). A sliding-window group's events are set
+        apart and given to ``windows`` after the batch's others, whose stores place their hashes."""
         replica = self._replica(address)
-        owners, bit = self._owners, replica.bit
-        engine, extra, last_use, watched = replica.engine, replica.extra, replica.last_use, replica.watched
-        stored = removed = duplicates = unknown_parent = cleared = malformed = refused = unknown = 0
+        tally = _Tally()
         share = self.share()
         changed = self._memo.log.append if self._memo.active() else None  # holders changed, for the memo
         windows = self.windows.groups(address)  # its sliding-window groups: their events go there
@@ -259,108 +278,149 @@ class EventIndex:
         stamp = 0
         if self.stamp_events:
             events = events if isinstance(events, (list, tuple)) else list(events)
-            stamp = replica.allocated  # the clock after this batch: readings of its blocks
-            for e in events:
-                if type(e) is BlockStored and not window_store(e):
-                    stamp += len(e.block_hashes)
+            stamp = self._stamp(replica, events)
+        stored = removed = 0  # block copies added and removed: the kinds' methods return theirs
+        on_stored, on_removed = self._stored, self._removed  # bound once a batch, not once an event
         for event in events:
             if type(event) is BlockStored:
-                if window_store(event):
+                # window_store's own first test inline: most stores are full attention, and a call is ~80 ns
+                if event.kv_cache_spec_kind == SLIDING_WINDOW and window_store(event):
                     windows = self.windows.declare(address, event.group_idx, event.kv_cache_spec_sliding_window)
                     window_events.append(event)
-                    continue
-                hashes, bs = event.block_hashes, event.block_size
-                n = len(hashes)
-                replica.allocated += n
-                keys = event.extra_keys
-                if keys is None and event.lora_name:  # publishers without extra_keys
-                    keys = request_extra_keys(n, None, event.lora_name)
-                if len(event.token_ids) != n * bs or (keys is not None and len(keys) != n):
-                    malformed += 1
-                    continue
-                if event.parent_block_hash is None:
-                    parent = ROOT
                 else:
-                    known = engine.get(event.parent_block_hash)
-                    if known is None:
-                        unknown_parent += 1
-                        continue
-                    parent = known
-                try:
-                    own = block_hashes(event.token_ids, bs, keys, parent)
-                except (OverflowError, TypeError, ValueError):  # token ids outside uint32, odd keys
-                    malformed += 1
-                    continue
-                if replica.block_size != bs:
-                    replica.block_size = bs
-                    self.sizes_version += 1
-                room = share - replica.blocks
-                if room < n:
-                    refused += n - max(room, 0)
-                    n = max(room, 0)
-                if stamp and n:  # the chain up to its last block is in use in this step (eviction forecast)
-                    last_use[own[n - 1]] = stamp
-                    if parent != ROOT:
-                        last_use[parent] = stamp
-                for i in range(n):
-                    e = hashes[i]
-                    h = engine.get(e)
-                    if h is None:
-                        h = engine[e] = own[i]
-                    held = owners.get(h, 0)
-                    if held & bit:
-                        extra[h] = extra.get(h, 0) + 1
-                        duplicates += 1
-                    else:
-                        owners[h] = held | bit if held else bit  # alone: share the replica's int, not a new one
-                        if changed:
-                            changed(h)
-                stored += n
-                replica.blocks += n
+                    stored += on_stored(replica, event, share, stamp, changed, tally)
             elif type(event) is BlockRemoved:
                 if windows and event.group_idx in windows:
                     window_events.append(event)
-                    continue
-                for e in event.block_hashes:
-                    h = engine.get(e)
-                    held = 0 if h is None else owners.get(h, 0)
-                    if not held & bit:
-                        if h is not None:
-                            del engine[e]
-                        unknown += 1
-                        continue
-                    removed += 1
-                    replica.blocks -= 1
-                    copies = extra.get(h)
-                    if copies:
-                        if copies > 1:
-                            extra[h] = copies - 1
-                        else:
-                            del extra[h]
-                    else:
-                        del engine[e]
-                        if last_use:
-                            last_use.pop(h, None)
-                        if watched and (entry := watched.get(h)) is not None:
-                            entry[1] += 1
-                        left = held & ~bit
-                        if left:
-                            owners[h] = left
-                        else:
-                            del owners[h]
-                        if changed:
-                            changed(h)
+                else:
+                    removed += on_removed(replica, event, changed, tally)
             elif type(event) is AllBlocksCleared:
-                self.reset(address)
+                self._cleared(address, window_events, tally)
                 changed = None  # the reset dropped the memo's states: nothing to keep valid
-                window_events.clear()  # the window groups were emptied too
-                cleared += 1
         if len(self._memo.log) > self._memo.max_log:
             self._memo.clear()
         # after the batch's full-attention events, whose stores place the window groups' hashes
-        unplaced = self.windows.apply(address, window_events, engine) if window_events else 0
-        return ApplyResult(stored, removed, duplicates, unknown_parent, cleared, malformed, refused,
-                           unknown, unplaced)
+        unplaced = self.windows.apply(address, window_events, replica.engine) if window_events else 0
+        t = tally
+        return ApplyResult(stored, removed, t.duplicates, t.unknown_parent, t.cleared, t.malformed, t.refused,
+                           t.unknown, unplaced)
+
+    @staticmethod
+    def _stamp(replica: _Replica, events: Sequence[Event]) -> int:
+        """The allocation clock after this batch (``stamp_events``): the readings of its blocks' use."""
+        stamp = replica.allocated
+        for e in events:
+            if type(e) is BlockStored and not (e.kv_cache_spec_kind == SLIDING_WINDOW and window_store(e)):
+                stamp += len(e.block_hashes)
+        return stamp
+
+    def _stored(self, replica: _Replica, event: BlockStored, share: int, stamp: int,
+                changed: Callable[[int], None] | None, tally: _Tally) -> int:
+        """A run of full blocks one request cached, chained onto its parent's own hash: each block one
+        more copy at the replica (a duplicate when it held the hash already), past its share refused.
+        Skipped whole when its parent is unknown or its tokens or extra keys do not fit. Returns the
+        copies added."""
+        hashes, bs = event.block_hashes, event.block_size
+        n = len(hashes)
+        replica.allocated += n
+        keys = event.extra_keys
+        if keys is None and event.lora_name:  # publishers without extra_keys
+            keys = request_extra_keys(n, None, event.lora_name)
+        if len(event.token_ids) != n * bs or (keys is not None and len(keys) != n):
+            tally.malformed += 1
+            return 0
+        engine = replica.engine
+        if event.parent_block_hash is None:
+            parent = ROOT
+        else:
+            known = engine.get(event.parent_block_hash)
+            if known is None:
+                tally.unknown_parent += 1
+                return 0
+            parent = known
+        try:
+            own = block_hashes(event.token_ids, bs, keys, parent)
+        except (OverflowError, TypeError, ValueError):  # token ids outside uint32, odd keys
+            tally.malformed += 1
+            return 0
+        if replica.block_size != bs:
+            replica.block_size = bs
+            self.sizes_version += 1
+        room = share - replica.blocks
+        if room < n:
+            tally.refused += n - max(room, 0)
+            n = max(room, 0)
+        if stamp and n:  # the chain up to its last block is in use in this step (eviction forecast)
+            last_use = replica.last_use
+            last_use[own[n - 1]] = stamp
+            if parent != ROOT:
+                last_use[parent] = stamp
+        owners, bit, extra = self._owners, replica.bit, replica.extra
+        duplicates = 0
+        for i in range(n):
+            e = hashes[i]
+            h = engine.get(e)
+            if h is None:
+                h = engine[e] = own[i]
+            held = owners.get(h, 0)
+            if held & bit:
+                extra[h] = extra.get(h, 0) + 1
+                duplicates += 1
+            else:
+                owners[h] = held | bit if held else bit  # alone: share the replica's int, not a new one
+                if changed:
+                    changed(h)
+        if duplicates:
+            tally.duplicates += duplicates
+        replica.blocks += n
+        return n
+
+    def _removed(self, replica: _Replica, event: BlockRemoved, changed: Callable[[int], None] | None,
+                 tally: _Tally) -> int:
+        """Evicted copies: a hash leaves the replica with its last copy (its holders change, a watch
+        counts it). A hash the replica was not known to hold is counted, its stale engine entry dropped.
+        Returns the copies removed."""
+        owners, bit = self._owners, replica.bit
+        engine, extra, last_use, watched = replica.engine, replica.extra, replica.last_use, replica.watched
+        removed = unknown = 0
+        for e in event.block_hashes:
+            h = engine.get(e)
+            held = 0 if h is None else owners.get(h, 0)
+            if not held & bit:
+                if h is not None:
+                    del engine[e]
+                unknown += 1
+                continue
+            removed += 1
+            copies = extra.get(h)
+            if copies:
+                if copies > 1:
+                    extra[h] = copies - 1
+                else:
+                    del extra[h]
+            else:
+                del engine[e]
+                if last_use:
+                    last_use.pop(h, None)
+                if watched and (entry := watched.get(h)) is not None:
+                    entry[1] += 1
+                left = held & ~bit
+                if left:
+                    owners[h] = left
+                else:
+                    del owners[h]
+                if changed:
+                    changed(h)
+        replica.blocks -= removed
+        if unknown:
+            tally.unknown += unknown
+        return removed
+
+    def _cleared(self, address: str, window_events: list[Event], tally: _Tally) -> None:
+        """The replica reset its prefix cache: it holds nothing, and its window groups' events so far go too."""
+        self.reset(address)
+        window_events.clear()  # the window groups were emptied too
+        tally.cleared += 1
 
     def reset(self, address: str) -> None:
         """``address`` holds nothing (restart, sequence gap, AllBlocksCleared)."""
