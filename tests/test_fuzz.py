@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -288,3 +289,91 @@ def test_no_reproducer_is_written_unless_asked(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.chdir(tmp_path)
     rc, report = _fuzz_command(capsys, tmp_path / "unused", "--save-failures", "", bodies=44)
     assert all("reproducer" not in e for e in report["examples"]) and list(tmp_path.iterdir()) == []
+
+
+# --- the deep body that broke the determinism check, and a run that meets every variant ---------
+DEEP_CONTENT = b'{"model":"m","messages":[{"role":"user","content":%s}]}'
+
+
+@pytest.mark.parametrize("depth", [1018, 1020])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_deep_body_that_broke_the_determinism_check(depth: int, mode: str) -> None:
+    """``prefix-router fuzz`` died at ~1,000 bodies: ``again != d`` on a Decision whose document holds
+    this 1,021-deep content raised RecursionError in the comparison itself."""
+    body = DEEP_CONTENT % (b"[" * depth + b"]" * depth)
+    assert body in shapes._deep_bodies(shapes.DEFAULT_MAX_BODY_BYTES)  # the deep_nesting shape's own body
+    route = RouteSettings(normalize=mode, mode="pick")
+    d, again = decide(body, {}, route), decide(body, {}, route)
+    if d.document is not None:
+        with pytest.raises(RecursionError):
+            _ = d == again  # why the check no longer compares decisions with ==
+    assert checks.differences(d, again) == []
+    run = runner.Run()
+    case = shapes.Case(body)
+    runner._try(run, runner.Body(1, "deep_nesting", 10, case, route, pick=True, precise=False))
+    assert (run.exceptions, run.violations, run.examples) == (0, 0, [])
+
+
+def test_each_shape_meets_all_its_variants_in_as_many_rounds() -> None:
+    limit = shapes.DEFAULT_MAX_BODY_BYTES
+    deep = {shapes.SHAPES["deep_nesting"](shapes.FuzzRandom(0, turn), limit).body for turn in range(13)}
+    assert deep == set(shapes._deep_bodies(limit))
+    wide = [len(shapes.SHAPES["wide"](shapes.FuzzRandom(0, turn), limit).body) for turn in range(4)]
+    assert [round(n / shapes.MIB, 2) for n in wide] == [round(s / shapes.MIB, 2) for s in shapes.WIDE_SIZES]
+    rng = shapes.FuzzRandom(0)
+    seen = set()
+    for rng.turn in range(3 * 4):
+        seen.add((shapes.cycle(rng, "abc"), shapes.cycle(rng, "wxyz", every=3)))
+    assert len(seen) == 12  # two cycles with every=len(first) meet in every combination
+
+
+@pytest.mark.parametrize("field", ["document", "key"])
+def test_the_determinism_check_still_fails_a_nondeterministic_decide(monkeypatch: pytest.MonkeyPatch,
+                                                                     field: str) -> None:
+    real, calls = runner.decide, iter(range(10**6))
+    deep = DEEP_CONTENT % (b"[" * 1018 + b"]" * 1018)
+
+    def drifting(*args: Any, **kwargs: Any) -> Decision:
+        d = real(*args, **kwargs)
+        n = next(calls)
+        if field == "key":
+            return d._replace(key=f"{n:016x}")
+        inner = orjson.loads(b"[" * 1000 + str(n).encode() + b"]" * 1000)  # the difference 1,000 levels down
+        return d._replace(document={**(d.document or {}), "x": inner})
+
+    monkeypatch.setattr(runner, "decide", drifting)
+    run = runner.Run()
+    route = RouteSettings(mode="pick")
+    runner._try(run, runner.Body(1, "deep_nesting", 0, shapes.Case(deep), route, pick=True, precise=False))
+    assert run.violations == 1 and run.exceptions == 0
+    assert f"decide is deterministic ({field} differs)" in run.examples[0]["error"]
+
+
+def test_same_json_is_exact_and_iterative() -> None:
+    deep = orjson.loads(b"[" * 1024 + b"]" * 1024)
+    assert checks.same_json(deep, orjson.loads(b"[" * 1024 + b"]" * 1024))
+    assert not checks.same_json(deep, orjson.loads(b"[" * 1023 + b"1" + b"]" * 1023))
+    assert not checks.same_json({"a": 1, "b": 2}, {"b": 2, "a": 1})  # the template sees the order
+    assert not checks.same_json([1], [1.0]) and not checks.same_json([1], [True])
+    assert checks.same_document({"a": [1, {"b": None}]}, {"a": [1, {"b": None}]})
+    assert not checks.same_document({"a": 1}, {"a": 1.0}) and not checks.same_document({"a": deep}, {"a": [deep]})
+
+
+@pytest.mark.slow
+def test_a_long_fuzz_run_meets_every_variant_and_only_the_known_bugs(capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path) -> None:
+    """250 rounds of the 22 shapes: every shape's every cycled variant, the deep ones included (the
+    300-body run above sees 13 rounds), and the determinism check on each of them."""
+    from routerlab.fuzz import hostile_docs
+
+    rounds = 250
+    rc, report = _fuzz_command(capsys, tmp_path, bodies=rounds * len(shapes.SHAPES))
+    assert unexplained(report) == {} and report["violations"] == 0
+    assert set(report["failures_by_stage"]) <= {"precise"} and rc == (1 if report["exceptions"] else 0)
+    variants = {"deep_nesting": 13, "bad_unicode": len(shapes.BAD_UNICODE) * 4,
+                "precise_messages": len(hostile_docs.MESSAGE_EDITS), "precise_request": len(hostile_docs.DOC_EDITS),
+                "precise_completions": len(hostile_docs.COMPLETIONS_EDITS),
+                "precise_deep": len(hostile_docs.DEEP_CASES)}
+    assert all(report["shapes"][shape]["count"] >= n for shape, n in variants.items())
+    assert report["shapes"]["wide"]["max_bytes"] >= shapes.DEFAULT_MAX_BODY_BYTES - 64
+    assert report["fallbacks"]["too_deep"] > 0 and report["precise"]["bodies"] >= 4 * rounds

@@ -53,7 +53,7 @@ def deep(depth: int, kind: int) -> Raw:
     return Raw(b'{"a":' * depth + b"1" + b"}" * depth)
 
 
-DEEP_STRINGS: Final = ("[" * 100_000, '{"a":' * 50_000, "[" * 900 + "]" * 900, "[" * 5000 + "]" * 5000,
+DEEP_STRINGS: Final = ("[" * 100_000, '{"a":' * 50_000, "[" * 500 + "]" * 500, "[" * 5000 + "]" * 5000,
                        '{"a":' * 2000 + "1" + "}" * 2000)  # JSON texts in a string (tool call arguments)
 
 
