@@ -4,7 +4,7 @@ Envoy's ext_authz filter holds the request headers until its Check call returns 
 send the body with them (``with_request_body``, ``allow_partial_message``: a body above
 ``max_request_bytes`` arrives cut, never refused), so the key header our reply sets is in
 place when the route's hash policy reads it. One unary call is about half the gRPC work of
-envoy.yaml's two-message stream (docs/benchmark.md, "Routing overhead").
+envoy.yaml's two-message stream (docs/overhead.md).
 
 The reading of a check is the one both ext_authz shapes share (extproc.adapters.authz, also
 behind the HTTP shape of envoy-fast.yaml, extproc.adapters.ext_authz_http), and the key and the

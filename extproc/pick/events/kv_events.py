@@ -137,7 +137,7 @@ def unplaceable_groups(events: Sequence[Event]) -> set[int]:
     sliding window that says its window (Mamba, ...), or, from a publisher that does not say its
     kind, stores naming fewer blocks than their tokens fill. vLLM 0.32 announces a sliding-window
     group's run with every token of it but only the hashes of the blocks it keeps (the window
-    before a point a later request could hit), with no parent (seen on the wire: docs/fidelity.md)."""
+    before a point a later request could hit), with no parent (seen on the wire: docs/precise-fidelity.md)."""
     return {ev.group_idx for ev in events if type(ev) is BlockStored and ev.group_idx is not None
             and not window_store(ev) and (ev.kv_cache_spec_kind not in (None, FULL_ATTENTION)
                                           or len(ev.token_ids) > len(ev.block_hashes) * ev.block_size)}

@@ -4,7 +4,7 @@ vLLM's hybrid KV-cache manager keeps each KV-cache group's blocks apart, and a p
 every group (vllm/v1/core/kv_cache_coordinator.py): all of the prefix's blocks in the
 full-attention groups, and in a sliding-window group only the window before the hit point.
 vLLM 0.32 stores a sliding-window group's run with all of its tokens but only the hashes of the
-blocks the group keeps, with no parent (seen on the wire: docs/fidelity.md), so those hashes are
+blocks the group keeps, with no parent (seen on the wire: docs/precise-fidelity.md), so those hashes are
 placed through the full-attention group's: vLLM hashes a request's blocks once for every group,
 and the full-attention store of the same run comes in the same batch. ``EventIndex`` holds the
 full-attention view and hands a replica's sliding-window events here.

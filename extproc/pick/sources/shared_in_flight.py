@@ -5,7 +5,7 @@ until the next scrape sees them, and in precise mode their blocks count as there
 computed) before the replica's events announce them. With several router replicas each knows
 only its share, and a request that waits seconds in a replica's queue stays invisible to the
 others until its blocks are stored: under KV pressure, one router that forgot half its own
-requests in flight fell from 0.65-0.69 to 0.60 of the oracle hit rate (docs/pick-mode.md). So each
+requests in flight fell from 0.65-0.69 to 0.60 of the oracle hit rate (docs/results/precise/history.md). So each
 router publishes its picks and their ends on a shared channel (a Redis pub/sub channel:
 extproc.pick.sources.in_flight_bus), and applies the others' as if they were its own: load assigned and
 released, block runs pending at the replica. Nothing is agreed on and nothing is stored: a lost

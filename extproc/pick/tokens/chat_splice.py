@@ -1,7 +1,7 @@
 """A chat rendered by splicing its messages' contents into fixed text, where the template only copies them.
 
 Jinja renders a chat template in 22-28 us a request at 32 KB (the stage profile in
-docs/pick-mode.md), and most of a long conversation's turn. Yet for most templates and requests the
+docs/results/precise/cost-history.md), and most of a long conversation's turn. Yet for most templates and requests the
 rendered text is fixed pieces (role headers, special tokens) with each message's content written
 between them as it is, or trimmed: what differs from request to request is the contents, and where
 they go depends only on the roles and ``add_generation_prompt``. This module proves that per
