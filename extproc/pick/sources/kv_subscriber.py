@@ -19,9 +19,9 @@ and applies the batches in sequence order:
   asked for (from 0), so a router that starts while replicas are warm learns what their buffers
   still hold (origin ``replayed`` until the first live batch is applied, then ``events``). The
   buffer is bounded and there is no snapshot: blocks stored before it are not learned. Such a
-  view is *partial* (origin ``partial``, see ``covers_from``), as is one whose batches were lost
-  beyond the buffer (a gap); the request path then credits such a replica with the larger of
-  what its events and the learned view say (``extproc.pick.views.partial``).
+  view is *partial* (origin ``partial``, see ``replica_views.covers_from``), as is one whose
+  batches were lost beyond the buffer (a gap); the request path then credits such a replica with
+  the larger of what its events and the learned view say (``extproc.pick.views.partial``).
 * A frame or payload that does not decode is counted (``bad_frames``) and skipped; a batch whose
   payload is bad still advances the sequence (its content is lost either way: a replay would
   return the same bytes). Nothing raises out of a task: an unexpected error is logged, and the
@@ -35,6 +35,10 @@ address, so the other ranks of that endpoint are asked to replay their buffers f
 
 The counters are plain attributes (``stats``) for the integrator to export; ``on_reset(address,
 cause)`` is called on every reset as it happens.
+
+This module is the order of things (which batch is applied when, and the sessions and endpoints
+that bring them); what applying one does to the index and to the replica's view is
+replica_views.py, and the sockets, the wait on them and the replay request are zmq_sockets.py.
 """
 
 from __future__ import annotations
@@ -42,22 +46,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence, Set
-from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from collections.abc import Callable, Sequence
+from typing import Final
 
 import zmq
 import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
-from extproc.pick.events.kv_events import (END_OF_REPLAY, EventDecodeError, Frame, decode_batch, parse_frames, replay_request,
-                                    unplaceable_groups)
-from extproc.pick.views.precise import PARTIAL
+from extproc.pick.events.kv_events import EventDecodeError, Frame, parse_frames
+from extproc.pick.sources.replica_views import (
+    Index,
+    KvSubscriberStats,
+    RankStream,
+    ReplicaView,
+    ViewKeeper,
+    view_origin,
+)
+from extproc.pick.sources.zmq_sockets import EVENTS, FD, NOBLOCK, POLLIN, Readable, ask_replay, open_socket
 
 log = logging.getLogger("extproc.pick.sources.kv_subscriber")
 
-CAUSES: Final = ("restart", "reconnect", "gap", "cleared", "left", "hybrid")
-_NO_GROUPS: Final[frozenset[int]] = frozenset()
 DRAIN: Final = 512  # live messages handled per wake-up before yielding to the request path
 # Ingest time, over all streams together, per turn of the event loop: a stream charges each
 # batch's time and yields once the slice is spent; a new slice starts on the loop's next turn
@@ -66,86 +74,6 @@ DRAIN: Final = 512  # live messages handled per wake-up before yielding to the r
 # ingest backlog requests starved (measured: 100,000 blocks/s over 8 replicas on a loaded 2-core
 # machine, requests at 200/s answered after 7 s at p50; routerlab.bench.ingest).
 SLICE_S: Final = 0.002
-
-
-class Index(Protocol):
-    def apply(self, address: str, events: Sequence[Any]) -> Any: ...
-    def reset(self, address: str) -> None: ...
-    def remove(self, address: str) -> None: ...
-
-
-def covers_from(seq: int) -> bool:
-    """Whether a rank's view is complete (its events cover everything its cache holds) when the
-    first batch it learns, at the start or right after a hole, is ``seq``.
-
-    Only at seq 0: vLLM counts from 0 per process, and a new process starts with an empty cache.
-    (An ``AllBlocksCleared``, vLLM's ``reset_prefix_cache``, completes a view too: the cache is
-    empty after it.) Later than 0 (a router that starts while the replica is warm and its replay
-    buffer no longer starts at 0; no replay socket at all; batches lost beyond the buffer), the
-    blocks stored before and still resident are unknown, and so is every block a request later
-    chains onto them: vLLM announces a prefix-cache hit with nothing, and the router cannot hash
-    a run whose parent it never saw. The view is then *partial*.
-
-    A partial view becomes complete only by one of those two events, never by time or by eviction
-    turnover: vLLM evicts least-recently-used free blocks, so the blocks that keep being hit (hot
-    system prompts, the very ones worth routing on) stay resident and are never announced again,
-    and any count of stores or removals could declare the view complete while the most valuable
-    blocks are still missing. Until then the learned view (this router's own placements) fills
-    in; its errors are bounded by its LRU capacity.
-    """
-    return seq == 0
-
-
-@dataclass
-class ReplicaView:
-    """What is known of one replica's event stream (all its DP ranks)."""
-
-    # "none" (nothing heard: the learned view) | "replayed" (built from a replay buffer that holds
-    # the process's whole history) | "events" (live events flow, history complete) | "partial"
-    # (events flow or were replayed, but they miss what the replica stored before them; ``covers_from``)
-    origin: str = "none"
-    complete: dict[int, bool] = field(default_factory=dict)  # rank -> its events cover all it holds
-    last_seq: dict[int, int] = field(default_factory=dict)  # rank -> last applied seq
-    last_event_time: float = 0.0  # wall clock when its last batch was applied
-    lag: float = 0.0  # seconds from the last batch's ts to its application
-
-
-@dataclass
-class KvSubscriberStats:
-    batches: int = 0  # batches applied (live and replayed)
-    blocks: int = 0  # block hashes in applied BlockStored/BlockRemoved events
-    events_skipped: int = 0  # inner events the decoder could not read
-    gaps: int = 0  # missing seq ranges seen
-    replays_asked: int = 0
-    replays_served: int = 0  # replay requests answered up to the end marker
-    replayed_batches: int = 0  # batches applied from replay answers
-    bad_frames: int = 0
-    # events of a hybrid model's KV-cache groups the view cannot follow (``kv_events.unplaceable_groups``:
-    # Mamba, or a sliding window that does not say its window), set aside (docs/pick-mode.md)
-    set_aside_events: int = 0
-    apply_s: float = 0.0  # CPU time decoding and applying batches (thread time): the ingest path's share of the core
-    resets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
-    replicas: dict[str, ReplicaView] = field(default_factory=dict)
-
-
-class _Stream:
-    """One (endpoint, rank) event stream."""
-
-    __slots__ = ("address", "rank", "events_url", "replay_url", "applied", "live", "synced", "resync", "task",
-                 "dropped", "complete")
-
-    def __init__(self, address: str, rank: int, events_url: str, replay_url: str | None) -> None:
-        self.address = address
-        self.rank = rank
-        self.events_url = events_url
-        self.replay_url = replay_url
-        self.applied = -1  # last applied seq
-        self.live = -1  # last seq received on the live socket
-        self.synced = replay_url is None  # the initial replay answered (or there is none)
-        self.resync = False  # the address was reset: replay from 0 again
-        self.task: asyncio.Task[None] | None = None
-        self.dropped = False  # the connection to the publisher went down since the last connect
-        self.complete = False  # the batches applied since the last hole cover the cache (``covers_from``)
 
 
 class _IngestSlice:
@@ -180,71 +108,12 @@ class _IngestSlice:
         self.used = 0.0
 
 
-# ZMQ options and flags as plain ints: pyzmq's enum operators cost more than the calls themselves
-_FD: Final = int(zmq.FD)
-_EVENTS: Final = int(zmq.EVENTS)
-_POLLIN: Final = int(zmq.POLLIN)
-_NOBLOCK: Final = int(zmq.NOBLOCK)
-
-
-class _Readable:
-    """Wakes a stream when its SUB or monitor socket may have something to read, or on timeout.
-
-    The event loop watches the sockets' ZMQ_FD (readable while ZMQ has unprocessed commands for
-    the socket, cleared by reading ZMQ_EVENTS or receiving); the stream drains with non-blocking
-    receives, checks ZMQ_EVENTS, and only then waits here. zmq.asyncio's Poller did the same with a
-    future, a poller and enum flag arithmetic per wait; without it the subscriber's CPU per batch
-    beside decoding and applying went from 112 to 89 us at 1,500 batches/s and from 247 to 164 us
-    at 300 batches/s (8 streams, each batch about 160-200 us to decode and apply).
-    """
-
-    __slots__ = ("_loop", "_fds", "_waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fds: Sequence[int]) -> None:
-        self._loop = loop
-        self._fds = tuple(fds)
-        self._waiter: asyncio.Future[None] | None = None
-        for fd in self._fds:
-            loop.add_reader(fd, self._fire)
-
-    def _fire(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self, timeout: float) -> None:
-        self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(timeout, self._fire)
-        try:
-            await self._waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-
-    def close(self) -> None:
-        for fd in self._fds:
-            self._loop.remove_reader(fd)
-
-
 def _host(address: str) -> str:
     host = address.rpartition(":")[0]
     return host or address
 
 
-def _origin(view: ReplicaView, live: bool) -> str:
-    """A replica's origin after a batch: partial while any rank's events miss what it holds."""
-    if not all(view.complete.values()):
-        return PARTIAL
-    return "events" if live or view.origin == "events" else "replayed"
-
-
-def _cleared(result: Any) -> int:
-    """How many AllBlocksCleared resets an ``ApplyResult`` reports (0 when it says nothing)."""
-    n = getattr(result, "cleared", 0)
-    return int(n) if n else 0
-
-
-class KvEventSubscriber:
+class KvEventSubscriber(ViewKeeper):
     """Subscribes to the KV-cache events of every endpoint and feeds them to ``index``."""
 
     def __init__(self, index: Index, events_port: int = 5557, replay_port: int | None = 5558, topic: str = "kv",
@@ -264,7 +133,7 @@ class KvEventSubscriber:
         self.rcvhwm = rcvhwm
         self.poll_interval = poll_interval  # longest wait before a stream looks at its resync flag again
         self.stats = KvSubscriberStats()
-        self._streams: dict[str, list[_Stream]] = {}
+        self._streams: dict[str, list[RankStream]] = {}
         self._wanted: list[str] = []
         self._dirty: dict[str, bool] = {}  # applied anything since the last reset
         self._set_aside_groups: dict[str, set[int]] = {}  # address -> its groups the view cannot follow
@@ -318,14 +187,14 @@ class KvEventSubscriber:
             streams = []
             for rank in range(self.dp_ranks):
                 replay = None if self.replay_port is None else f"tcp://{host}:{base + self.replay_port + rank}"
-                st = _Stream(address, rank, f"tcp://{host}:{base + self.events_port + rank}", replay)
+                st = RankStream(address, rank, f"tcp://{host}:{base + self.events_port + rank}", replay)
                 st.task = loop.create_task(self._run(st), name=f"kv-events {address} rank {rank}")
                 streams.append(st)
             self._streams[address] = streams
             self.stats.replicas[address] = ReplicaView()
 
     # ---- one stream ---------------------------------------------------------------------
-    async def _run(self, st: _Stream) -> None:
+    async def _run(self, st: RankStream) -> None:
         while True:
             try:
                 await self._session(st)
@@ -335,30 +204,19 @@ class KvEventSubscriber:
                 log.exception("KV-event stream %s rank %d failed; reconnecting", st.address, st.rank)
             await asyncio.sleep(1.0)
 
-    def _socket(self, kind: int, url: str) -> zmq.asyncio.Socket:
+    async def _session(self, st: RankStream) -> None:
         assert self._ctx is not None
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if url.startswith("tcp://["):
-            sock.setsockopt(zmq.IPV6, 1)
-        if kind == zmq.SUB:
-            sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
-            sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
-        sock.connect(url)
-        return sock
-
-    async def _session(self, st: _Stream) -> None:
-        sock = self._socket(zmq.SUB, st.events_url)
+        sock = open_socket(self._ctx, zmq.SUB, st.events_url, self.rcvhwm, self.topic)
         raw = zmq.Socket.shadow(sock.underlying)  # synchronous reads of what is already queued
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         raw_monitor = zmq.Socket.shadow(monitor.underlying)
-        readable = _Readable(asyncio.get_running_loop(), (raw.getsockopt(_FD), raw_monitor.getsockopt(_FD)))
+        readable = Readable(asyncio.get_running_loop(), (raw.getsockopt(FD), raw_monitor.getsockopt(FD)))
         try:
             if not st.synced:
                 await self._initial_replay(st)
             while True:
-                while raw_monitor.getsockopt(_EVENTS) & _POLLIN:  # first: a reconnect asks for a resync
-                    self._on_monitor(st, raw_monitor.recv_multipart(_NOBLOCK))
+                while raw_monitor.getsockopt(EVENTS) & POLLIN:  # first: a reconnect asks for a resync
+                    self._on_monitor(st, raw_monitor.recv_multipart(NOBLOCK))
                 if st.resync:
                     st.resync = False
                     st.applied = -1
@@ -367,7 +225,7 @@ class KvEventSubscriber:
                 handled = 0
                 while handled < DRAIN:
                     try:
-                        frames = raw.recv_multipart(_NOBLOCK)
+                        frames = raw.recv_multipart(NOBLOCK)
                     except zmq.Again:
                         break
                     started = time.perf_counter()
@@ -380,7 +238,7 @@ class KvEventSubscriber:
                         await asyncio.sleep(0)
                 if handled == DRAIN:
                     await asyncio.sleep(0)  # more may be queued: let the request path run, then read on
-                elif not (raw.getsockopt(_EVENTS) & _POLLIN or raw_monitor.getsockopt(_EVENTS) & _POLLIN):
+                elif not (raw.getsockopt(EVENTS) & POLLIN or raw_monitor.getsockopt(EVENTS) & POLLIN):
                     await readable.wait(self.poll_interval)
         finally:
             readable.close()
@@ -388,7 +246,7 @@ class KvEventSubscriber:
             monitor.close(linger=0)
             sock.close(linger=0)
 
-    def _on_monitor(self, st: _Stream, frames: list[bytes]) -> None:
+    def _on_monitor(self, st: RankStream, frames: list[bytes]) -> None:
         """A connection that comes back may lead to a new publisher process (a restarted replica
         whose first batches we may have missed, so its sequence need not look like a restart):
         the replica's view is rebuilt from what its buffer holds (cause ``reconnect``). Crediting
@@ -405,7 +263,7 @@ class KvEventSubscriber:
             st.applied = -1
             st.complete = False
 
-    async def _on_live(self, st: _Stream, frames: list[bytes]) -> None:
+    async def _on_live(self, st: RankStream, frames: list[bytes]) -> None:
         try:
             frame = parse_frames(frames)
         except EventDecodeError:
@@ -432,7 +290,7 @@ class KvEventSubscriber:
             await self._fill_gap(st, frame)
         # else: already applied from a replay answer
 
-    async def _initial_replay(self, st: _Stream) -> None:
+    async def _initial_replay(self, st: RankStream) -> None:
         if st.replay_url is None:
             st.synced = True
             return
@@ -444,15 +302,15 @@ class KvEventSubscriber:
             st.complete = True  # an empty buffer: the publisher never sent a batch, its cache is empty
         for fr in frames:
             if fr.seq > st.applied + 1:  # a buffer may start after 0: learn what it holds (a partial view)
-                self._skip_to(st, fr.seq)
+                st.skip_to(fr.seq)
             if fr.seq == st.applied + 1:
                 self._apply(st, fr, live=False)
         view = self.stats.replicas.get(st.address)
         if view is not None:  # an empty buffer answered is knowledge too: a fresh replica holds nothing
             view.complete[st.rank] = st.complete
-            view.origin = _origin(view, live=False)
+            view.origin = view_origin(view, live=False)
 
-    async def _fill_gap(self, st: _Stream, frame: Frame) -> None:
+    async def _fill_gap(self, st: RankStream, frame: Frame) -> None:
         self.stats.gaps += 1
         expected = st.applied + 1
         answered, frames = (False, [])
@@ -470,127 +328,15 @@ class KvEventSubscriber:
                 self._reset(st, "gap")
             # What the buffer does still hold before this batch is true: learn it from its start.
             held = [fr for fr in frames if fr.seq < frame.seq] if answered else []
-            self._skip_to(st, held[0].seq if held else frame.seq)
+            st.skip_to(held[0].seq if held else frame.seq)
             for fr in held:
                 if fr.seq == st.applied + 1:
                     self._apply(st, fr, live=False)
         if frame.seq == st.applied + 1:
             self._apply(st, frame, live=True)
 
-    async def _ask(self, st: _Stream, start: int) -> tuple[bool, list[Frame]]:
+    async def _ask(self, st: RankStream, start: int) -> tuple[bool, list[Frame]]:
         """Every buffered batch with seq >= start; (answered to the end marker, frames in order)."""
-        assert st.replay_url is not None
-        self.stats.replays_asked += 1
-        dealer = self._socket(zmq.DEALER, st.replay_url)  # a fresh socket: no late answers of an old ask
-        out: list[Frame] = []
-        try:
-            await dealer.send_multipart(replay_request(start))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.replay_total_timeout
-            while True:
-                wait = min(self.replay_timeout, deadline - loop.time())
-                if wait <= 0 or not await dealer.poll(int(wait * 1000), zmq.POLLIN):
-                    return False, out
-                frames = await dealer.recv_multipart()
-                try:
-                    fr = parse_frames(frames)
-                except EventDecodeError:
-                    self.stats.bad_frames += 1
-                    continue
-                if fr.seq == END_OF_REPLAY:
-                    self.stats.replays_served += 1
-                    return True, out
-                if fr.seq >= start and (not out or fr.seq > out[-1].seq):
-                    out.append(fr)
-        finally:
-            dealer.close(linger=0)
-
-    # ---- applying -----------------------------------------------------------------------
-    @staticmethod
-    def _skip_to(st: _Stream, seq: int) -> None:
-        """The next batch applied is ``seq``, after a hole (or as the first): what came before is unknown."""
-        st.applied = seq - 1
-        st.complete = covers_from(seq)
-
-    def _apply(self, st: _Stream, frame: Frame, live: bool) -> None:
-        if st.resync:
-            return  # this replica's view is rebuilt by the replay the session runs next
-        st.applied = frame.seq
-        if frame.seq == 0:
-            st.complete = True  # a process's first batch: its cache was empty before it
-        view = self.stats.replicas.get(st.address)
-        if view is None:
-            return  # the endpoint left while a replay was under way
-        view.last_seq[st.rank] = frame.seq
-        started = time.thread_time()
-        try:
-            decoded = decode_batch(frame.payload)
-        except EventDecodeError:
-            self.stats.bad_frames += 1
-            return
-        batch = decoded.batch
-        events = batch.events
-        aside: Set[int] = self._set_aside_groups.get(st.address, _NO_GROUPS)
-        found = unplaceable_groups(events)
-        if not found <= aside:
-            self._set_aside(st, found)
-            if st.resync:
-                return  # the replay rebuilds the view, this batch included
-            aside = self._set_aside_groups[st.address]
-        stats = self.stats
-        if aside:
-            kept = [ev for ev in events if getattr(ev, "group_idx", None) not in aside]
-            stats.set_aside_events += len(events) - len(kept)
-            events = kept
-        result = self.index.apply(st.address, events)
-        self._dirty[st.address] = True
-        stats.batches += 1
-        stats.events_skipped += decoded.skipped
-        stats.blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in events)
-        now = time.time()
-        view.last_event_time = now
-        view.lag = now - batch.ts
-        if not live:
-            stats.replayed_batches += 1
-        cleared = _cleared(result)
-        if cleared:
-            st.complete = True  # the cache was emptied: everything after it is announced
-        for _ in range(cleared):
-            self._count_reset(st.address, "cleared")
-        view.complete[st.rank] = st.complete
-        view.origin = _origin(view, live)
-        stats.apply_s += time.thread_time() - started
-
-    def _set_aside(self, st: _Stream, groups: set[int]) -> None:
-        """A hybrid model: the view cannot follow ``groups`` (``unplaceable_groups``). Their events are
-        set aside from now on, and this replica's view, which may hold some of their blocks, is
-        rebuilt from its replay buffer without them."""
-        aside = self._set_aside_groups.setdefault(st.address, set())
-        aside |= groups
-        log.warning("replica %s has KV-cache groups %s that precise mode cannot follow (a hybrid model's: "
-                    "Mamba, or a sliding window that does not say its window): their events are set aside, so "
-                    "it can predict more cached tokens than vLLM finds where those groups no longer hold what a "
-                    "hit needs (docs/pick-mode.md)", st.address, sorted(aside))
-        self._reset(st, "hybrid")
-        st.resync = st.replay_url is not None  # without a buffer to rebuild from the view stays partial
-
-    def _reset(self, st: _Stream, cause: str) -> None:
-        self.index.reset(st.address)
-        self._dirty[st.address] = False
-        view = self.stats.replicas.get(st.address)
-        if view is not None and view.origin != "none":
-            # nothing is known until the streams learn again; the learned view fills in meanwhile
-            view.complete = dict.fromkeys(range(self.dp_ranks), False)
-            view.origin = PARTIAL
-        self._count_reset(st.address, cause)
-        for other in self._streams.get(st.address, ()):
-            if other is not st and other.replay_url is not None:
-                other.resync = True  # its part of the union is gone too: replay its buffer again
-
-    def _count_reset(self, address: str, cause: str) -> None:
-        self.stats.resets[cause] += 1
-        if self.on_reset is not None:
-            try:
-                self.on_reset(address, cause)
-            except Exception:
-                log.exception("on_reset callback failed")
+        assert st.replay_url is not None and self._ctx is not None
+        return await ask_replay(self._ctx, st.replay_url, start, self.stats, self.replay_timeout,
+                                self.replay_total_timeout)
