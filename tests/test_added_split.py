@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import extproc.pick.tokens.prompt_tokens as prompt_tokens
+import extproc.pick.tokens.segment_cache as prompt_tokens  # where the segment cache and its _key live
 from extproc.pick.tokens.added_split import MAX_MISSES, AddedTokenSplit
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 
