@@ -1,6 +1,6 @@
 """Turn a request body into the bytes whose prefix is hashed (pure, no I/O).
 
-Three modes (design.md section 3):
+Three modes (docs/settings.md, "Normalisation modes"):
 
 * ``raw``: the body as received (SageMaker's native-API behaviour, kept for A/B tests).
 * ``canonical``: the whole JSON document with sorted keys and no insignificant whitespace.

@@ -1,7 +1,9 @@
 """How every asyncio program of ours runs: on uvloop when installed, else asyncio's own loop.
 
-uvloop gave grpc.aio the lowest CPU per request measured here (design.md section 4), and a
-lighter load client; a bare install without it still runs.
+grpc.aio's CPU per request measured alike on the two loops, within the run-to-run spread (374-472
+us on uvloop, 370-518 on asyncio's, on the do-nothing floor: docs/results/history/overhead.md,
+"Rejected: server shapes", its reports under docs/results/overhead-shapes/); a bare install
+without uvloop still runs.
 """
 
 from __future__ import annotations
