@@ -80,7 +80,7 @@ class KvSubscriberStats:
     replayed_batches: int = 0  # batches applied from replay answers
     bad_frames: int = 0
     # events of a hybrid model's KV-cache groups the view cannot follow (``kv_events.unplaceable_groups``:
-    # Mamba, or a sliding window that does not say its window), set aside (docs/pick-mode.md)
+    # Mamba, or a sliding window that does not say its window), set aside (docs/precise-mode.md, "Hybrid models")
     set_aside_events: int = 0
     apply_s: float = 0.0  # CPU time decoding and applying batches (thread time): the ingest path's share of the core
     resets: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
@@ -197,7 +197,7 @@ class ViewKeeper:
         log.warning("replica %s has KV-cache groups %s that precise mode cannot follow (a hybrid model's: "
                     "Mamba, or a sliding window that does not say its window): their events are set aside, so "
                     "it can predict more cached tokens than vLLM finds where those groups no longer hold what a "
-                    "hit needs (docs/pick-mode.md)", st.address, sorted(aside))
+                    "hit needs (docs/precise-mode.md, Hybrid models)", st.address, sorted(aside))
         self._reset(st, "hybrid")
         st.resync = st.replay_url is not None  # without a buffer to rebuild from the view stays partial
 
