@@ -1,7 +1,7 @@
 """How precise mode's event view scales: memory per block, ingest rate and lookup cost on a full view.
 
 Builds the view of ``--replicas`` replicas x ``--blocks`` blocks of ``--block-size`` tokens
-(default: 64 x 84,000 x 16, the KV of a 70B model on 8x H100 per replica, design.md section 5)
+(default: 64 x 84,000 x 16, the KV of a 70B model on 8x H100 per replica, docs/simulator.md)
 from msgpack event batches of ``--per-batch`` ``--run``-block BlockStored each, as vLLM sends them, through
 the router's own ``decode_batch`` and ``EventIndex.apply``; then times a lookup of a prompt one
 replica holds. Prints one line per figure. Run: ``.venv/bin/python lab/tools/event_view_scale.py``

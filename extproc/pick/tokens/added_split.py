@@ -1,6 +1,6 @@
 """Where a text's added tokens are, found as the tokenizer finds them, at memchr speed.
 
-The segment cache (prompt_tokens.py) splits every prompt at its added tokens. A regex
+The segment cache (segment_cache.py) splits every prompt at its added tokens. A regex
 alternation of their texts (longest first, as the tokenizer's own matcher prefers) finds them,
 but scans a 32 KB prompt at ~3 GB/s (~10 us); ``str.find`` of a character runs ~10 times
 faster. Added tokens usually share their first character (``<|...|>``, ``<...>``), so the

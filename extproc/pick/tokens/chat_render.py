@@ -1,6 +1,6 @@
 """Rendering a chat completions body into the prompt text, exactly as vLLM and transformers do.
 
-Split from prompt_tokens.py (which tokenises that text, with its segment cache) because this is a
+Split from prompt_tokens.py (which tokenises that text, with segment_cache.py) because this is a
 separate idea with its own reference: what vLLM's chat parser hands the template (content parts
 joined with ``"\\n"`` in the "string" content format, kept as text parts in the "openai" format,
 which vLLM detects from the template as it does; tools and tool_calls as vLLM dumps them) and how

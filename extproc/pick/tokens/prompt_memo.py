@@ -1,6 +1,6 @@
 """Recently tokenised prompts, so a prompt that extends one of them is tokenised from where they part.
 
-The segment cache (prompt_tokens.py) serves every segment between added tokens from a dict, yet
+The segment cache (segment_cache.py) serves every segment between added tokens from a dict, yet
 a request still paid for splitting its whole text, keying each segment and joining every cached
 piece (about 3 us a piece), most of it on a prefix an earlier request had tokenised already: in a
 conversation, every turn carries the whole history. This memo keeps recent texts with their ids

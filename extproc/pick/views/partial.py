@@ -1,6 +1,6 @@
 """Precise mode's view: the events where they reach, the learned view elsewhere, the larger where events are partial.
 
-A replica's event view is *partial* (``extproc.pick.sources.kv_subscriber.covers_from``) when the router
+A replica's event view is *partial* (``extproc.pick.sources.replica_views.covers_from``) when the router
 learned its events from a replay buffer that no longer started at seq 0, or lost batches beyond
 the buffer. Blocks stored before are unknown to the events, and a hot system prompt that keeps
 being hit is never announced again, nor is anything chained onto it. The learned view (this

@@ -29,7 +29,7 @@ _origin_of: Final = attrgetter("origin")
 
 
 class Origin(Protocol):
-    origin: str  # "none" | "replayed" | "events" | "partial" (extproc.pick.sources.kv_subscriber.ReplicaView)
+    origin: str  # "none" | "replayed" | "events" | "partial" (extproc.pick.sources.replica_views.ReplicaView)
 
 
 class Exact(NamedTuple):

@@ -37,7 +37,7 @@ BUSY_CHARS: Final = 64  # max_new_chars on a quarter of the calls: long new text
 
 
 class Live:
-    """A replica's event stream state, as ``PreciseView`` reads it (``kv_subscriber.ReplicaView``)."""
+    """A replica's event stream state, as ``PreciseView`` reads it (``replica_views.ReplicaView``)."""
 
     def __init__(self, origin: str) -> None:
         self.origin = origin

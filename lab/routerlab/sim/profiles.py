@@ -2,7 +2,7 @@
 
 Step time (model seconds) = base + per_prefill_token * prefill tokens in the step
 + per_decode * decoding sequences in the step. The llama profile follows the derived
-Llama 3.1 70B / TP8 / 8x H100 numbers in design.md section 5 (+-30 %).
+Llama 3.1 70B / TP8 / 8x H100 first-order model in docs/simulator.md (+-30 %).
 """
 
 from __future__ import annotations
