@@ -76,7 +76,7 @@ def _warm(view: PreciseView) -> None:
 def lanes() -> tuple[Lane, ...]:
     """Fresh lanes (each run starts with empty caches, so it is deterministic from its seed)."""
     built = []
-    for name, path, cache_bytes, distrusted in (("bytelevel", TINY_BYTELEVEL, 64 << 20, set()),
+    for name, path, cache_bytes, distrusted in (("bytelevel", TINY_BYTELEVEL, 16 << 20, set()),
                                                 ("metaspace", TINY_METASPACE, 200_000, {MODELS[0]})):
         view = _view(ModelTokenizer(path, cache_bytes=cache_bytes), distrusted)
         reference = _view(ModelTokenizer(path, cache_bytes=0, splice=False), distrusted)
