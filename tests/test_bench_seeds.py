@@ -57,31 +57,47 @@ def test_differences_pair_each_seed_and_leave_out_a_seed_without_the_arm(tmp_pat
 
 def test_a_quick_campaign_runs_each_seed_then_reads_what_is_there(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """What the campaign does, on real quick runs: each seed run with the arms rotated, each
+    difference the arms' own per-seed difference, the t interval over those, the seeds read back.
+    Not the arms' effect: 72 requests a run cannot resolve it (the A-A control below moved 0.067 of
+    the oracle between two runs of one seed, round robin's loss measured -0.137 to -0.44); that is
+    the seeded benchmark's to measure (docs/benchmark.md)."""
     arms = ["prefix-bounded", "round-robin", "prefix-bounded#2"]  # the last: the first again, an A-A control
     argv = ["bench", "--scenario", "sagemaker-8k", "--quick", "--arms", ",".join(arms),
             "--seeds", "1-2", "--out", str(tmp_path), "--no-plots"]
     assert cli_main(argv) == 0
-    runs = {}
+    reports = []
     for seed in (1, 2):
         report = json.loads((tmp_path / f"seed-{seed}" / "report.json").read_text())
         assert report["seed"] == seed and list(report["arms"]) == seeds.rotated(arms, seed - 1)
-        runs[seed] = report["arms"]
+        assert all(arm["success_rate"] == 1.0 for arm in report["arms"].values()), seed
+        reports.append(report)
     summary = json.loads((tmp_path / "seeds.json").read_text())
     assert summary["base"] == "prefix-bounded" and summary["seeds"] == [1, 2]
-    hit = summary["differences"]["round-robin"]["hit_rate_of_oracle"]
-    assert hit["per_seed"] == pytest.approx(
-        {str(s): a["round-robin"]["hit_rate_of_oracle"] - a["prefix-bounded"]["hit_rate_of_oracle"]
-         for s, a in runs.items()})
-    assert max(hit["per_seed"].values()) < -0.15  # round robin scatters what the prefix key keeps together
-    assert hit["low"] < hit["mean"] < hit["high"]
-    same = summary["differences"]["prefix-bounded#2"]["hit_rate_of_oracle"]["per_seed"]
-    for seed, loss in hit["per_seed"].items():  # the same arm again: the bench's own spread, well inside that loss
-        assert abs(same[seed]) < abs(loss) / 2
+    assert summary["confidence"] == seeds.CONFIDENCE and set(summary["differences"]) == {"round-robin",
+                                                                                        "prefix-bounded#2"}
+    figures = {"hit_rate_of_oracle": (lambda a: a["hit_rate_of_oracle"], False),  # in the figure's units
+               "ttft_p50": (lambda a: a["ttft_ms"]["p50"], True),  # as a share of the first arm's
+               "ttft_p90": (lambda a: a["ttft_ms"]["p90"], True),
+               "throughput_rps": (lambda a: a["throughput_rps"], True)}
+    t = 12.706204736174707  # t(0.975, 1 degree of freedom): two seeds
+    for arm in ("round-robin", "prefix-bounded#2"):
+        for key, (figure, relative) in figures.items():
+            per_seed = {}
+            for r in reports:
+                base, other = figure(r["arms"]["prefix-bounded"]), figure(r["arms"][arm])
+                per_seed[str(r["seed"])] = (other - base) / base if relative else other - base
+            found = summary["differences"][arm][key]
+            assert found["per_seed"] == pytest.approx(per_seed), (arm, key)
+            mean, half = statistics.fmean(per_seed.values()), t * statistics.stdev(per_seed.values()) / 2 ** 0.5
+            assert (found["mean"], found["low"], found["high"]) == pytest.approx(
+                (mean, mean - half, mean + half), abs=1e-9), (arm, key)
     assert "| round-robin | hit rate / oracle | 2 |" in capsys.readouterr().out
 
     stamps = {s: (tmp_path / f"seed-{s}" / "report.json").stat().st_mtime_ns for s in (1, 2)}
     assert cli_main(argv) == 0  # the same campaign again: read, not run
     assert stamps == {s: (tmp_path / f"seed-{s}" / "report.json").stat().st_mtime_ns for s in (1, 2)}
+    assert json.loads((tmp_path / "seeds.json").read_text()) == summary  # the same figures from what was read
     assert (tmp_path / "seeds.md").read_text().count("| prefix-bounded#2 | hit rate / oracle | 2 |") == 1
 
 
