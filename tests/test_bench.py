@@ -87,7 +87,9 @@ def test_scale_out_newcomer_takes_traffic_and_the_leaver_drains_without_failures
         start, joined, left = arm["timeline"]
         assert start["requests_per_replica"][newcomer] == 0, name  # out of the fleet until it joins
         assert joined["requests_per_replica"][newcomer] > 0, name  # cold prompts reach it at once
-        assert left["requests_per_replica"][0] <= 0.1 * left["ok"], name  # only what was in flight
+        # Only what was in flight or sent before Envoy and the router saw it go: 0-9 of ~125 requests
+        # (0.076) over 8 runs, 1 and 9 in two runs of one seed; still in the fleet it would get a third.
+        assert left["requests_per_replica"][0] <= 0.2 * left["ok"], name
     assert "## Per phase" in report_mod.to_markdown(report)
 
 
