@@ -316,7 +316,7 @@ def _tool_calls_as_vllm(tool_calls: Any) -> list[dict[str, Any]]:
             if isinstance(args, str):
                 try:
                     parsed = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):  # invalid, or nested deeper than Python's stack
                     parsed = None
             fn["arguments"] = parsed if isinstance(parsed, dict) else {}
         out.append({**call, "function": fn})

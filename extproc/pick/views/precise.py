@@ -90,12 +90,15 @@ class PreciseView:
             doc = parsed_object(decision.normalized)  # raw mode hashed the bytes without parsing them
         if doc is None:
             raise NotTokenizable("not_json", "the body is not a whole JSON object")
-        if not checking and self.distrusted and str(doc.get("model")) in self.distrusted:
-            raise NotTokenizable("tokenizer_mismatch", f"the tokenizer of {doc.get('model')!r} disagrees "
+        model = doc.get("model")
+        if model is not None and not isinstance(model, str):  # vLLM answers 400; never repr a hostile value
+            raise NotTokenizable("bad_request", f"model is a {type(model).__name__}, not a string")
+        if not checking and self.distrusted and str(model) in self.distrusted:
+            raise NotTokenizable("tokenizer_mismatch", f"the tokenizer of {model!r} disagrees "
                                  "with the replicas' (extproc.pick.sources.tokenizer_check)")
-        tokenizer = self.tokenizers.get(str(doc.get("model"))) or self.tokenizers.get(ANY_MODEL)
+        tokenizer = self.tokenizers.get(str(model)) or self.tokenizers.get(ANY_MODEL)
         if tokenizer is None:
-            raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {doc.get('model')!r}")
+            raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {model!r}")
         if "messages" in doc:
             return tokenizer, doc, "chat"
         if "prompt" in doc:
@@ -192,7 +195,7 @@ class PreciseView:
             if not runs:
                 del self.pending[address]
 
-    def pend(self, address: str, exact: Exact) -> "Pended":
+    def pend(self, address: str, exact: Exact) -> Pended:
         """The request goes to ``address``: its blocks count as there until ``unpend``; the blocks the
         eviction forecast said it would find evicted there are watched until then."""
         size = exact.sizes.get(address)
@@ -206,7 +209,7 @@ class PreciseView:
         below = run[max(0, held - 2 * evicting): held - evicting]  # as many blocks again, said to stay
         return Pended(run, forecast, self.index.watch(address, forecast), below, self.index.watch(address, below))
 
-    def unpend(self, address: str, pended: "Pended") -> tuple[int, int, int] | None:
+    def unpend(self, address: str, pended: Pended) -> tuple[int, int, int] | None:
         """The request ended: its blocks are in the events by now, or were never stored. Returns the
         forecast's outcome there, (blocks it said would be evicted, of them blocks that left the
         replica meanwhile, blocks that left of as many below them it said would stay), or None when

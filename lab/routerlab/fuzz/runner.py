@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
+from extproc.adapters.service import without_gc
 from extproc.core.decide import Decision, decide
 from extproc.core.normalize import MODES
 from extproc.core.settings import PREFIX_LENGTH_RANGE, RouteSettings
@@ -68,20 +69,6 @@ DEFAULT_SAVE_DIR: Final = "fuzz-failures"  # as libFuzzer writes crash-* files: 
 SAVED_SETTINGS: Final = ("prefix_length", "normalize", "mode", "concurrency_threshold", "tie_tokens",
                          "tenant_isolation")
 SECRET: Final = b"fuzz-tenant-isolation-secret"  # every third round salts tenants' caches
-
-
-@contextlib.contextmanager
-def without_gc() -> Iterator[None]:
-    """Pause the cyclic GC around one ``decide``, as the router's service does around every decide
-    (a body of millions of tiny containers would otherwise be walked by collection after collection).
-    Kept here rather than imported: where the adapters keep theirs is theirs to move."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class GcClock:
