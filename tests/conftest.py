@@ -196,6 +196,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_fuzz.py": ("test_fuzz_command_reports_every_shape_and_passes",  # 8 s
                      "test_fuzz_command_fails_when_decide_raises", "test_fuzz_command_fails_when_a_promise_breaks",
                      "test_no_reproducer_is_written_unless_asked"),  # 3-4 s each: the fuzz command's runs
+    "test_bench_overhead.py": ("test_microbench_reports_normalise_key_and_the_pick_choice_per_size",),  # 3-4 s
     "test_word_tokens.py": ("test_word_by_word_gives_the_tokenizers_ids[gpt2-regex]",  # 3-7 s
                             "test_slices_tokenise_one_after_the_other_as_the_whole_text[gpt2-regex]"),
 }
