@@ -39,7 +39,8 @@ class PreciseCollector(Collector):
             yield CounterMetricFamily(f"prefix_router_kv_{name}", doc, value=value)
         resets = CounterMetricFamily(
             "prefix_router_kv_view_resets", "Replica cache views emptied, by cause: restart (its sequence "
-            "went back), gap (events lost beyond the replay buffer), cleared (AllBlocksCleared), left", labels=["cause"])
+            "went back), gap (events lost beyond the replay buffer), cleared (AllBlocksCleared), left",
+            labels=["cause"])
         for cause, n in s.resets.items():
             resets.add_metric([cause], n)
         yield resets
@@ -57,7 +58,8 @@ class PreciseCollector(Collector):
         yield lag
         yield origin
         stats = precise.index.stats()
-        yield GaugeMetricFamily("prefix_router_kv_index_blocks", "Event index: resident block copies", value=stats.entries)
+        yield GaugeMetricFamily("prefix_router_kv_index_blocks", "Event index: resident block copies",
+                                value=stats.entries)
         yield GaugeMetricFamily("prefix_router_kv_index_bytes", "Event index: estimated memory", value=stats.bytes)
         hits = CounterMetricFamily("prefix_router_tokenize_cache_segments", "Tokenised prompt segments, by whether "
                                    "the segment cache held them", labels=["model", "result"])
@@ -74,8 +76,9 @@ class PreciseCollector(Collector):
         yield chars
         renders = CounterMetricFamily("prefix_router_chat_renders", "Chat templates rendered, by how: spliced (the "
                                       "contents joined into the text the template was proven to write around "
-                                      "them, extproc.pick.tokens.chat_splice), jinja, or disagreed (a structure whose first "
-                                      "splice differed from Jinja's text: Jinja's since)", labels=["model", "how"])
+                                      "them, extproc.pick.tokens.chat_splice), jinja, or disagreed (a structure "
+                                      "whose first splice differed from Jinja's text: Jinja's since)",
+                                      labels=["model", "how"])
         for model, tok in precise.tokenizers.items():
             splice = tok.splice
             renders.add_metric([model, "spliced"], splice.spliced if splice is not None else 0)

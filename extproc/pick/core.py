@@ -21,8 +21,9 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefill_tokens
 from extproc.pick.choice.load import LoadTracker, Sample
 from extproc.pick.choice.state import ReplicaState
-from extproc.pick.views.base import CacheView, Match, Placed
+from extproc.pick.views.base import NOTHING, CacheView, Match, Placed
 from extproc.pick.views.learned import BYTES_PER_TOKEN, LearnedView
+
 
 class Share(Protocol):
     """Told of this router's picks and their ends (extproc.pick.sources.in_flight_bus.InFlightBus)."""
@@ -141,7 +142,8 @@ class PickCore:
         address = choice.address
         if address is not None:
             placed = self.view.learn(address, match)
-            self._placed[id(choice)] = placed
+            if placed is not NOTHING:
+                self._placed[id(choice)] = placed
             chosen = _chosen(choice)
             prefill = _prefill(choice, chosen)
             self.load.assign(address, prefill, self.clock())
@@ -196,7 +198,7 @@ class PickCore:
                 "candidates": [{**c._asdict(), **self.view.describe(c.address, match)} for c in choice.candidates]}
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> "PickCore":
+    def from_state(cls, state: Mapping[str, Any]) -> PickCore:
         """A core that sees what a saved ``state()`` saw (loads frozen as they were)."""
         view = LearnedView(int(state.get("chunk_bytes", 512)), float(state.get("bytes_per_token", 4.0)))
         core = cls(view)

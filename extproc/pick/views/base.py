@@ -13,13 +13,12 @@ per model pool, say) is a new class, not new branches in the request path.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import Snapshot
-from extproc.pick.choice.state import IndexStats
+from extproc.pick.choice.state import IndexStats, Snapshot
 
 
 class Match(NamedTuple):
@@ -38,6 +37,9 @@ class Placed(NamedTuple):
     run: Sequence[int] = ()  # its block hashes at the chosen replica (told to the other routers)
     taken_off: int = 0  # tokens of its cached figure the view expects evicted before admission
     detail: Any = None
+
+
+NOTHING: Final = Placed()  # what a view that keeps nothing of a request returns: the core does not hold it
 
 
 class CacheView(Protocol):

@@ -18,12 +18,11 @@ from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import Snapshot
+from extproc.pick.choice.state import IndexStats, Snapshot
 from extproc.pick.events.eviction_forecast import EvictionForecast
-from extproc.pick.views.base import Match, Placed
-from extproc.pick.choice.state import IndexStats
-from extproc.pick.views.precise import EVENTS, Exact, Pended, PreciseView
 from extproc.pick.tokens.not_tokenizable import NotTokenizable
+from extproc.pick.views.base import Match, Placed
+from extproc.pick.views.precise import EVENTS, Exact, Pended, PreciseView
 
 FORECAST_OUTCOMES: Final = ("evicted", "kept", "missed")  # prefix_router_eviction_forecast_blocks_total{outcome}
 

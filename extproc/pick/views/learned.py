@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Final, NamedTuple
 
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import Snapshot
-from extproc.pick.views.base import Match, Placed
+from extproc.pick.choice.state import IndexStats, Snapshot
+from extproc.pick.views.base import NOTHING, Match, Placed
 from extproc.pick.views.chunks import chunk_hashes
-from extproc.pick.choice.state import IndexStats
 from extproc.pick.views.learned_index import LearnedIndex, PrefixIndex
 
 LEARNED: Final = "learned"
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
 # hashing would cost more than any cache it could find is worth.
 MAX_REQUEST_CHUNKS: Final = 4096
+_NO_VIEWS: Final[Mapping[str, str]] = MappingProxyType({})  # every figure of this view is the learned one
+_new: Final = tuple.__new__  # a NamedTuple without its per-field argument handling (once per request)
 BYTES_PER_TOKEN: Final = 4.0  # the default estimate (--bytes-per-token)
-_NOTHING: Final = Placed()
 
 
 class Chunks(NamedTuple):
@@ -61,16 +62,17 @@ class LearnedView:
 
     def match(self, decision: Decision, settings: RouteSettings | None = None, snapshot: Snapshot | None = None,
               max_new_chars: int = 0) -> Match:
-        chunks = self.chunks(decision)
+        normalized = decision.normalized
+        chunks = chunk_hashes(normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
         held = self.index.match(chunks) if chunks else {}
         tokens = self.chunk_tokens
-        return Match(self.prompt_tokens(decision), {a: int(n * tokens) for a, n in held.items()}, {}, (),
-                     Chunks(chunks, held))
+        return _new(Match, (math.ceil(len(normalized) / self.bytes_per_token),
+                            {a: int(n * tokens) for a, n in held.items()}, _NO_VIEWS, (), _new(Chunks, (chunks, held))))
 
     def learn(self, address: str, match: Match) -> Placed:
         if match.detail.hashes:
             self.index.record(address, match.detail.hashes)
-        return _NOTHING
+        return NOTHING
 
     def forget(self, address: str, placed: Placed) -> None:
         pass

@@ -16,19 +16,16 @@ blocks below the prompt's last token.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, NamedTuple
 
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import Snapshot
-from extproc.pick.views.base import Match, Placed
+from extproc.pick.choice.state import IndexStats, Snapshot
+from extproc.pick.views.base import NOTHING, Match, Placed
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LEARNED, LearnedView
-from extproc.pick.choice.state import IndexStats
 from extproc.pick.views.precise import EVENTS
-
-_NOTHING: Final = Placed()
 
 
 class Merged(NamedTuple):
@@ -83,14 +80,14 @@ class CombinedView:
         checking = settings.cache_view != LEARNED
         exact = self.events.match(decision, settings, snapshot, max_new_chars) if checking else None
         if exact is None:
-            learned = self.learned.match(decision)
-            return learned._replace(detail=_Both(decision, checking, None, learned))
+            alone = self.learned.match(decision)
+            return alone._replace(detail=_Both(decision, checking, None, alone))
         covered: Mapping[str, int] = exact.cached
         partial = exact.detail.partial
         learning = bool(partial) or any(r.address not in covered for r in snapshot.replicas)
-        learned = self.learned.match(decision) if learning else None
-        if learned is None:
+        if not learning:
             return exact._replace(detail=_Both(decision, checking, exact, None))
+        learned = self.learned.match(decision)
         cached = {**learned.cached, **covered}
         views = dict(exact.views)
         if partial:  # events that miss what the replica held before them: the learned view fills in
@@ -103,7 +100,7 @@ class CombinedView:
 
     def learn(self, address: str, match: Match) -> Placed:
         both: _Both = match.detail
-        placed = _NOTHING
+        placed = NOTHING
         if both.events is not None:
             placed = self.events.learn(address, both.events, credited=match.views.get(address) == EVENTS)
         if both.checking:

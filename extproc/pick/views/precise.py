@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from extproc.core.decide import Decision, parsed_object
 from extproc.pick.events.chain_cache import ChainCache
@@ -58,7 +58,8 @@ class PreciseView:
         self.chains = ChainCache()
         self.distrusted: set[str] = set()  # models whose last tokenizer check disagreed with a replica
         self.block_size_hint = 0  # the fleet's block size before a replica's events said it (scraped)
-        self._covered: tuple[tuple, tuple[list[str], tuple[str, ...], dict[str, int]]] = ((), ([], (), {}))
+        self._covered: tuple[tuple[object, ...], tuple[list[str], tuple[str, ...], dict[str, int]]] = (
+            (), ([], (), {}))
         # The block hash runs of this router's requests still in flight, per replica: they are
         # being computed there, so a request sent now will find them; vLLM announces them only
         # once stored. Runs, not a count per hash: adding and dropping one costs nothing, and a
@@ -83,7 +84,7 @@ class PreciseView:
         tokenizer, doc, kind = self._resolve(decision, checking)
         return tokenizer, tokenizer.request_missing(doc, kind)
 
-    def _resolve(self, decision: Decision, checking: bool) -> tuple[ModelTokenizer, Mapping, PathKind]:
+    def _resolve(self, decision: Decision, checking: bool) -> tuple[ModelTokenizer, Mapping[str, Any], PathKind]:
         """The request's tokenizer, parsed body and path kind; raises NotTokenizable."""
         doc = decision.document
         if doc is None and decision.normalize == "raw" and decision.fallback is None and decision.normalized:
@@ -126,7 +127,7 @@ class PreciseView:
         cached = dict.fromkeys(covered, 0)
         in_flight: dict[str, int] = {}
         evicting: dict[str, int] = {}
-        windowed = bool(self.index.windows)  # a hybrid model's sliding-window groups (extproc.pick.events.window_groups)
+        windowed = bool(self.index.windows)  # a hybrid model's sliding-window groups (events/window_groups.py)
         for address, size in sizes.items():
             run, n = hashes[size], held[size].get(address, 0)
             held_blocks = self.index.window_hit(address, run, n, size) if windowed and n else n
