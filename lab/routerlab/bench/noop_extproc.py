@@ -84,7 +84,8 @@ _SENDS_BODY_WITHOUT_WAITING = b"\x18\x01"
 
 def delays_headers(raw: bytes) -> bool:
     """Does this first message ask for one delayed headers reply (STREAMED body, sent without
-    waiting for it: Envoy's ext_proc filter, source/extensions/filters/http/ext_proc/ext_proc.cc)? A byte check, and a parse only if it may."""
+    waiting for it: Envoy's ext_proc filter, source/extensions/filters/http/ext_proc/ext_proc.cc)?
+    A byte check, and a parse only if it may."""
     return bool(raw) and raw[0] == HEADERS_TAG and raw.endswith(_SENDS_BODY_WITHOUT_WAITING) and \
         pb.ProcessingRequest.FromString(raw).protocol_config.send_body_without_waiting_for_header_response
 

