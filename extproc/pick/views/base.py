@@ -40,6 +40,7 @@ class Placed(NamedTuple):
 
 
 NOTHING: Final = Placed()  # what a view that keeps nothing of a request returns: the core does not hold it
+new_tuple: Final = tuple.__new__  # builds a NamedTuple without its per-field argument handling (per request)
 
 
 class CacheView(Protocol):

@@ -21,7 +21,7 @@ from extproc.pick.choice.load import Sample
 from extproc.pick.choice.state import IndexStats, Snapshot
 from extproc.pick.events.eviction_forecast import EvictionForecast
 from extproc.pick.tokens.not_tokenizable import NotTokenizable
-from extproc.pick.views.base import Match, Placed
+from extproc.pick.views.base import Match, Placed, new_tuple
 from extproc.pick.views.precise import EVENTS, Exact, Pended, PreciseView
 
 FORECAST_OUTCOMES: Final = ("evicted", "kept", "missed")  # prefix_router_eviction_forecast_blocks_total{outcome}
@@ -53,8 +53,8 @@ class EventView:
             return None
         metrics.PRECISE_SECONDS.observe(time.perf_counter() - started)
         metrics.cache_view_counter(EVENTS, "covered" if exact.cached else "none_covered").inc()
-        return Match(exact.prompt_tokens, exact.cached, dict.fromkeys(exact.cached, EVENTS),
-                     tuple(exact.hashes.values()), exact)
+        return new_tuple(Match, (exact.prompt_tokens, exact.cached, dict.fromkeys(exact.cached, EVENTS),
+                                 tuple(exact.hashes.values()), exact))
 
     def _thresholds(self, snapshot: Snapshot) -> dict[str, float]:
         """Per replica, the eviction forecast's threshold (``EvictionForecast.threshold``): the

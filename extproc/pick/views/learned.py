@@ -18,7 +18,7 @@ from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.load import Sample
 from extproc.pick.choice.state import IndexStats, Snapshot
-from extproc.pick.views.base import NOTHING, Match, Placed
+from extproc.pick.views.base import NOTHING, Match, Placed, new_tuple
 from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.views.learned_index import LearnedIndex, PrefixIndex
 
@@ -27,7 +27,6 @@ LEARNED: Final = "learned"
 # hashing would cost more than any cache it could find is worth.
 MAX_REQUEST_CHUNKS: Final = 4096
 _NO_VIEWS: Final[Mapping[str, str]] = MappingProxyType({})  # every figure of this view is the learned one
-_new: Final = tuple.__new__  # a NamedTuple without its per-field argument handling (once per request)
 BYTES_PER_TOKEN: Final = 4.0  # the default estimate (--bytes-per-token)
 
 
@@ -66,8 +65,9 @@ class LearnedView:
         chunks = chunk_hashes(normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
         held = self.index.match(chunks) if chunks else {}
         tokens = self.chunk_tokens
-        return _new(Match, (math.ceil(len(normalized) / self.bytes_per_token),
-                            {a: int(n * tokens) for a, n in held.items()}, _NO_VIEWS, (), _new(Chunks, (chunks, held))))
+        return new_tuple(Match, (math.ceil(len(normalized) / self.bytes_per_token),
+                                 {a: int(n * tokens) for a, n in held.items()}, _NO_VIEWS, (),
+                                 new_tuple(Chunks, (chunks, held))))
 
     def learn(self, address: str, match: Match) -> Placed:
         if match.detail.hashes:

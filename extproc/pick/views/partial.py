@@ -22,7 +22,7 @@ from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.load import Sample
 from extproc.pick.choice.state import IndexStats, Snapshot
-from extproc.pick.views.base import NOTHING, Match, Placed
+from extproc.pick.views.base import NOTHING, Match, Placed, new_tuple
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LEARNED, LearnedView
 from extproc.pick.views.precise import EVENTS
@@ -81,12 +81,14 @@ class CombinedView:
         exact = self.events.match(decision, settings, snapshot, max_new_chars) if checking else None
         if exact is None:
             alone = self.learned.match(decision)
-            return alone._replace(detail=_Both(decision, checking, None, alone))
+            return new_tuple(Match, (alone.prompt_tokens, alone.cached, alone.views, alone.runs,
+                                     new_tuple(_Both, (decision, checking, None, alone))))
         covered: Mapping[str, int] = exact.cached
         partial = exact.detail.partial
         learning = bool(partial) or any(r.address not in covered for r in snapshot.replicas)
         if not learning:
-            return exact._replace(detail=_Both(decision, checking, exact, None))
+            return new_tuple(Match, (exact.prompt_tokens, covered, exact.views, exact.runs,
+                                     new_tuple(_Both, (decision, checking, exact, None))))
         learned = self.learned.match(decision)
         cached = {**learned.cached, **covered}
         views = dict(exact.views)
@@ -96,7 +98,8 @@ class CombinedView:
                            prompt_tokens=exact.prompt_tokens)
             cached.update(merged.cached)
             views.update(merged.views)
-        return Match(exact.prompt_tokens, cached, views, exact.runs, _Both(decision, checking, exact, learned))
+        return new_tuple(Match, (exact.prompt_tokens, cached, views, exact.runs,
+                                 new_tuple(_Both, (decision, checking, exact, learned))))
 
     def learn(self, address: str, match: Match) -> Placed:
         both: _Both = match.detail
