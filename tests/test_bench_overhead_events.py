@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from extproc.cli import main as cli_main
-from extproc.pick.events.kv_index import block_hashes as own_hashes
+from extproc.pick.events.block_hashes import block_hashes as own_hashes
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench import overhead, zero_events

@@ -19,9 +19,10 @@ from extproc.core.decide import Decision, decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.load import LoadTracker, Sample
 from extproc.pick.core import PickCore
+from extproc.pick.events.block_hashes import block_hashes
 from extproc.pick.events.eviction_forecast import EvictionForecast, surviving
 from extproc.pick.events.kv_events import BlockRemoved, BlockStored
-from extproc.pick.events.kv_index import EventIndex, block_hashes
+from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LearnedView

@@ -10,8 +10,9 @@ import pytest
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
+from extproc.pick.events.block_hashes import request_extra_keys
 from extproc.pick.events.kv_events import BlockStored
-from extproc.pick.events.kv_index import EventIndex, request_extra_keys
+from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LearnedView

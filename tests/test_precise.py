@@ -13,8 +13,9 @@ from extproc import metrics
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
+from extproc.pick.events.block_hashes import block_hashes, request_extra_keys
 from extproc.pick.events.kv_events import BlockRemoved, BlockStored
-from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer, NotTokenizable
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LearnedView

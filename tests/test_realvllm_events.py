@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from extproc.pick.events.kv_index import ROOT, block_hashes
+from extproc.pick.events.block_hashes import ROOT, block_hashes
 from routerlab.harness.procs import free_ports
 from routerlab.realvllm.chat_trace import CHAT, COMPLETIONS, build_chat_trace
 from routerlab.realvllm.event_fidelity import per_request

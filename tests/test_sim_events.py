@@ -18,8 +18,9 @@ import aiohttp
 import pytest
 
 from extproc.pick.events import kv_events
-from extproc.pick.events.kv_index import EventIndex, request_extra_keys
-from extproc.pick.events.kv_index import block_hashes as own_hashes
+from extproc.pick.events.block_hashes import block_hashes as own_hashes
+from extproc.pick.events.block_hashes import request_extra_keys
+from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.sources.kv_subscriber import KvEventSubscriber
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.harness.procs import free_ports

@@ -17,8 +17,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from extproc.pick.events.block_hashes import block_hashes, request_extra_keys
 from extproc.pick.events.kv_events import KEY_MASK, BlockRemoved, BlockStored, decode_batch, parse_frames
-from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.realvllm.event_recorder import RawFrame

@@ -7,8 +7,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.pick.events.block_hashes import block_hashes
 from extproc.pick.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from extproc.pick.events.kv_index import EventIndex, block_hashes
+from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.events.window_groups import _window_hit
 
 A = "10.0.0.1:8000"

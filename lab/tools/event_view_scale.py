@@ -15,8 +15,9 @@ import time
 
 import msgpack
 
+from extproc.pick.events.block_hashes import block_hashes
 from extproc.pick.events.kv_events import decode_batch
-from extproc.pick.events.kv_index import EventIndex, block_hashes
+from extproc.pick.events.kv_index import EventIndex
 
 
 def _engine_hash(n: int) -> int:

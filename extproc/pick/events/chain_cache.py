@@ -1,6 +1,6 @@
 """Own block hashes of a request's tokens, remembering the chains of prefixes hashed before.
 
-Precise mode hashes every block of every request (``kv_index.block_hashes``, ~0.2 us a block:
+Precise mode hashes every block of every request (``block_hashes``, ~0.2 us a block:
 about 200 us for a 32 KB prompt), yet most of a request is a prefix seen before (a system
 prompt, the history of a conversation). Chains are remembered at every ``span`` blocks (a
 boundary), each under a fingerprint of all the tokens before it (xxh3-128 of their bytes, so
@@ -26,7 +26,7 @@ from typing import Final, TypeAlias
 
 import xxhash
 
-from extproc.pick.events.kv_index import block_hashes, request_extra_keys
+from extproc.pick.events.block_hashes import block_hashes, request_extra_keys
 from extproc.pick.tokens.id_run import IdRun
 
 Ids: TypeAlias = "array[int] | IdRun"  # a request's ids, known by their identity

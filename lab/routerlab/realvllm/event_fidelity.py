@@ -9,7 +9,7 @@ publishing KV-cache events, get the same trace one request at a time -- the toke
 e2e's chat trace, which each side renders and tokenises itself -- a SUB socket records each side's
 frames. Hashes differ between the two (vLLM: sha256 of its own chain; the simulator: xxh3), so
 blocks are compared by what they are: each stored block is named by the router's own chain hash over
-its token ids and extra keys from the chain's start (``extproc.pick.events.kv_index.block_hashes``),
+its token ids and extra keys from the chain's start (``extproc.pick.events.block_hashes``),
 i.e. by its content and position; a removed block by the name its engine hash was stored under.
 
 Per request the check compares the list of stored blocks and the list of removed blocks, in
@@ -28,8 +28,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from extproc.pick.events.block_hashes import ROOT, block_hashes
 from extproc.pick.events.kv_events import BlockRemoved, BlockStored, EngineHash, decode_batch
-from extproc.pick.events.kv_index import ROOT, block_hashes
 from routerlab import REPO_DIR
 from routerlab.realvllm import promtext
 from routerlab.realvllm.chat_trace import build_chat_trace

@@ -45,8 +45,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from extproc.pick.events.block_hashes import block_hashes, request_extra_keys
 from extproc.pick.events.kv_events import decode_batch
-from extproc.pick.events.kv_index import EventIndex, block_hashes, request_extra_keys
+from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.harness.arm import UPSTREAM_HEADER, ArmSpec, RunningArm
 from routerlab.realvllm import promtext
