@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import msgpack
 import xxhash
@@ -26,7 +26,7 @@ _hash: Final = xxhash.xxh3_64_intdigest
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int,
-                 extra_keys: Sequence[Sequence | None] | None = None, parent: int = ROOT) -> list[int]:
+                 extra_keys: Sequence[Sequence[Any] | None] | None = None, parent: int = ROOT) -> list[int]:
     """Own chain hash of every FULL block of ``token_ids``, continuing from ``parent``.
 
     h_i = xxh3_64(block tokens as u32 LE + msgpack(list(extra_i)), seed = h_{i-1}) & KEY_MASK (h_{-1} =
@@ -63,7 +63,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     return out
 
 
-def request_extra_keys(n_blocks: int, cache_salt: str | None, lora_name: str | None) -> list[tuple | None]:
+def request_extra_keys(n_blocks: int, cache_salt: str | None, lora_name: str | None) -> list[tuple[str, ...] | None]:
     """vLLM's per-block extra keys for a text-only request: LoRA on every block, salt on block 0.
 
     vLLM's order is lora + multimodal + cache_salt (v1 ``generate_block_hash_extra_keys``);
@@ -71,6 +71,6 @@ def request_extra_keys(n_blocks: int, cache_salt: str | None, lora_name: str | N
     """
     if n_blocks <= 0:
         return []
-    lora: tuple = (lora_name,) if lora_name else ()
+    lora: tuple[str, ...] = (lora_name,) if lora_name else ()
     first = lora + ((cache_salt,) if cache_salt else ())
     return [first or None] + [lora or None] * (n_blocks - 1)
