@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 from extproc.pick.choice.state import IndexStats
 from extproc.pick.events.block_hashes import ROOT, block_hashes, request_extra_keys
@@ -221,7 +221,8 @@ class EventIndex:
             if type(event) is BlockStored:
                 # window_store's own first test inline: most stores are full attention, and a call is ~80 ns
                 if event.kv_cache_spec_kind == SLIDING_WINDOW and window_store(event):
-                    windows = self.windows.declare(address, event.group_idx, event.kv_cache_spec_sliding_window)
+                    window = cast(int, event.kv_cache_spec_sliding_window)  # window_store: it says its window
+                    windows = self.windows.declare(address, event.group_idx, window)
                     window_events.append(event)
                 else:
                     stored += on_stored(replica, event, share, stamp, changed, tally)
@@ -259,7 +260,7 @@ class EventIndex:
         hashes, bs = event.block_hashes, event.block_size
         n = len(hashes)
         replica.allocated += n
-        keys = event.extra_keys
+        keys: Sequence[Sequence[Any] | None] | None = event.extra_keys
         if keys is None and event.lora_name:  # publishers without extra_keys
             keys = request_extra_keys(n, None, event.lora_name)
         if len(event.token_ids) != n * bs or (keys is not None and len(keys) != n):
@@ -321,10 +322,12 @@ class EventIndex:
         removed = unknown = 0
         for e in event.block_hashes:
             h = engine.get(e)
-            held = 0 if h is None else owners.get(h, 0)
+            if h is None:
+                unknown += 1
+                continue
+            held = owners.get(h, 0)
             if not held & bit:
-                if h is not None:
-                    del engine[e]
+                del engine[e]
                 unknown += 1
                 continue
             removed += 1
