@@ -138,7 +138,7 @@ class ModelTokenizer(SegmentTokenizer):
         :class:`NotTokenizable` when it cannot say."""
         return self.token_array(doc, path_kind).tolist()
 
-    def token_array(self, doc: Mapping[str, Any], path_kind: PathKind) -> array:
+    def token_array(self, doc: Mapping[str, Any], path_kind: PathKind) -> array[int]:
         """``tokens_for`` as one ``array('I')`` (the memo's own when the ids are all of it: read it only)."""
         return self.token_run(doc, path_kind).array()
 
@@ -176,7 +176,7 @@ class ModelTokenizer(SegmentTokenizer):
     def _render_with(self, template: Any, doc: Mapping[str, Any]) -> str:
         return render_chat(template, self.special_tokens, self.content_format, doc)
 
-    def _prompt(self, doc: Mapping[str, Any], path_kind: PathKind) -> str | array:
+    def _prompt(self, doc: Mapping[str, Any], path_kind: PathKind) -> str | array[int]:
         """What the request's ids come from: the text to tokenise (the rendered chat template, or a
         completions string) or the ids themselves; raises NotTokenizable."""
         if not isinstance(doc, Mapping):
@@ -191,7 +191,7 @@ class ModelTokenizer(SegmentTokenizer):
         raise NotTokenizable("bad_request", f"unknown path kind {path_kind!r}")
 
 
-def _completion_prompt(doc: Mapping[str, Any]) -> str | array:
+def _completion_prompt(doc: Mapping[str, Any]) -> str | array[int]:
     """A /v1/completions body's one prompt: a string, or token ids; raises NotTokenizable."""
     if doc.get("prompt_embeds") is not None:
         raise NotTokenizable("unsupported", "prompt_embeds")
@@ -213,7 +213,7 @@ def _completion_prompt(doc: Mapping[str, Any]) -> str | array:
     raise NotTokenizable("bad_request", "prompt is neither a string nor token ids")
 
 
-def _ids(prompt: list[Any]) -> array:
+def _ids(prompt: list[Any]) -> array[int]:
     try:
         return array("I", prompt)
     except OverflowError:

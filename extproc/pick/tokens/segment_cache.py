@@ -65,7 +65,7 @@ class SegmentTokenizer:
         self.memo = PromptMemo(self.cache_limit, self._split) if self.caching else None  # type: ignore[arg-type]
         # the last ids returned began with these of an earlier prompt's: (its ids, how many), or None
         self.resumed: tuple[IdRun, int] | None = None
-        self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array]] = OrderedDict()  # see _key
+        self._cache: OrderedDict[tuple[bool, int | str], tuple[str, array[int]]] = OrderedDict()  # see _key
         self._planned: _Planned | None = None  # ``missing``'s work on its text, for the next ``encode_run`` of it
         self.cache_bytes_used = 0
         self.cache_hits = 0
@@ -198,13 +198,13 @@ class SegmentTokenizer:
         """Whether texts are tokenised segment by segment through the cache (else whole, every time)."""
         return self.cache_enabled and self.cache_limit > 0 and self._split is not None
 
-    def _plan(self, text: str, start: int = 0) -> tuple[list[array | int], list[tuple[int, bool, str]], list[str],
+    def _plan(self, text: str, start: int = 0) -> tuple[list[array[int] | int], list[tuple[int, bool, str]], list[str],
                                                          list[int], int, int]:
         """``text`` from ``start`` (0, or where an added token ends) split at its added tokens: the
         pieces in order (added-token ids, cached ids, and -1 where a segment is not cached), those
         segments as (index in the pieces, whether it starts the text, text), and each piece's text and
         where it ends in ``text``; and how many segments the cache held, and their characters."""
-        out: list[array | int] = []
+        out: list[array[int] | int] = []
         pending: list[tuple[int, bool, str]] = []
         pieces: list[str] = []
         ends: list[int] = []
@@ -247,7 +247,7 @@ class SegmentTokenizer:
         self._planned = _Planned(text, resume, *plan)
         return [(first, seg) for _, first, seg in plan[1]]
 
-    def _still_missing(self, out: list[array | int],
+    def _still_missing(self, out: list[array[int] | int],
                        pending: list[tuple[int, bool, str]]) -> list[tuple[int, bool, str]]:
         """Of a plan's missing segments, those the cache still does not hold (the others go into ``out``)."""
         left = []
@@ -293,7 +293,7 @@ class SegmentTokenizer:
         take, or past that many (for the loop's thread only)."""
         return self.words.encode_all(texts, max_new) if self.words is not None else None
 
-    def store_segments(self, segments: list[tuple[bool, str]], encoded: list[list[int]]) -> list[array]:
+    def store_segments(self, segments: list[tuple[bool, str]], encoded: list[list[int]]) -> list[array[int]]:
         """Cache ``encode_segments``' result (on the loop's thread: the cache is not thread-safe)."""
         stored = []
         for (first, seg), ids in zip(segments, encoded, strict=True):
@@ -310,7 +310,7 @@ class SegmentTokenizer:
             self._added_ids_map = ids
         return ids
 
-    def _store(self, first: bool, seg: str, ids: list[int]) -> array:
+    def _store(self, first: bool, seg: str, ids: list[int]) -> array[int]:
         value = array("I", ids)
         entry = (seg, value)
         cost = self._cost(entry)
@@ -328,7 +328,7 @@ class SegmentTokenizer:
         return value
 
     @staticmethod
-    def _cost(entry: tuple[str, array]) -> int:
+    def _cost(entry: tuple[str, array[int]]) -> int:
         # The text (up to 4 bytes a character in CPython), the ids, and the entries' overhead.
         seg, value = entry
         return len(seg) * (1 if seg.isascii() else 4) + 4 * len(value) + 200
@@ -356,7 +356,7 @@ class _Planned(NamedTuple):
 
     text: str
     resume: Resume | None
-    out: list[array | int]
+    out: list[array[int] | int]
     pending: list[tuple[int, bool, str]]
     pieces: list[str]
     ends: list[int]
@@ -374,7 +374,7 @@ def _key(first: bool, seg: str) -> tuple[bool, int | str]:
     return first, seg
 
 
-def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces: list[str],
+def _assembled(text: str, resume: Resume | None, out: list[array[int] | int], pieces: list[str],
                piece_ends: list[int]) -> Prompt:
     """The text's prompt for the memo: what ``resume`` took from an earlier one (its ids shared, not
     copied), then the planned pieces (``out``: their ids, an added token's one id or a segment's array);
@@ -384,7 +384,7 @@ def _assembled(text: str, resume: Resume | None, out: list[array | int], pieces:
     ids_at = array("q")
     added = bytearray()
     for part in out:
-        if type(part) is int:
+        if isinstance(part, int):  # an added token's id (never a bool), else a segment's array
             new.append(part)
             added.append(1)
         else:
