@@ -13,6 +13,7 @@ import os
 import sys
 import urllib.parse
 import urllib.request
+from typing import cast
 
 import orjson
 
@@ -133,12 +134,14 @@ def live_pick(state_url: str, body: bytes, headers: dict[str, str], args: argpar
     request = urllib.request.Request(f"{base.rstrip('/')}/debug/pick?{urllib.parse.urlencode(given)}", data=body,
                                      headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=10) as resp:
-        return orjson.loads(resp.read())
+        choice: dict[str, object] = orjson.loads(resp.read())
+    return choice
 
 
 def read_state(source: str) -> dict[str, object]:
     """A pick-mode state saved from the router's /debug/state."""
-    return orjson.loads(read_body(source))
+    state: dict[str, object] = orjson.loads(read_body(source))
+    return state
 
 
 def read_body(path: str) -> bytes:
@@ -175,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
                 if args.state.startswith(("http://", "https://")):
                     info["pick"] = live_pick(args.state, body, headers, args)
                 else:
-                    info["pick"] = pick_dict(PickCore.from_state(read_state(args.state)).evaluate(decision, settings)[0])
+                    core = PickCore.from_state(read_state(args.state))
+                    info["pick"] = pick_dict(core.evaluate(decision, settings)[0])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 print(f"prefix-router explain: cannot read the state {args.state}: {exc}", file=sys.stderr)
                 return 2
@@ -186,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(orjson.dumps(result).decode())
     else:
-        print(f"{result['reason']}\n\n--- {args.body}\n{render(result['a'])}\n\n--- {args.other}\n{render(result['b'])}")
+        info_a, info_b = cast(dict[str, object], result["a"]), cast(dict[str, object], result["b"])  # as_dict's
+        print(f"{result['reason']}\n\n--- {args.body}\n{render(info_a)}\n\n--- {args.other}\n{render(info_b)}")
         if result["first_difference"] is not None and not result["same_key"]:
             print(f"\nat byte {result['first_difference']}:\n  a: {result['context_a']}\n  b: {result['context_b']}")
     return 0
