@@ -39,13 +39,14 @@ __all__ = ["SERVICE", "PARTIAL_BODY_HEADER", "PrefixAuthz", "add_to_server", "bo
 _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-class PrefixAuthz(pb_grpc.AuthorizationServicer):
+class PrefixAuthz(pb_grpc.AuthorizationServicer):  # type: ignore[misc]  # xds-protos ship no types
     """Authorization service that never denies: it only adds (or removes) the key header."""
 
     def __init__(self, service: RouterService) -> None:
         self.service = service
 
-    async def Check(self, request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
+    async def Check(self, request: pb.CheckRequest,
+                    context: grpc.aio.ServicerContext[pb.CheckRequest, pb.CheckResponse]) -> pb.CheckResponse:
         try:
             return self.check(request, context.invocation_metadata())
         except Exception:  # never let the router fail a request

@@ -60,7 +60,7 @@ def read_attribute_headers(request: pb.ProcessingRequest) -> dict[str, str]:
     return out
 
 
-class PrefixRouter(pb_grpc.ExternalProcessorServicer):
+class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # xds-protos ship no types
     """ExternalProcessor service; one instance serves every stream, through the router ``service``.
 
     With a picker in the service (pick mode configured for the process), a stream whose settings
@@ -76,7 +76,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):
         self.open_streams = 0  # `serve` has the streams_active gauge read it at scrape time
 
     async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         self.open_streams += 1
         service = self.service
