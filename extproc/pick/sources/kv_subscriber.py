@@ -62,7 +62,7 @@ from extproc.pick.sources.replica_views import (
     ViewKeeper,
     view_origin,
 )
-from extproc.pick.sources.zmq_sockets import EVENTS, FD, NOBLOCK, POLLIN, Readable, ask_replay, open_socket
+from extproc.pick.sources.zmq_sockets import EVENTS, FD, NOBLOCK, POLLIN, Readable, ask_replay, open_socket, shadow
 
 log = logging.getLogger("extproc.pick.sources.kv_subscriber")
 
@@ -207,9 +207,9 @@ class KvEventSubscriber(ViewKeeper):
     async def _session(self, st: RankStream) -> None:
         assert self._ctx is not None
         sock = open_socket(self._ctx, zmq.SUB, st.events_url, self.rcvhwm, self.topic)
-        raw = zmq.Socket.shadow(sock.underlying)  # synchronous reads of what is already queued
+        raw = shadow(sock)  # synchronous reads of what is already queued
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        raw_monitor = zmq.Socket.shadow(monitor.underlying)
+        raw_monitor = shadow(monitor)
         readable = Readable(asyncio.get_running_loop(), (raw.getsockopt(FD), raw_monitor.getsockopt(FD)))
         try:
             if not st.synced:
@@ -313,7 +313,8 @@ class KvEventSubscriber(ViewKeeper):
     async def _fill_gap(self, st: RankStream, frame: Frame) -> None:
         self.stats.gaps += 1
         expected = st.applied + 1
-        answered, frames = (False, [])
+        answered = False
+        frames: list[Frame] = []
         if st.replay_url is not None:
             answered, frames = await self._ask(st, expected)
         if answered and frames and frames[0].seq <= expected:

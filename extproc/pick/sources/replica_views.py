@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from extproc.pick.events.kv_events import EventDecodeError, Frame, decode_batch, unplaceable_groups
+from extproc.pick.events.kv_events import Event, EventDecodeError, Frame, decode_batch, unplaceable_groups
 from extproc.pick.views.precise import PARTIAL
 
 # The subscriber's logger: its warnings are about the subscriber, whichever module holds the code.
@@ -156,7 +156,7 @@ class ViewKeeper:
             self.stats.bad_frames += 1
             return
         batch = decoded.batch
-        events = batch.events
+        events: Sequence[Event] = batch.events
         aside: Set[int] = self._set_aside_groups.get(st.address, _NO_GROUPS)
         found = unplaceable_groups(events)
         if not found <= aside:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -25,6 +25,19 @@ FD: Final = int(zmq.FD)
 EVENTS: Final = int(zmq.EVENTS)
 POLLIN: Final = int(zmq.POLLIN)
 NOBLOCK: Final = int(zmq.NOBLOCK)
+
+
+class RawSocket(Protocol):
+    """A synchronous shadow of an asyncio socket, as a stream reads it (FD and EVENTS are int options)."""
+
+    def getsockopt(self, option: int) -> int: ...
+
+    def recv_multipart(self, flags: int) -> list[bytes]: ...
+
+
+def shadow(sock: zmq.asyncio.Socket) -> RawSocket:
+    """``sock``'s synchronous shadow: reads of what is already queued, without a future each."""
+    return cast(RawSocket, zmq.Socket.shadow(sock.underlying))
 
 
 class Readable:
@@ -93,7 +106,8 @@ async def ask_replay(ctx: zmq.asyncio.Context, url: str, start: int, stats: KvSu
         deadline = loop.time() + total_timeout
         while True:
             wait = min(timeout, deadline - loop.time())
-            if wait <= 0 or not await dealer.poll(int(wait * 1000), zmq.POLLIN):
+            # pyzmq's _future.pyi gives the socket the Poller's poll(timeout); the socket's takes flags
+            if wait <= 0 or not await dealer.poll(int(wait * 1000), zmq.POLLIN):  # type: ignore[call-arg]
                 return False, out
             frames = await dealer.recv_multipart()
             try:
