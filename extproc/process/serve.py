@@ -149,10 +149,10 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "serving ext_proc and ext_authz on %s:%d (ext_authz over HTTP on %s, metrics on %s), mode=%s normalize=%s prefix_length=%d key_header=%s "
-        "tenant_isolation=%s%s",
-        server_cfg.host, port, server_cfg.http_authz_port or "off", server_cfg.metrics_port or "off", route_cfg.mode, route_cfg.normalize,
-        route_cfg.prefix_length, route_cfg.key_header,
+        "serving ext_proc and ext_authz on %s:%d (ext_authz over HTTP on %s, metrics on %s), mode=%s normalize=%s "
+        "prefix_length=%d key_header=%s tenant_isolation=%s%s",
+        server_cfg.host, port, server_cfg.http_authz_port or "off", server_cfg.metrics_port or "off", route_cfg.mode,
+        route_cfg.normalize, route_cfg.prefix_length, route_cfg.key_header,
         "on" if route_cfg.tenant_isolation else ("per route" if secret else "off"),
         (f" endpoints={len(picker.load.addresses())} cache_view="
          + ("events+learned" if picker.precise else "learned")) if picker else "",
