@@ -20,9 +20,10 @@ one at a time:
 4. wait (deadline 5 s) until this module has seen the blocks vLLM stores for it
    (``(prompt + generated - 1) // block - cached // block``), so the next request's wait counts them.
 
-``--concurrency C`` keeps up to C requests in flight instead (a conversation's next turn still
-waits for the answer to its last one): the view is then read while other requests change the caches, so the comparison measures a prediction under load (reported, not
-judged: the exit status then only requires the prompt lengths to be equal).
+``--concurrency C`` keeps up to C requests in flight instead (a conversation's next turn still waits
+for the answer to its last one): the view is then read while other requests change the caches, so
+the comparison measures a prediction under load (reported, not judged: the exit status then only
+requires the prompt lengths to be equal).
 
 Two diagnostics per request, to explain a miss: ``tokens_equal`` (the router's tokenizer class
 run here on the body, against vLLM's ids) and ``own_view`` (an EventIndex fed only by the frames

@@ -42,7 +42,7 @@ def compare(truth: dict[str, Any] | None, designs: dict[str, dict[str, Any]]) ->
                 "design": design, "metric": metric, "estimate": est, "ci95": [lo, hi], "truth": true,
                 "error_pp": round(err * 100, 1) if err is not None else None,
                 "error_of_truth": round(abs(err) / abs(true), 3) if err is not None and true else None,
-                "truth_in_ci": (lo <= true <= hi) if None not in (lo, hi, true) else None,
+                "truth_in_ci": (lo <= true <= hi) if lo is not None and hi is not None and true is not None else None,
                 "clusters": c.get("clusters") if c else None, "unit": c.get("unit") if c else None,
             })
     return rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Final
+from typing import Any, Final
 
 
 def chat_body(size: int, seed: int, marker: str = "", model: str = "llama") -> bytes:
@@ -17,9 +17,9 @@ def chat_body(size: int, seed: int, marker: str = "", model: str = "llama") -> b
     rng = random.Random(seed)
     words = "the cache token prefix route replica envoy model server request latency".split()
     question = " ".join(rng.choices(words, k=max(8, size // 70)))
-    shell = {"model": model, "messages": [{"role": "system", "content": marker},
-                                          {"role": "user", "content": question}],
-             "temperature": 0.2, "stream": True}
+    shell: dict[str, Any] = {"model": model, "messages": [{"role": "system", "content": marker},
+                                                          {"role": "user", "content": question}],
+                             "temperature": 0.2, "stream": True}
     filler = max(0, size - len(json.dumps(shell)))
     shell["messages"][0]["content"] = marker + ("You are a helpful assistant. " * (filler // 29 + 1))[:filler]
     return json.dumps(shell).encode()
