@@ -40,8 +40,17 @@ from pathlib import Path
 from typing import Any
 
 from routerlab.ab import driver
-from routerlab.ab.validation.context import (CONFIGS, DESIGNS, METRICS, MODES, TRUTH, Context, ValidateConfig, context,
-                                             with_sessions)
+from routerlab.ab.validation.context import (
+    CONFIGS,
+    DESIGNS,
+    METRICS,
+    MODES,
+    TRUTH,
+    Context,
+    ValidateConfig,
+    context,
+    with_sessions,
+)
 from routerlab.ab.validation.design import run_design, switchback_plan
 from routerlab.ab.validation.report import compare, conditions, markdown, run_time, target
 from routerlab.ab.validation.truth import run_truth
@@ -106,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep:
             p.error(f"--param wants KEY=VALUE, not {kv!r}")
         params[key] = value
-    cfg = ValidateConfig(scenario=args.scenario, mode=args.mode, designs=[d.strip() for d in args.design.split(",") if d.strip()],
-                         seed=args.seed, out=Path(args.out), replicas=args.replicas, quick=args.quick, params=params,
-                         time_scale=args.time_scale, duration_s=args.duration, load_s=args.load_duration,
-                         windows=args.windows,
+    designs = [d.strip() for d in args.design.split(",") if d.strip()]
+    cfg = ValidateConfig(scenario=args.scenario, mode=args.mode, designs=designs, seed=args.seed, out=Path(args.out),
+                         replicas=args.replicas, quick=args.quick, params=params, time_scale=args.time_scale,
+                         duration_s=args.duration, load_s=args.load_duration, windows=args.windows,
                          burn_in=args.burn_in, slice_s=args.slice, draws=args.draws)
     command = "python -m routerlab.ab.validate " + " ".join(sys.argv[1:] if argv is None else argv)
     try:

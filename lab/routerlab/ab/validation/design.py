@@ -13,13 +13,12 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from extproc.process import event_loop
 from routerlab.ab import accesslog, analysis, driver, record, windows
 from routerlab.ab.stats import Change, quantile, ratio_change
-from routerlab.ab.validation.context import (CONFIGS, HIT_SOURCE, METRICS, TRUTH, Context, ValidateConfig,
-                                             with_sessions)
+from routerlab.ab.validation.context import CONFIGS, HIT_SOURCE, METRICS, TRUTH, Context, ValidateConfig, with_sessions
 from routerlab.ab.validation.report import fmt_change
 from routerlab.bench import arms as arms_mod
 from routerlab.bench import loadgen
@@ -117,7 +116,7 @@ def run_design(design: str, ctx: Context, cfg: ValidateConfig, duration: float |
         elif design == "switchback":
             admin.set_share(driver.SHARE[planned[0].arm])  # the first window's arm from the first request on
         url = f"http://127.0.0.1:{listener}"
-        load_s = duration if design == "switchback" else ctx.load.duration_s
+        load_s = cast(float, duration) if design == "switchback" else ctx.load.duration_s  # switchback: one (above)
         every = cfg.slice_s or max(0.5, (duration or 60.0) / 12)
         recorder = None
         if design == "pools":  # each pool's counters per slice, as `prefix-router ab record` reads them
@@ -162,7 +161,7 @@ def run_design(design: str, ctx: Context, cfg: ValidateConfig, duration: float |
     wf = windows.read(windows_path) if design in ("switchback", "pools") else None
     a = analysis.analyze(log, design, wf, seed=cfg.seed, draws=cfg.draws)
     (out / "analysis.json").write_text(json.dumps(a.to_json(), indent=1))
-    changes = {c.metric: c for c in a.changes}
+    changes: dict[str, Change | None] = {c.metric: c for c in a.changes}
     usage = _usage_change(design, result.results, session_of, wf, wall0, cfg)
     if design == "shared":
         changes["KV hit rate"] = dataclasses.replace(usage, metric="KV hit rate") if usage else None
@@ -207,7 +206,7 @@ def _usage_change(design: str, results: Sequence[loadgen.Result], session_of: di
             continue
         if design == "switchback":
             t = wall0 + r.start
-            key = next((w.index for w in (wf.windows if wf else []) if w.measure_start <= t < w.end
+            key: int | str | None = next((w.index for w in (wf.windows if wf else []) if w.measure_start <= t < w.end
                         and w.arm == r.arm), None)
             if key is None:
                 continue
@@ -218,5 +217,6 @@ def _usage_change(design: str, results: Sequence[loadgen.Result], session_of: di
     if not pairs["stock"] or not pairs["prefix"]:
         return None
     unit = "windows" if design == "switchback" else "sessions"
-    return ratio_change([tuple(v) for v in pairs["stock"].values()], [tuple(v) for v in pairs["prefix"].values()],
-                        metric="KV hit rate (usage)", unit=unit, seed=cfg.seed, draws=cfg.draws)
+    stock = [(v[0], v[1]) for v in pairs["stock"].values()]  # (cached, prompt) per cluster
+    prefix = [(v[0], v[1]) for v in pairs["prefix"].values()]
+    return ratio_change(stock, prefix, metric="KV hit rate (usage)", unit=unit, seed=cfg.seed, draws=cfg.draws)
