@@ -18,8 +18,16 @@ import json
 
 from routerlab.bench.micro.bodies import CONVERSATIONS, chat_body, conversation_bodies, questions
 from routerlab.bench.micro.hash_pick import INDEX_CHUNKS, measure, pick_request, unique_choice_us
-from routerlab.bench.micro.precise import (IN_FLIGHT, MAX_WARM, TURNS, WARM_NUMBERS, fill_memo, precise_core,
-                                           precise_measure, precise_turns)
+from routerlab.bench.micro.precise import (
+    IN_FLIGHT,
+    MAX_WARM,
+    TURNS,
+    WARM_NUMBERS,
+    fill_memo,
+    precise_core,
+    precise_measure,
+    precise_turns,
+)
 
 # what the stall check, lab/tools and the tests take from here
 __all__ = ["CONVERSATIONS", "INDEX_CHUNKS", "IN_FLIGHT", "MAX_WARM", "SIZES_KB", "TURNS", "WARM_NUMBERS",
@@ -51,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"router's own work per request, median us ({args.replicas} replicas, index warmed with "
           f"{args.warm_prompts} prompts)\n")
     print("| body | normalise | key | hash mode: decide() | adapter: ext_proc (envoy.yaml) | "
-          "adapter: ext_authz gRPC Check | adapter: ext_authz over HTTP (envoy-fast.yaml) | with tenant isolation | pick mode: the choice | "
+          "adapter: ext_authz gRPC Check | adapter: ext_authz over HTTP (envoy-fast.yaml) | with tenant isolation | "
+          "pick mode: the choice | "
           "pick mode: decide() + choice | of which chunk hashes | of which index match | "
           "pick mode: the choice for a new prompt on a full index | chunks |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['normalize_us']} | {r['key_us']} | {r['hash_decide_us']} | "
-              f"{r['adapter_us']} | {r['authz_adapter_us']} | {r['authz_http_us']} | {r['isolated_decide_us']} | {r['pick_choice_us']} | {r['pick_total_us']} | "
+              f"{r['adapter_us']} | {r['authz_adapter_us']} | {r['authz_http_us']} | {r['isolated_decide_us']} | "
+              f"{r['pick_choice_us']} | {r['pick_total_us']} | "
               f"{r['chunk_hashes_us']} | {r['index_match_us']} | {r['pick_unique_us']} | {r['chunks']} |")
     print("\nnormalise: parse + normal form (prompt mode); key: xxh3-64 of the first prefix_length (4096) bytes; "
           "decide(): both, plus the tenant; adapter: the request's messages parsed, the adapter run "
@@ -66,18 +76,21 @@ def run(args: argparse.Namespace) -> int:
           "over HTTP: the check request's bytes parsed (httptools), answered and the answer written, by the "
           "HTTP port's own connection code; "
           "the choice: pick mode on an already decided body; "
-          f"a new prompt on a full index: its chunks all recorded and as many evicted ({args.index_chunks} chunks held)")
+          "a new prompt on a full index: its chunks all recorded and as many evicted "
+          f"({args.index_chunks} chunks held)")
     print("\nprecise mode (the tiny byte-level tokenizer, half the replicas holding the system prompt in the "
           "event view):\n")
     print("| body | prompt tokens | decide() + choice, system prompt tokenised before, a new question | "
           "the same over pick mode's decide() + choice | "
-          f"the same without the word cache | the same with {IN_FLIGHT} of ours in flight | of which render + tokenise (question seen) | of which block hashes "
+          f"the same without the word cache | the same with {IN_FLIGHT} of ours in flight | "
+          "of which render + tokenise (question seen) | of which block hashes "
           "(span cache warm) | cold render + tokenise |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['body_bytes'] / 1024:.1f} KB | {r['prompt_tokens']} | {r['precise_total_us']} | "
               f"{r['precise_over_pick']:.2f} | "
-              f"{r['precise_total_no_words_us']} | {r['precise_in_flight_us']} | {r['precise_tokenize_us']} | {r['precise_hash_us']} | "
+              f"{r['precise_total_no_words_us']} | {r['precise_in_flight_us']} | {r['precise_tokenize_us']} | "
+              f"{r['precise_hash_us']} | "
               f"{r['precise_tokenize_cold_us']} |")
     warm = ", ".join(f"{r['warm_requests']} at {r['body_bytes'] / 1024:.1f} KB" for r in rows if "warm_requests" in r)
     print("\nover pick mode: the two timed in alternation in one process, pick mode's request as in the first "

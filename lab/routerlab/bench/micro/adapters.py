@@ -14,7 +14,6 @@ from extproc.adapters.service import RouterService
 from extproc.process.http1 import Http1Protocol
 from routerlab.harness.extproc_messages import body_message, headers_message
 
-
 # What Envoy 1.40 sends with envoy.yaml for a wrk request (Envoy adds the x-forwarded-* and x-request-id),
 # content-length aside.
 _WIRE_HEADERS = (":authority", "127.0.0.1:10000"), (":path", "/v1/chat/completions"), (":method", "POST"), \
@@ -96,7 +95,7 @@ def adapter_once(router: PrefixRouter, wire: list[bytes], context: StubContext) 
     sent = 0
     while True:
         try:
-            stream.__anext__().send(None)
+            stream.__anext__().send(None)  # type: ignore[attr-defined]  # the async generator's: a coroutine
         except StopIteration as reply:
             sent += len(reply.value.SerializeToString())
         except StopAsyncIteration:

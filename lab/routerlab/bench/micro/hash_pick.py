@@ -18,8 +18,15 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.views.learned import MAX_REQUEST_CHUNKS, LearnedView
-from routerlab.bench.micro.adapters import (StubContext, adapter_once, check_message, check_once, http_check,
-                                            http_server, wire_messages)
+from routerlab.bench.micro.adapters import (
+    StubContext,
+    adapter_once,
+    check_message,
+    check_once,
+    http_check,
+    http_server,
+    wire_messages,
+)
 from routerlab.bench.micro.bodies import chat_body
 from routerlab.bench.micro.timing import median_us
 

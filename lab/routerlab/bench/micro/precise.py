@@ -15,11 +15,11 @@ from extproc.core.settings import RouteSettings
 from extproc.pick.core import PickCore
 from extproc.pick.events.kv_events import BlockStored
 from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.partial import CombinedView
 from extproc.pick.views.precise import PreciseView
-from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.micro.bodies import chat_body, conversation_bodies, questions
 from routerlab.bench.micro.timing import REPEAT, interleaved_us, median_us
