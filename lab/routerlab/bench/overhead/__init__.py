@@ -48,14 +48,24 @@ from pathlib import Path
 from typing import Any
 
 from routerlab.bench import drill
+from routerlab.bench.overhead import wake
 from routerlab.bench.overhead.events import has_events
 from routerlab.bench.overhead.figures import difference, median, per_request_us, phase_figures, ratio, summarize
-from routerlab.bench.overhead.plan import (ARM_SUMMARY, ARMS, CONFIGS, Config, connection_levels, estimate_s, is_pick,
-                                           rotated, schedule, validate)
+from routerlab.bench.overhead.plan import (
+    ARM_SUMMARY,
+    ARMS,
+    CONFIGS,
+    Config,
+    connection_levels,
+    estimate_s,
+    is_pick,
+    rotated,
+    schedule,
+    validate,
+)
 from routerlab.bench.overhead.report import markdown, notes, write
 from routerlab.bench.overhead.rig import Rig
 from routerlab.bench.overhead.rounds import phases, warm_up
-from routerlab.bench.overhead import wake
 from routerlab.bench.overhead.wrk import body_template, lua_script, run_wrk, wrk_argv
 from routerlab.bench.progress import stop as stop_progress
 from routerlab.harness.envoy_proc import envoy_binary, envoy_version
@@ -82,8 +92,8 @@ QUICK = dict(rounds=1, phase_s=1, connections=(16,), warmup_s=0)
 FLAGS = ("replicas",)
 PARAMS: dict[str, Callable[[str], Any]] = {
     "rounds": int, "phase_s": int, "sizes": _ints, "configs": drill.names, "arms": drill.names,
-    "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int, "floor_shape": str, "http_floor": str,
-    "processes": int, "id_at": str,
+    "connections": _ints, "warmup_s": int, "threads": int, "envoy_concurrency": int, "floor_shape": str,
+    "http_floor": str, "processes": int, "id_at": str,
 }
 
 
@@ -133,8 +143,8 @@ def run(cfg: Config) -> dict[str, Any]:
                 scripts[size] = Path(tmp) / f"chat-{size}kb.lua"
                 scripts[size].write_text(lua_script(size, cfg.id_at))
             report["setup"]["wrk_example"] = " ".join(wrk_argv(
-                GENERATOR, "http://127.0.0.1:LISTENER", Path(f"chat-{cfg.sizes[-1]}kb.lua"), max(connection_levels(cfg)),
-                cfg.threads, cfg.phase_s, "RUN"))
+                GENERATOR, "http://127.0.0.1:LISTENER", Path(f"chat-{cfg.sizes[-1]}kb.lua"),
+                max(connection_levels(cfg)), cfg.threads, cfg.phase_s, "RUN"))
             report["setup"]["kv_view_origins"] = {
                 config: rig.origins(stack) for (config, arm), stack in rig.stacks.items()
                 if arm == "router" and has_events(config)}

@@ -13,7 +13,6 @@ from routerlab.bench.overhead.events import SUFFIX, envoy_file, has_events
 from routerlab.bench.overhead.wrk import ID_AT
 from routerlab.harness import envoy_config
 
-
 ARMS = ("alone", "floor", "router")
 ARM_SUMMARY = {
     "alone": "Envoy alone: the config without the filter that calls the router (ext_proc or ext_authz)",

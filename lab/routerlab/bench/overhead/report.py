@@ -13,7 +13,6 @@ from routerlab.bench.overhead.events import NOT_COVERED, has_events
 from routerlab.bench.overhead.figures import median
 from routerlab.bench.overhead.plan import LATENCY_CONNECTIONS, Config
 
-
 SATURATED_SHARE = 0.85  # of one core: a process this busy may be the limit
 FOREIGN_CORES = 0.25  # other processes' CPU (in cores) above which the report warns
 
@@ -36,7 +35,8 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
         other = sum(p["counts"].get("not_covered", 0) for p in mine)
         why: Counter[str] = Counter()
         for p in mine:
-            why.update({k.removeprefix(NOT_COVERED): n for k, n in p["counts"].items() if k.startswith(NOT_COVERED) and n})
+            why.update({k.removeprefix(NOT_COVERED): n for k, n in p["counts"].items()
+                        if k.startswith(NOT_COVERED) and n})
         reasons = ", ".join(f"{k} {n:.0f}" for k, n in why.most_common())
         out.append(f"{config}: the router's requests in its phases took the events view (prefix_router_cache_view_total"
                    f"{{view=\"events\",reason=\"covered\"}}) {taken:.0f} times, another view {other:.0f} times"
@@ -46,16 +46,17 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
     busy_wrk = [p for p in phases if p["cpu_share"]["generator"] >= limit]
     if busy_wrk:
         worst = max(busy_wrk, key=lambda p: p["cpu_share"]["generator"])
-        out.append(f"wrk used >= {limit:.0%} of a core in {len(busy_wrk)} phases (worst {worst['cpu_share']['generator']:.0%}, "
-                   f"{worst['config']} {worst['size_kb']} KB c={worst['connections']} {worst['arm']}): there it may be the "
-                   f"limit; raise --param threads.")
+        out.append(f"wrk used >= {limit:.0%} of a core in {len(busy_wrk)} phases "
+                   f"(worst {worst['cpu_share']['generator']:.0%}, {worst['config']} {worst['size_kb']} KB "
+                   f"c={worst['connections']} {worst['arm']}): there it may be the limit; raise --param threads.")
     busy_backend = [p for p in phases if p["backend_max_share"] >= SATURATED_SHARE]
     if busy_backend:
         out.append(f"a zero-work backend process used >= {SATURATED_SHARE:.0%} of a core in {len(busy_backend)} "
                    f"phases: add backends (--replicas).")
     foreign = [p["other_cores"] for p in phases if p["other_cores"] is not None]
-    if foreign and median(foreign) > FOREIGN_CORES:
-        out.append(f"other processes on this machine used {median(foreign):.2f} cores (median over phases; max "
+    foreign_median = median(foreign)  # None without a phase that measured it
+    if foreign_median is not None and foreign_median > FOREIGN_CORES:
+        out.append(f"other processes on this machine used {foreign_median:.2f} cores (median over phases; max "
                    f"{max(foreign):.2f}) while it ran: figures include their noise, compare rows of one run.")
     wake = report["setup"].get("wake_round_trip_us") or {}
     if wake.get("across_cpus") is not None:
@@ -64,7 +65,8 @@ def notes(report: Mapping[str, Any], cfg: Config) -> list[str]:
                    "connection each hop of a request may pay the second (a process woken on the other CPU).")
     if cfg.http_floor == "bare":
         out.append("The HTTP floor is the barest httptools server (--param http_floor=bare), not the router's own "
-                   "server code: it shows what Envoy and the protocol cost alone; its calls/req count health checks too.")
+                   "server code: it shows what Envoy and the protocol cost alone; its calls/req count health checks "
+                   "too.")
     out.append("On this machine everything (wrk, Envoy, the ext_proc server, the backends) shares the same "
                f"{os.cpu_count()} cores: requests/s at 16 and 64 connections is bounded by the CPU per request of "
                "all of them together, which the CPU columns break down.")
@@ -109,13 +111,14 @@ def markdown(report: Mapping[str, Any]) -> str:
                 f"| {row['config']} | {row['size_kb']} KB | {row['arm']} | {c} | {_fmt(lv['rps'], 0)} "
                 f"| {_fmt(lv['p50_ms'], 3)} | {_fmt(lv['p99_ms'], 3)} | {_fmt(cpu.get('ext_proc'), 0)} "
                 f"| {_fmt(cpu.get('envoy'), 0)} | {_fmt(cpu.get('backends'), 0)} | {_fmt(cpu.get('generator'), 0)} "
-                f"| {shares} | {_fmt(_pct(lv['backend_max_share']), 0, '%')} | {_fmt(_pct(lv['machine_busy']), 0, '%')} "
+                f"| {shares} | {_fmt(_pct(lv['backend_max_share']), 0, '%')} "
+                f"| {_fmt(_pct(lv['machine_busy']), 0, '%')} "
                 f"| {_fmt(lv['other_cores'], 2)} | {_fmt(lv['ext_proc_streams_per_request'], 2)} "
                 f"| {_fmt(lv['messages_per_stream'], 2)} |")
     setup = report["setup"]
     parts = [
-        f"{params['rounds']} interleaved rounds of {params['phase_s']} s phases; medians over rounds (added latency and "
-        "ratios paired per round with the same round's Envoy alone). Zero-work backends "
+        f"{params['rounds']} interleaved rounds of {params['phase_s']} s phases; medians over rounds "
+        "(added latency and ratios paired per round with the same round's Envoy alone). Zero-work backends "
         f"({params['replicas']} processes), {params.get('processes', 1)} ext_proc server process(es) per arm, "
         f"Envoy --concurrency {setup['envoy_concurrency']}, load from "
         f"{setup['generator']} ({setup['wrk_threads']} thread(s)); latency at 1 connection is wrk's. CPU per request: "

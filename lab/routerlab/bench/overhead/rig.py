@@ -21,7 +21,6 @@ from routerlab.harness.envoy_proc import Envoy
 from routerlab.harness.procs import Process, free_ports, python_module, wait_until
 from routerlab.realvllm.promtext import fetch_metrics, metric_sum
 
-
 ROUTER_COUNT = "prefix_router_decisions_total"
 COVERAGE_TIMEOUT_S = 30.0  # for a precise router to hear from every backend
 ENVOY_STATS = r"ext_proc\.(streams_started|stream_msgs_sent|failure_mode_allowed|message_timeouts|" \
@@ -75,7 +74,7 @@ class Rig:
         self.stacks: dict[tuple[str, str], Stack] = {}
         self._stop = ExitStack()
 
-    def __enter__(self) -> "Rig":
+    def __enter__(self) -> Rig:
         try:
             self._start()
         except BaseException:
@@ -114,7 +113,8 @@ class Rig:
                                name=f"{arm} ext_proc {i} for {config}", env=arms_mod.ROUTER_ENV)
                 self._stop.callback(proc.stop)
                 servers.setdefault((config, arm), []).append((proc, http_port if over_http else port, metrics_port))
-        _parallel(lambda s: s[0].wait_for_line("ready on", timeout=60), [s for group in servers.values() for s in group])
+        _parallel(lambda s: s[0].wait_for_line("ready on", timeout=60),
+                  [s for group in servers.values() for s in group])
         for config, arm in pairs:
             listener, admin = next(ports), next(ports)
             group = servers.get((config, arm), [])

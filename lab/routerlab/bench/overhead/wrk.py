@@ -14,7 +14,6 @@ import orjson
 
 from routerlab.bench.micro.bodies import chat_body
 
-
 MARKER = "@@REQUEST-ID@@"
 
 
@@ -108,7 +107,7 @@ def run_wrk(argv: list[str], seconds: int) -> dict[str, Any]:
         proc.returncode = os.waitstatus_to_exitcode(status)
     finally:
         watchdog.cancel()
-    line = next((l for l in out.splitlines() if l.startswith("WRK_JSON ")), None)
+    line = next((text for text in out.splitlines() if text.startswith("WRK_JSON ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{out}")
     result = orjson.loads(line.removeprefix("WRK_JSON "))
