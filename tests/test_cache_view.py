@@ -52,7 +52,7 @@ class Holds:
     def sampled(self, address: str, sample: Sample, restarted: bool) -> None:
         self.calls.append(("sampled", address, restarted))
 
-    def describe(self, address: str, match: Match) -> dict[str, Any]:
+    def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         return {"events_origin": "holds" if address == self.address else "none", "forecast_evicted_tokens": 0}
 
     def stats(self) -> IndexStats:
@@ -118,3 +118,22 @@ def test_shared_picks_carry_the_run_the_view_placed() -> None:
     core.set_endpoints([A, B])
     choice = core.pick(decide(body("q"), {}, PICK), PICK)
     assert told == [(B, [7, 8, 9])] and choice.address == B
+
+
+def test_a_view_that_cannot_say_leaves_a_plain_choice_and_learns_nothing() -> None:
+    """A view's match may be None (the event view for a request it cannot tokenise): the choice then
+    sees nothing cached anywhere, and the view is told neither of the pick nor of its end."""
+
+    class Blind(Holds):
+        def match(self, decision: Decision, settings: RouteSettings, snapshot: Snapshot,
+                  max_new_chars: int = 0) -> Match | None:
+            return None
+
+    view = Blind(A, 1.0)
+    core = PickCore(view)
+    core.set_endpoints([A, B])
+    choice = core.pick(decide(body("q"), {}, PICK), PICK)
+    assert choice.reason == "cold" and all(c.cached_tokens == 0 for c in choice.candidates)
+    core.release(choice)
+    assert [c[0] for c in view.calls] == ["joined", "joined"]
+    assert core.explain(decide(body("q"), {}, PICK), PICK)["candidates"][0]["events_origin"] in ("holds", "none")

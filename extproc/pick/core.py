@@ -110,18 +110,20 @@ class PickCore:
                 metrics.REPLICA_CACHE_HITS.labels(address).inc(gained)
 
     # --- the request path --------------------------------------------------------------
-    def evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, Match]:
-        """The choice for a request and the view's match, without recording it (``explain`` stops here)."""
+    def evaluate(self, decision: Decision, settings: RouteSettings) -> tuple[Choice, Match | None]:
+        """The choice for a request and the view's match (None: the view could not say), without
+        recording it (``explain`` stops here)."""
         return self._evaluate(decision, settings)
 
     def _evaluate(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0,
-                  settle: bool = False) -> tuple[Choice, Match]:
+                  settle: bool = False) -> tuple[Choice, Match | None]:
         """``settle`` (``pick``): first end the other routers' requests this one continues
         (``Share.continued``), so their load no longer counts."""
         snapshot = self.load.snapshot(self.clock())
         match = self.view.match(decision, settings, snapshot, max_new_chars)
         if match is None:  # the view cannot say: no replica holds any of it as far as the choice knows
-            match = Match(math.ceil(len(decision.normalized) / BYTES_PER_TOKEN), {}, {})
+            tokens = math.ceil(len(decision.normalized) / BYTES_PER_TOKEN)
+            return choose(decision.key, tokens, {}, snapshot, settings), None
         if settle and match.runs and self.share is not None:
             if sum(self.share.continued(run) for run in match.runs):
                 snapshot = self.load.snapshot(self.clock())
@@ -141,7 +143,7 @@ class PickCore:
         _PICKS[choice.reason].inc()
         address = choice.address
         if address is not None:
-            placed = self.view.learn(address, match)
+            placed = self.view.learn(address, match) if match is not None else NOTHING
             if placed is not NOTHING:
                 self._placed[id(choice)] = placed
             chosen = _chosen(choice)

@@ -79,7 +79,7 @@ class CacheView(Protocol):
         """A scrape of ``address``; ``restarted``: its counters went back, so its cache started empty."""
         ...
 
-    def describe(self, address: str, match: Match) -> dict[str, Any]:
+    def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         """What ``explain`` shows of this view for one candidate."""
         ...
 

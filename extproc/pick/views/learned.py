@@ -95,7 +95,7 @@ class LearnedView:
         if restarted:
             self.index.clear(address)
 
-    def describe(self, address: str, match: Match) -> dict[str, Any]:
+    def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         return {"events_origin": "none", "forecast_evicted_tokens": 0}
 
     def stats(self) -> IndexStats:

@@ -134,8 +134,8 @@ class CombinedView:
         self.learned.sampled(address, sample, restarted)
         self.events.sampled(address, sample, restarted)
 
-    def describe(self, address: str, match: Match) -> dict[str, Any]:
-        return self.events.describe(address, match.detail.events)
+    def describe(self, address: str, match: Match | None) -> dict[str, Any]:
+        return self.events.describe(address, match.detail.events if match is not None else None)
 
     def stats(self) -> IndexStats:
         return self.learned.stats()
