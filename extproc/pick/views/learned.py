@@ -52,13 +52,6 @@ class LearnedView:
     def chunks_for(self, tokens: int) -> int:
         return int(tokens // self.chunk_tokens) if tokens else 0
 
-    def prompt_tokens(self, decision: Decision) -> int:
-        """The prompt's estimated length: its normalised bytes at ``bytes_per_token``."""
-        return math.ceil(len(decision.normalized) / self.bytes_per_token)
-
-    def chunks(self, decision: Decision) -> list[int]:
-        return chunk_hashes(decision.normalized, self.chunk_bytes, MAX_REQUEST_CHUNKS)
-
     def match(self, decision: Decision, settings: RouteSettings | None = None, snapshot: Snapshot | None = None,
               max_new_chars: int = 0) -> Match:
         normalized = decision.normalized
