@@ -8,8 +8,7 @@ from typing import Any
 
 from extproc.core.decide import Decision, decide
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import IndexStats, Snapshot
+from extproc.pick.choice.state import IndexStats, Sample, Snapshot
 from extproc.pick.core import PickCore, Remote
 from extproc.pick.views.base import CacheView, Match, Placed
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from extproc import metrics
 from extproc.core.decide import Decision, decide
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.load import LoadTracker, Sample
+from extproc.pick.choice.load import LoadTracker
+from extproc.pick.choice.state import Sample
 from extproc.pick.core import PickCore
 from extproc.pick.events.block_hashes import block_hashes
 from extproc.pick.events.eviction_forecast import EvictionForecast, surviving

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import tracemalloc
 from pathlib import Path
@@ -17,14 +18,16 @@ from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, ServerSettings, SettingError, server_settings
 from extproc.pick.choice import choose as choose_mod
 from extproc.pick.choice.choose import choose, cost, rendezvous
-from extproc.pick.choice.load import LoadTracker, Sample
-from extproc.pick.choice.state import ReplicaState, Snapshot
+from extproc.pick.choice.load import LoadTracker
+from extproc.pick.choice.speed import Speed
+from extproc.pick.choice.state import ReplicaState, Sample, Snapshot
 from extproc.pick.core import PickCore
 from extproc.pick.sources.endpoints import EndpointWatcher, parse_endpoint_lines
 from extproc.pick.sources.scrape import parse_metrics
 from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.views.learned import LearnedView
 from extproc.pick.views.learned_index import BYTES_PER_ENTRY, LearnedIndex
+from extproc.pick.views.token_ratio import TokenRatio
 from routerlab.harness.procs import python_module
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -115,6 +118,24 @@ def test_cost_is_uncached_prefill_plus_queued_work() -> None:
     assert cost(5000, 4000, ReplicaState(A, in_flight=2, backlog_tokens=300), s) == 1000 + 150 + 200
 
 
+def test_a_replica_full_of_sequences_charges_the_wait_for_a_slot() -> None:
+    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, max_num_seqs=4)
+    stay = 2000  # a request stays 2000 configured-rate tokens' worth of time on it: a slot frees every 500
+    assert cost(5000, 4000, ReplicaState(A, in_flight=3, request_tokens=stay), s) == 1000  # a slot free
+    assert cost(5000, 4000, ReplicaState(A, in_flight=4, request_tokens=stay), s) == 1000 + 500
+    assert cost(5000, 4000, ReplicaState(A, in_flight=6, request_tokens=stay), s) == 1000 + 3 * 500
+    assert cost(5000, 4000, ReplicaState(A, in_flight=6), s) == 1000  # its request time not measured yet
+    unknown = RouteSettings(mode="pick", load_tokens=0, max_num_seqs=0)
+    assert cost(5000, 4000, ReplicaState(A, in_flight=60, request_tokens=stay), unknown) == 1000
+
+
+def test_a_slower_replica_prices_its_prefill_and_queue_in_time() -> None:
+    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0)
+    assert cost(5000, 1000, ReplicaState(A, backlog_tokens=1000, token_cost=2.0), s) == 2 * (4000 + 1000)
+    cold = choose("ab", 5000, {}, snap(ReplicaState(A, token_cost=2.0), ReplicaState(B, backlog_tokens=4000)), s)
+    assert cold.address == B  # 5000 + 4000 queued at full speed beats 5000 at half speed
+
+
 def test_cached_prefix_wins_until_the_load_outweighs_it() -> None:
     s = RouteSettings(mode="pick", load_tokens=1000)
     cached = {A: 4000}
@@ -201,6 +222,33 @@ def test_queued_prefill_drains_at_the_prefill_rate_and_never_outlives_its_reques
     assert busy.address == A  # 500 + 100 queued beats 2000 cold
     t.assign(A, 3000, now=10.0)
     assert choose("ab", 2000, {A: 1500}, t.snapshot(now=10.0), s).address == B  # 500 + 3100 does not
+
+
+def test_speed_is_measured_from_the_counters_over_windows_and_survives_a_restart() -> None:
+    speed = Speed()
+    page = lambda tokens, seconds, done, running=4.0: Sample(running, 0, 0, 0, prefill_tokens=tokens,  # noqa: E731
+                                                             prefill_seconds=seconds, requests_done=done)
+    speed.update(page(0, 0.0, 0), now=0.0)
+    speed.update(page(2000, 0.1, 2), now=1.0)
+    assert (speed.prefill_rate, speed.request_s) == (0.0, 0.0)  # windows too short yet
+    speed.update(page(20000, 1.0, 8), now=2.0)
+    assert speed.prefill_rate == 20000.0
+    assert speed.request_s == 4.0 * 2.0 / 8  # Little: 4 running, 8 finished in 2 s: 1 s each
+    speed.update(page(30000, 2.0, 16), now=4.0)
+    assert speed.prefill_rate == 20000 + 0.5 * (10000 - 20000)  # smoothed
+    speed.update(page(100, 0.01, 1), now=5.0)  # the counters went back: a new process, a new window
+    speed.update(page(10100, 1.01, 9), now=6.0)
+    assert speed.prefill_rate == 15000 + 0.5 * (10000 - 15000)
+
+
+def test_a_measured_prefill_rate_drains_the_queue_and_scales_the_cost() -> None:
+    t = LoadTracker(prefill_tokens_per_s=1000)
+    t.set_addresses([A])
+    t.scraped(A, Sample(1, 0, 0, 0, prefill_tokens=0, prefill_seconds=0.0), 0, now=0.0)
+    t.scraped(A, Sample(1, 0, 0, 0, prefill_tokens=500, prefill_seconds=1.0), 0, now=1.0)  # 500 tokens/s
+    t.assign(A, 1000, now=1.0)
+    state = t.snapshot(now=2.0).by_address()[A]
+    assert (state.backlog_tokens, state.token_cost) == (500, 2.0)
 
 
 def test_parse_metrics_reads_the_simulators_real_page() -> None:
@@ -300,6 +348,8 @@ def test_parse_metrics_reads_a_real_vllm_page() -> None:
     sample = parse_metrics(text)
     assert (sample.running, sample.waiting) == (1.0, 0.0)  # not vllm:num_requests_waiting_by_reason
     assert sample.capacity_tokens == 167 * 128 and 0 < sample.kv_usage < 1 and sample.seen
+    assert (sample.prefill_tokens, round(sample.prefill_seconds, 3)) == (85600.0, 5.672)  # the histograms' sums
+    assert sample.prompt_tokens == 250464.0 == sample.prefill_tokens + sample.prefix_cache_hits
 
 
 def test_a_replica_whose_hit_counter_went_back_restarted_and_its_learned_view_is_emptied() -> None:
@@ -323,3 +373,32 @@ def test_a_replica_whose_hit_counter_went_back_restarted_and_its_learned_view_is
     assert list(learned.index.holds(first.address)) == []
     again = core.evaluate(decide(body, {}, pick), pick)[0]
     assert all(c.cached_tokens == 0 for c in again.candidates)
+
+
+def test_bytes_per_token_is_measured_from_the_replicas_counters_and_our_share_of_their_requests() -> None:
+    ratio = TokenRatio(4.0)
+    page = lambda tokens, done: Sample(1, 0, 0, 0, prompt_tokens=tokens, requests_done=done)  # noqa: E731
+    assert not ratio.sampled(A, page(1000, 5))  # opens the window
+    for _ in range(8):
+        ratio.sent(A, 4000)  # 8 of ours, 32000 bytes
+    assert not ratio.sampled(A, page(1000 + 8000, 5 + 10))  # 10 finished: too few yet
+    assert ratio.sampled(A, page(1000 + 16000, 5 + 16))  # 16 finished, 8 of them ours: half the tokens
+    assert ratio.value == 32000 / (16000 * 0.5) and ratio.measured
+    assert not ratio.sampled(A, page(10, 1))  # counters went back: a restarted replica, a new window
+    for _ in range(16):
+        ratio.sent(A, 3800)
+    assert ratio.sampled(A, page(10 + 40000, 1 + 16))  # ours alone: 1.52 bytes per token
+    assert ratio.value == 4.0 + 0.5 * (1.52 - 4.0)
+
+
+def test_the_learned_view_counts_tokens_with_the_measured_ratio() -> None:
+    view = LearnedView(chunk_bytes=400, bytes_per_token=4.0)
+    view.sampled(A, Sample(1, 0, 0, capacity_tokens=10_000, prompt_tokens=0, requests_done=0), False)
+    assert view.index.capacity(A) == 100  # 10000 tokens of 100 tokens a chunk
+    decision = decide(b'{"prompt": "' + b"x" * 3990 + b'"}', {}, RouteSettings(mode="pick"))
+    for _ in range(16):
+        view.learn(A, view.match(decision))
+    size = len(decision.normalized)
+    view.sampled(A, Sample(1, 0, 0, capacity_tokens=10_000, prompt_tokens=16 * size / 2, requests_done=16), False)
+    assert view.bytes_per_token == 2.0 and view.index.capacity(A) == 50  # a chunk is 200 tokens now
+    assert view.match(decision).prompt_tokens == math.ceil(size / 2)

@@ -572,7 +572,8 @@ def test_metrics_names_labels_and_counters(fleet: list[Client]) -> None:
         ("vllm:request_success", "counter"), ("vllm:num_requests_running", "gauge"),
         ("vllm:num_requests_waiting", "gauge"), ("vllm:kv_cache_usage_perc", "gauge"),
         ("vllm:cache_config_info", "gauge"), ("vllm:time_to_first_token_seconds", "histogram"),
-        ("vllm:e2e_request_latency_seconds", "histogram"),
+        ("vllm:e2e_request_latency_seconds", "histogram"), ("vllm:request_queue_time_seconds", "histogram"),
+        ("vllm:request_prefill_time_seconds", "histogram"), ("vllm:request_prefill_kv_computed_tokens", "histogram"),
     ):
         exposed = name + "_total" if kind == "counter" else name
         assert f"# TYPE {exposed} {kind}\n" in text, name
@@ -598,6 +599,9 @@ def test_metrics_names_labels_and_counters(fleet: list[Client]) -> None:
     assert d(lbl("vllm:request_success_total", finished_reason="length")) == 2
     assert d(lbl("vllm:time_to_first_token_seconds_count")) == 2
     assert d(lbl("vllm:e2e_request_latency_seconds_count")) == 2
+    assert d(lbl("vllm:request_prefill_time_seconds_count")) == d(lbl("vllm:request_queue_time_seconds_count")) == 2
+    assert d(lbl("vllm:request_prefill_time_seconds_sum")) > 0  # each computed some prompt (model time)
+    assert d(lbl("vllm:request_prefill_kv_computed_tokens_sum")) == 100 - 48  # the prompt tokens not cached
     assert m1[lbl("vllm:num_requests_running")] == 0
     assert 0.0 <= m1[lbl("vllm:kv_cache_usage_perc")] <= 1.0
 

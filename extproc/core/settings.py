@@ -52,7 +52,9 @@ class RouteSettings:
     concurrency_threshold: int = 0  # pick mode: SageMaker's per-replica cap on requests in flight; 0 = none
     load_tokens: int = 512  # pick mode: prefill tokens one request in flight is worth in the cost
     backlog_weight: float = 0.5  # pick mode: weight of the prefill already queued on a replica
+    stall_weight: float = 0.0  # pick mode: weight of the stall a request's prefill gives each request in flight there
     tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
+    max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
     tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)
     cache_view: str = "auto"  # pick mode: auto (events when the process subscribes), learned, or events
 
@@ -260,7 +262,9 @@ SPECS: Final[dict[str, _Spec]] = {
     "load_tokens": _Spec(_number_in(int, 0, 1_000_000),
                          "an integer in 0..1000000 (prefill tokens per request in flight)"),
     "backlog_weight": _Spec(_number_in(float, 0.0, 4.0), "a number in 0..4"),
+    "stall_weight": _Spec(_number_in(float, 0.0, 4.0), "a number in 0..4"),
     "tie_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),
+    "max_num_seqs": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (0: no slot limit known)"),
     "endpoints": _Spec(_address_list, "a comma-separated list of ip:port"),
     "endpoints_file": _Spec(_optional(str.strip), "a file path"),
     "endpoints_dns": _Spec(_optional(_dns_target), "name:port"),

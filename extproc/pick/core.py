@@ -19,8 +19,8 @@ from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefill_tokens
-from extproc.pick.choice.load import LoadTracker, Sample
-from extproc.pick.choice.state import ReplicaState
+from extproc.pick.choice.load import LoadTracker
+from extproc.pick.choice.state import ReplicaState, Sample
 from extproc.pick.views.base import NOTHING, CacheView, Match, Placed
 from extproc.pick.views.learned import BYTES_PER_TOKEN, LearnedView
 

@@ -1,19 +1,27 @@
 """Choose the replica that can serve a request soonest (pure: snapshot + request in, choice out).
 
-Estimated cost of serving the request on replica r, in prefill-token units:
+Estimated cost of serving the request on replica r, in prefill tokens at the configured prefill
+rate (``prefill_tokens_per_s``), so in effect a time:
 
-    cost(r) = max(prompt_tokens - cached_tokens(r), 1)     prefill it must compute
-            + backlog_weight x backlog(r)                prefill queued ahead of it
-            + load_tokens x in_flight(r)                 every request it runs
+    cost(r) = token_cost(r) x ( max(prompt_tokens - cached_tokens(r), 1)    prefill it must compute
+                              + backlog_weight x backlog(r) )               prefill queued ahead of it
+            + max(in_flight(r) + 1 - max_num_seqs, 0)
+              x request_tokens(r) / max_num_seqs                            the wait for a sequence slot
+            + load_tokens x in_flight(r)                                    every request it runs
 
-The first term is the prefill r would have to compute (the prompt minus what r most likely
-holds); the others the work already on r: the prefill tokens still queued (this request waits
-for them), and a charge per request in flight (decode steps, and the wait for a sequence slot on
-a full replica). Dynamo's KV router weighs prefill blocks against active blocks the same way;
-the weights were chosen by the sweep in docs/results/pick-sweep. ``concurrency_threshold`` is
-SageMaker's hard cap: a replica with that many in flight is not chosen while another is below
-it. Equal costs (a cold prompt on an idle fleet) go to the highest rendezvous hash of (key,
-replica), so independent router replicas with the same view agree without talking to each other.
+The first term is what the request adds to r's queue, the prefill r computes for it (the prompt
+minus what r most likely holds: the prefill the cached prefix saves is the difference between
+replicas); the second the prefill already queued there, which this request waits for (vLLM's
+FCFS chunked prefill). ``token_cost`` turns r's tokens into time at the configured rate (its
+measured prefill rate, extproc.pick.choice.speed, against the configured one). The slot term
+is the wait on a replica whose ``max_num_seqs`` sequences are all taken: a slot frees every
+request time / max_num_seqs (its request time measured, in configured-rate tokens). The last
+term charges each request in flight a little (decode steps slow a little with every sequence).
+Dynamo's KV router weighs prefill blocks against active blocks the same way; docs/pick-mode.md
+says how the weights were measured. ``concurrency_threshold`` is SageMaker's hard cap: a replica
+with that many in flight is not chosen while another is below it. Equal costs (a cold prompt on
+an idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
+replicas with the same view agree without talking to each other.
 """
 
 from __future__ import annotations
@@ -83,8 +91,12 @@ def _costs(prompt_tokens: int, cached: Mapping[str, int], replicas: Sequence[Rep
            settings: RouteSettings) -> list[int]:
     """Each replica's cost (the formula above), in one comprehension: the choice prices every
     replica of the fleet per request, so a call per replica would cost more than the sums."""
-    get, weight, per_request = cached.get, settings.backlog_weight, settings.load_tokens
-    return [max(prompt_tokens - get(r.address, 0), 1) + round(weight * r.backlog_tokens) + per_request * r.in_flight
+    get, weight, per_request, slots = cached.get, settings.backlog_weight, settings.load_tokens, settings.max_num_seqs
+    stall = settings.stall_weight
+    return [round(r.token_cost * (max(prompt_tokens - get(r.address, 0), 1) * (1 + stall * r.in_flight)
+                                  + weight * r.backlog_tokens))
+            + per_request * r.in_flight
+            + (max(r.in_flight + 1 - slots, 0) * r.request_tokens // slots if slots and r.request_tokens else 0)
             for r in replicas]
 
 

@@ -23,25 +23,12 @@ No I/O and no clock here: callers pass ``now`` (seconds, monotonic).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from extproc.pick.choice.state import ReplicaState, Snapshot
+from extproc.pick.choice.speed import Speed
+from extproc.pick.choice.state import ReplicaState, Sample, Snapshot
 
 DOWN_AFTER_TIMEOUTS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """What one scrape of a replica's /metrics told."""
-
-    running: float
-    waiting: float
-    kv_usage: float
-    capacity_tokens: int  # 0 when vllm:cache_config_info is missing
-    seen: bool = True  # the page had vLLM's load gauges
-    prefix_cache_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens, all engines): what it really reused
-    block_size: int = 0  # vllm:cache_config_info's block_size (0 when missing)
-    requests_done: float = 0.0  # vllm:request_success_total (all engines and finish reasons)
 
 
 @dataclass(slots=True)
@@ -54,6 +41,7 @@ class _Replica:
     backlog: float = 0.0  # prefill tokens queued at ``backlog_at``
     backlog_at: float = 0.0
     own_prefill: int = 0  # prefill tokens this router's requests in flight brought
+    speed: Speed = field(default_factory=Speed)  # its measured prefill rate and request time
 
 
 class LoadTracker:
@@ -105,12 +93,18 @@ class LoadTracker:
             r.backlog = min(r.backlog, r.own_prefill)
             self._refresh(address)
 
-    def _drained(self, r: _Replica, now: float) -> float:
-        return min(max(0.0, r.backlog - self.prefill_rate * (now - r.backlog_at)), r.own_prefill)
+    def _rate(self, r: _Replica) -> float:
+        """Its prefill rate: measured once it has been, else the configured one."""
+        return r.speed.prefill_rate or self.prefill_rate
 
-    def scraped(self, address: str, sample: Sample | None, own_at_scrape: int, refused: bool = True) -> None:
-        """A scrape result. None: it failed; the replica is down at once if it ``refused`` the
-        connection, after ``DOWN_AFTER_TIMEOUTS`` failures in a row if it only timed out."""
+    def _drained(self, r: _Replica, now: float) -> float:
+        return min(max(0.0, r.backlog - self._rate(r) * (now - r.backlog_at)), r.own_prefill)
+
+    def scraped(self, address: str, sample: Sample | None, own_at_scrape: int, refused: bool = True,
+                now: float | None = None) -> None:
+        """A scrape result, taken at ``now`` (None: its speed is not measured). None: it failed; the
+        replica is down at once if it ``refused`` the connection, after ``DOWN_AFTER_TIMEOUTS``
+        failures in a row if it only timed out."""
         r = self._replicas.get(address)
         if r is None:
             return
@@ -122,6 +116,8 @@ class LoadTracker:
             r.healthy = True
             r.sample = sample
             r.own_at_scrape = own_at_scrape
+            if now is not None:
+                r.speed.update(sample, now)
         self._refresh(address)
 
     def restore(self, state: ReplicaState) -> None:
@@ -140,9 +136,12 @@ class LoadTracker:
         s = r.sample
         others = max(0, round(s.running + s.waiting) - r.own_at_scrape) if s else 0
         backlog = round(r.backlog if now is None else self._drained(r, now))
+        rate = self._rate(r)
         self._states[address] = ReplicaState(
             address, r.healthy, r.own + others, s.running if s else 0.0, s.waiting if s else 0.0,
-            s.kv_usage if s else 0.0, s.capacity_tokens if s else 0, backlog)
+            s.kv_usage if s else 0.0, s.capacity_tokens if s else 0, backlog,
+            self.prefill_rate / rate if rate and self.prefill_rate else 1.0,
+            round(r.speed.request_s * self.prefill_rate))
         self._snapshot = None
 
     def snapshot(self, now: float | None = None) -> Snapshot:

@@ -22,6 +22,11 @@ class ReplicaState(NamedTuple):
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1) at the last scrape
     capacity_tokens: int = 0  # KV capacity (num_gpu_blocks x block_size), 0 if unknown
     backlog_tokens: int = 0  # estimated prefill tokens queued on it now
+    # Its speed against the configured prefill rate (prefill_tokens_per_s): what one of its prefill
+    # tokens costs in configured-rate tokens (2.0: it prefills half as fast), and how long a request
+    # stays on it, in configured-rate tokens (0: not measured yet). extproc.pick.choice.speed.
+    token_cost: float = 1.0
+    request_tokens: int = 0
 
 
 class Snapshot(NamedTuple):
@@ -38,3 +43,20 @@ class IndexStats:
     entries: int  # (chunk or block, replica) pairs held
     chunks: int  # distinct hashes
     bytes: int  # estimated memory
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """What one scrape of a replica's /metrics told."""
+
+    running: float
+    waiting: float
+    kv_usage: float
+    capacity_tokens: int  # 0 when vllm:cache_config_info is missing
+    seen: bool = True  # the page had vLLM's load gauges
+    prefix_cache_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens, all engines): what it really reused
+    block_size: int = 0  # vllm:cache_config_info's block_size (0 when missing)
+    requests_done: float = 0.0  # vllm:request_success_total (all engines and finish reasons)
+    prompt_tokens: float = 0.0  # vllm:prompt_tokens_total (cached tokens included)
+    prefill_tokens: float = 0.0  # vllm:request_prefill_kv_computed_tokens_sum (cached tokens excluded)
+    prefill_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum (first scheduled to first token)

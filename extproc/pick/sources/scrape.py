@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Final
 
 import aiohttp
 
 from extproc import metrics
-from extproc.pick.choice.load import LoadTracker, Sample
+from extproc.pick.choice.load import LoadTracker
+from extproc.pick.choice.state import Sample
 
 log = logging.getLogger("extproc.pick.sources.scrape")
 
@@ -26,6 +28,9 @@ KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 CACHE_INFO: Final = "vllm:cache_config_info"
 CACHE_HITS: Final = "vllm:prefix_cache_hits_total"
 SUCCESS: Final = "vllm:request_success_total"
+PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"
+PREFILL_TOKENS: Final = "vllm:request_prefill_kv_computed_tokens_sum"
+PREFILL_SECONDS: Final = "vllm:request_prefill_time_seconds_sum"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -37,11 +42,12 @@ def _value(line: str) -> float:
 
 
 def parse_metrics(text: str) -> Sample:
-    """Sum over engines of the load gauges, cache hits and finished requests; KV usage is the mean;
+    """Sum over engines of the load gauges, cache hits, finished requests, prompt tokens, and the
+    prompt tokens computed and seconds spent in prefill by finished requests; KV usage is the mean;
     capacity from cache_config_info.
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
-    running = waiting = usage = hits = done = 0.0
+    running = waiting = usage = hits = done = prompt = computed = prefill_s = 0.0
     engines = capacity = block_size = 0
     seen = False
     for line in text.splitlines():
@@ -57,6 +63,12 @@ def parse_metrics(text: str) -> Sample:
             hits += _value(line)
         elif name == SUCCESS:
             done += _value(line)
+        elif name == PROMPT_TOKENS:
+            prompt += _value(line)
+        elif name == PREFILL_TOKENS:
+            computed += _value(line)
+        elif name == PREFILL_SECONDS:
+            prefill_s += _value(line)
         elif name == KV_USAGE:
             usage += _value(line)
             engines += 1
@@ -67,7 +79,8 @@ def parse_metrics(text: str) -> Sample:
                 capacity += int(labels.get("num_gpu_blocks", "0")) * block_size
             except ValueError:
                 pass
-    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits, block_size, done)
+    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits, block_size, done,
+                  prompt, computed, prefill_s)
 
 
 class Scraper:
@@ -107,7 +120,7 @@ class Scraper:
             metrics.SCRAPE_ERRORS.labels(address).inc()
         # Requests of ours that ended while the scrape was under way may or may not be in it;
         # assume they are not (the smaller own count), so a replica never looks idler than it is.
-        self.tracker.scraped(address, sample, min(own, self.tracker.own(address)), refused)
+        self.tracker.scraped(address, sample, min(own, self.tracker.own(address)), refused, time.monotonic())
         if self.on_sample:
             self.on_sample(address, sample)
 

@@ -17,8 +17,7 @@ from typing import Any, Final, NamedTuple, Protocol
 
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import IndexStats, Snapshot
+from extproc.pick.choice.state import IndexStats, Sample, Snapshot
 
 
 class Match(NamedTuple):

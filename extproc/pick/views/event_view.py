@@ -17,8 +17,7 @@ from typing import Any, Final
 from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import IndexStats, Snapshot
+from extproc.pick.choice.state import IndexStats, Sample, Snapshot
 from extproc.pick.events.eviction_forecast import EvictionForecast
 from extproc.pick.tokens.not_tokenizable import NotTokenizable
 from extproc.pick.views.base import Match, Placed, new_tuple

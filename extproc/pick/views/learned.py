@@ -2,9 +2,10 @@
 
 A request sent to replica r is assumed to leave its normalised prompt's chunks in r's prefix cache
 (``extproc.pick.views.learned_index``); a request is matched by its chunks' chained hashes, and its
-figures are estimates: ``bytes_per_token`` bytes of the normalised prompt per token. It needs
-nothing from the replicas but their KV size (scraped, or ``--kv-capacity-tokens``) and notices a
-restarted replica by its prefix-cache counter going back.
+figures are estimates: ``bytes_per_token`` bytes of the normalised prompt per token, measured from
+the replicas' prompt-token counters once requests flow (``extproc.pick.views.token_ratio``). It
+needs nothing else from the replicas but their KV size (scraped, or ``--kv-capacity-tokens``) and
+notices a restarted replica by its prefix-cache counter going back.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any, Final, NamedTuple
 
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import IndexStats, Snapshot
+from extproc.pick.choice.state import IndexStats, Sample, Snapshot
 from extproc.pick.views.base import NOTHING, Match, Placed, new_tuple
 from extproc.pick.views.chunks import chunk_hashes
 from extproc.pick.views.learned_index import LearnedIndex, PrefixIndex
+from extproc.pick.views.token_ratio import TokenRatio
 
 LEARNED: Final = "learned"
 # A request's prompt is indexed up to this many chunks (2 MiB at 512-byte chunks): past it
@@ -35,6 +36,7 @@ class Chunks(NamedTuple):
 
     hashes: list[int]
     held: dict[str, int]  # replica -> leading chunks it holds
+    size: int  # bytes of the normalised prompt
 
 
 class LearnedView:
@@ -45,7 +47,9 @@ class LearnedView:
         self.chunk_bytes = chunk_bytes
         self.bytes_per_token = bytes_per_token
         self.chunk_tokens = chunk_bytes / bytes_per_token
+        self.ratio = TokenRatio(bytes_per_token)
         self.kv_capacity_tokens = kv_capacity_tokens  # configured; 0: each replica's scraped KV size
+        self._capacity_tokens: dict[str, int] = {}  # each sampled replica's KV size (configured, else scraped)
         self.index: PrefixIndex = index if index is not None else LearnedIndex(
             index_max_chunks, self.chunks_for(kv_capacity_tokens))
 
@@ -60,11 +64,13 @@ class LearnedView:
         tokens = self.chunk_tokens
         return new_tuple(Match, (math.ceil(len(normalized) / self.bytes_per_token),
                                  {a: int(n * tokens) for a, n in held.items()}, _NO_VIEWS, (),
-                                 new_tuple(Chunks, (chunks, held))))
+                                 new_tuple(Chunks, (chunks, held, len(normalized)))))
 
     def learn(self, address: str, match: Match) -> Placed:
-        if match.detail.hashes:
-            self.index.record(address, match.detail.hashes)
+        detail = match.detail
+        if detail.hashes:
+            self.index.record(address, detail.hashes)
+        self.ratio.sent(address, detail.size)
         return NOTHING
 
     def forget(self, address: str, placed: Placed) -> None:
@@ -81,12 +87,25 @@ class LearnedView:
 
     def left(self, address: str) -> None:
         self.index.remove(address)
+        self.ratio.forget(address)
+        self._capacity_tokens.pop(address, None)
 
     def sampled(self, address: str, sample: Sample, restarted: bool) -> None:
-        if sample.capacity_tokens and not self.kv_capacity_tokens:
-            self.index.set_capacity(address, self.chunks_for(sample.capacity_tokens))
+        capacity = self.kv_capacity_tokens or sample.capacity_tokens
+        if capacity and self._capacity_tokens.get(address) != capacity:
+            self._capacity_tokens[address] = capacity
+            self.index.set_capacity(address, self.chunks_for(capacity))
         if restarted:
             self.index.clear(address)
+        if self.ratio.sampled(address, sample):
+            self._convert_with(self.ratio.value)
+
+    def _convert_with(self, bytes_per_token: float) -> None:
+        """Count tokens with a new ratio: a chunk's tokens, and so each replica's capacity in chunks."""
+        self.bytes_per_token = bytes_per_token
+        self.chunk_tokens = self.chunk_bytes / bytes_per_token
+        for address, tokens in self._capacity_tokens.items():
+            self.index.set_capacity(address, self.chunks_for(tokens))
 
     def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         return {"events_origin": "none", "forecast_evicted_tokens": 0}

@@ -20,8 +20,7 @@ from typing import Any, NamedTuple
 
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.load import Sample
-from extproc.pick.choice.state import IndexStats, Snapshot
+from extproc.pick.choice.state import IndexStats, Sample, Snapshot
 from extproc.pick.views.base import NOTHING, Match, Placed, new_tuple
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LEARNED, LearnedView

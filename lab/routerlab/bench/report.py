@@ -8,6 +8,7 @@ the machine was saturated (then latencies include CPU queueing and say so).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from routerlab.bench.loadgen import LoadResult, Result
 from routerlab.bench.replica_metrics import FleetDelta
@@ -170,9 +172,10 @@ class Report:
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
     ttft_samples: dict[str, list[float]] = field(default_factory=dict)  # ms, for plots
+    requests: dict[str, list[Result]] = field(default_factory=dict)  # per arm, written as requests/ARM.jsonl
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "ttft_samples"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("ttft_samples", "requests")}
 
     @property
     def baseline(self) -> str | None:
@@ -362,4 +365,8 @@ def write(report: Report, out: Path) -> dict[str, Path]:
     report.files.update({"report.json": str(paths["json"]), "report.md": str(paths["markdown"])})
     paths["json"].write_text(json.dumps(report.to_json(), indent=2, sort_keys=False) + "\n")
     paths["markdown"].write_text(to_markdown(report))
+    for arm, results in report.requests.items():
+        paths[f"requests/{arm}"] = path = out / "requests" / f"{arm}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"".join(orjson.dumps(dataclasses.asdict(r)) + b"\n" for r in results))
     return paths

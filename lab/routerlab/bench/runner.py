@@ -88,6 +88,12 @@ def _load(scenario: Scenario, cfg: BenchConfig) -> LoadSpec:
                     rate=cfg.rate or base.rate, duration_s=cfg.duration_s or base.duration_s)
 
 
+def _max_num_seqs(spec: FleetSpec) -> int:
+    from routerlab.sim.profiles import get_profile
+
+    return spec.max_num_seqs or get_profile(spec.profile).max_num_seqs
+
+
 def _backend(spec: FleetSpec, cfg: BenchConfig) -> backends.Backend:
     if cfg.backend_urls:
         return backends.ExternalBackend(list(cfg.backend_urls), block_size=spec.block_size)
@@ -141,6 +147,9 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
     if any(arms_mod.get(n).precise for n in names) and not cfg.backend_urls:
         spec = with_real_tokenizer(spec, trace)
+    if not cfg.backend_urls:  # what an operator sets from vLLM's --max-num-seqs (docs/pick-mode.md)
+        cfg = dataclasses.replace(cfg, router_settings={"max-num-seqs": str(_max_num_seqs(spec)),
+                                                        **cfg.router_settings})
     best = oracle(trace.requests, spec.block_size, spec.tokenizer).hit_rate
     report = report_mod.Report(
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
@@ -154,10 +163,11 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
               f"{best:.0%}, arms {', '.join(names)}")
     try:
         for name in names:
-            summary, ttfts = _run_arm(arms_mod.get(name), name, scenario, spec, load, trace, best, prefix_length,
+            summary, results = _run_arm(arms_mod.get(name), name, scenario, spec, load, trace, best, prefix_length,
                                       cfg, prog)
             report.arms[name] = summary
-            report.ttft_samples[name] = ttfts
+            report.ttft_samples[name] = [r.ttft * 1000 for r in results if r.ok and r.ttft is not None]
+            report.requests[name] = results
     finally:
         progress_mod.stop(prog)
     _add_notes(report)
@@ -302,8 +312,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
                      else ", hit rate not back within 5 % before the end")
     prog.finish(f"{label}: ttft p50 {summary['ttft_ms']['p50']} ms, hit rate {summary['kv_hit_rate']}, "
                 f"{summary['throughput_rps']} req/s, success {summary['success_rate']:.1%}{restarted}")
-    ttfts = [r.ttft * 1000 for r in result.results if r.ok and r.ttft is not None]
-    return summary, ttfts
+    return summary, result.results
 
 
 def _summed(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:

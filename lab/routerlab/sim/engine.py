@@ -155,6 +155,9 @@ class Engine:
                     await self._wake.wait()
                     continue
                 idle = False
+                for seq, _ in plan.scheduled:
+                    if seq.scheduled_time is None:
+                        seq.scheduled_time = self._model_now
                 end = self._model_now + plan.duration * self.control.slow_factor
                 delay = self._origin + end / self.time_scale - self._loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
@@ -182,11 +185,21 @@ class Engine:
             seq.last_token_time = now
             if seq.finished:
                 m.e2e.observe(max(0.0, now - seq.arrival))
+                self._observe_phases(seq, now)
                 m.request_success(seq.finish_reason or "length")
             if seq.listener is not None:
                 seq.listener.notify()
         self._sync_counters()
         self.refresh_gauges()
+
+    def _observe_phases(self, seq: Sequence, now: float) -> None:
+        """vLLM's per-phase histograms, observed when a request finishes (v1's record_finished_request):
+        queue = arrival to first scheduled, prefill = first scheduled to first token."""
+        scheduled = seq.scheduled_time if seq.scheduled_time is not None else seq.arrival
+        first = seq.first_token_time if seq.first_token_time is not None else now
+        self.metrics.queue_time.observe(max(0.0, scheduled - seq.arrival))
+        self.metrics.prefill_time.observe(max(0.0, first - scheduled))
+        self.metrics.prefill_computed.observe(max(0, seq.num_prompt - seq.cached_tokens))
 
     def _sync_counters(self) -> None:
         c, s, m = self.sched.counters, self._synced, self.metrics

@@ -28,6 +28,18 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
+def one_two_five(limit: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets (build_1_2_5_buckets): 1, 2, 5, 10, 20, 50, ... up to ``limit``."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
+
+
 class ReplicaMetrics:
     """The vLLM metric families of one replica (one engine)."""
 
@@ -96,6 +108,13 @@ class ReplicaMetrics:
                          "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds",
                         "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self.queue_time = hist("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", E2E_BUCKETS)
+        self.prefill_computed = hist("vllm:request_prefill_kv_computed_tokens",
+                                     "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                                     one_two_five(profile.max_model_len))
         self.itl = hist("vllm:inter_token_latency_seconds",
                         "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
 

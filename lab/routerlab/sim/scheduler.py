@@ -40,6 +40,7 @@ class Sequence:
     cached_at_arrival: int = 0  # prompt tokens the cache held when the request arrived (a diagnostic)
     admitted: bool = False
     preemptions: int = 0
+    scheduled_time: float | None = None  # model time it was first scheduled (vLLM's scheduled_ts)
     first_token_time: float | None = None
     last_token_time: float = 0.0
     finish_time: float | None = None

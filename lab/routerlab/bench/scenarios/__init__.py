@@ -22,6 +22,7 @@ from routerlab.bench.scenarios.shared_prompts import (
     NO_SHARING,
     SAGEMAKER_8K,
     SCALE_OUT,
+    SHARED_PREFIX,
     SHORT_CHAT,
 )
 from routerlab.bench.scenarios.spec import ENVOY_ARMS, FleetEvent, FleetSpec, LoadSpec, Scenario
@@ -31,7 +32,7 @@ __all__ = ["SCENARIOS", "get", "FAULT_LOAD", "Scenario", "FleetSpec", "LoadSpec"
            "blocks"]
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    SAGEMAKER_8K, SHORT_CHAT, MULTI_TURN, GSP, HOT_PREFIX, TENANTS, SERIALIZATION, NO_SHARING, ZIPF_CHAT,
+    SAGEMAKER_8K, SHORT_CHAT, MULTI_TURN, GSP, SHARED_PREFIX, HOT_PREFIX, TENANTS, SERIALIZATION, NO_SHARING, ZIPF_CHAT,
     SCALE_OUT, KV_PRESSURE, RESTART, ROUTER_RESTART)}
 
 

@@ -5,6 +5,7 @@ no-sharing control."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, ask, blocks, prompt_blocks, single, zipf_weights
@@ -126,6 +127,33 @@ GSP = Scenario(
     load=LoadSpec(concurrency=16, rate=20.0),
     quick=dict(requests=64, groups=8, prompts_per_group=8, system_tokens=1100, output_tokens=8,
                replicas=3, time_scale=20.0),
+)
+
+
+# --- shared-prefix ----------------------------------------------------------------------
+
+def _shared_prefix_fleet(p: Params) -> FleetSpec:
+    """KV per replica so that every group's system prompt together is ``pressure`` times the
+    fleet's KV: at most 1/pressure of the groups can be cached anywhere at once."""
+    working_set = p["groups"] * blocks(p["system_tokens"] + TEMPLATE_TOKENS)
+    return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"], max_num_seqs=p["max_num_seqs"],
+                     num_blocks=math.ceil(working_set / (p["replicas"] * p["pressure"])) + 1)
+
+
+SHARED_PREFIX = Scenario(
+    name="shared-prefix",
+    summary="inference-perf's shared-prefix shape: 64 equally popular groups x 16 prompts, 2048-token system "
+            "prompts, 128-token questions, 128 output tokens, 16 in flight on 4 replicas; every system prompt "
+            "together is twice the fleet's KV",
+    params=dict(requests=1024, groups=64, prompts_per_group=16, system_tokens=2048, question_tokens=128,
+                output_tokens=128, replicas=4, time_scale=1.0, max_num_seqs=64, pressure=2.0),
+    generate=_gsp,
+    fleet=_shared_prefix_fleet,
+    load=LoadSpec(concurrency=16, rate=20.0),
+    arms=("round-robin", "least-request", "prefix-maglev", "prefix-pick", "prefix-pick-2routers", "prefix-precise",
+          "prefix-precise-2routers"),
+    quick=dict(requests=96, groups=16, prompts_per_group=6, system_tokens=1100, output_tokens=16, replicas=3,
+               time_scale=20.0),
 )
 
 

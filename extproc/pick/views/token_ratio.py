@@ -1,0 +1,67 @@
+"""Bytes of normalised prompt per model token, measured: the learned view's one conversion.
+
+The learned view counts bytes of the normalised prompt and turns them into tokens with this
+ratio: a request's prompt tokens, a chunk's tokens, each replica's KV capacity in chunks. It
+depends on the model's tokenizer and the traffic (about 4 for English on a Llama-style BPE,
+under 2 for a byte-level tokenizer with a small vocabulary), and a wrong guess makes the view
+believe a replica holds twice what it does, and the queue estimate count half the prefill.
+So it is measured (pure: counts in, ratio out): over a window, the bytes this router sent to a
+replica against the prompt tokens that replica counted (vllm:prompt_tokens_total), scaled by
+this router's share of the replica's requests (its own picks against
+vllm:request_success_total), since other routers and direct traffic count there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from extproc.pick.choice.speed import smooth
+from extproc.pick.choice.state import Sample
+
+MIN_REQUESTS: Final = 16  # requests a replica finished in a window before it is measured
+BOUNDS: Final = (0.5, 64.0)  # what --bytes-per-token allows; a measurement outside is ignored
+
+
+@dataclass(slots=True)
+class _Window:
+    sent_bytes: int = 0
+    sent: int = 0
+    tokens: float = -1.0  # the replica's counters at the window's start (-1: no window yet)
+    done: float = -1.0
+
+
+class TokenRatio:
+    """The ratio: the configured one until a window has been measured, then the measurements."""
+
+    def __init__(self, initial: float) -> None:
+        self.value = initial
+        self.measured = False
+        self._windows: dict[str, _Window] = {}
+
+    def sent(self, address: str, nbytes: int) -> None:
+        """This router sent a request of ``nbytes`` normalised bytes to ``address``."""
+        w = self._windows.get(address)
+        if w is not None and w.tokens >= 0:
+            w.sent_bytes += nbytes
+            w.sent += 1
+
+    def sampled(self, address: str, sample: Sample) -> bool:
+        """A scrape of ``address``; returns whether the ratio changed."""
+        w = self._windows.setdefault(address, _Window())
+        tokens, done = sample.prompt_tokens - w.tokens, sample.requests_done - w.done
+        if w.tokens < 0 or tokens < 0 or done < 0:  # the first sample, or a restarted replica
+            self._windows[address] = _Window(tokens=sample.prompt_tokens, done=sample.requests_done)
+            return False
+        if done < MIN_REQUESTS or 2 * w.sent < MIN_REQUESTS or tokens <= 0:
+            return False
+        ratio = w.sent_bytes / (tokens * min(1.0, w.sent / done))
+        self._windows[address] = _Window(tokens=sample.prompt_tokens, done=sample.requests_done)
+        if not BOUNDS[0] <= ratio <= BOUNDS[1]:
+            return False
+        self.value = smooth(self.value if self.measured else 0.0, ratio)
+        self.measured = True
+        return True
+
+    def forget(self, address: str) -> None:
+        self._windows.pop(address, None)

@@ -1,0 +1,234 @@
+"""Where a run's slow requests come from: for each request, what was ahead of it on its replica.
+
+From the client's records alone (``requests/ARM.jsonl``: start, time to first token, replica,
+prompt and cached tokens): a request arriving on a replica waits behind the requests there that
+have not produced their first token yet (vLLM's FCFS prefill), so
+
+    ahead(i)        = requests on i's replica with start < start(i) < their first token
+    ahead_prefill   = the prompt tokens those still had to compute (prompt - cached)
+    running(i)      = requests on i's replica in flight when i arrived (for the max_num_seqs slot)
+    idle_elsewhere  = another replica had nothing ahead at that moment (a choice that avoided the
+                      wait existed)
+
+The slowest tenth (TTFT at or above the arm's p90) is then counted by cache hit or miss and by
+what was ahead. ``python -m routerlab.bench.tail OUT [--arm NAME]`` prints the table for a bench
+output directory and draws ``tail-ARM.png`` there (one row per replica over time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+HIT_SHARE = 0.5  # a request with at least this share of its prompt cached counts as a hit
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """One request, as the tail analysis sees it (times in seconds from the run's start)."""
+
+    rid: int
+    replica: str
+    start: float
+    ttft: float
+    e2e: float
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def hit(self) -> bool:
+        return self.prompt_tokens > 0 and self.cached_tokens >= HIT_SHARE * self.prompt_tokens
+
+    @property
+    def first_token(self) -> float:
+        return self.start + self.ttft
+
+    @property
+    def prefill(self) -> int:
+        return max(self.prompt_tokens - self.cached_tokens, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What was on a request's replica (and the others) when it arrived."""
+
+    request: Placed
+    ahead: int
+    ahead_prefill: int
+    running: int
+    idle_elsewhere: bool
+
+
+def load(path: Path) -> list[Placed]:
+    """The successful requests of one arm's ``requests/ARM.jsonl``."""
+    out = []
+    for line in path.read_bytes().splitlines():
+        r = orjson.loads(line)
+        if r.get("ok") and r.get("ttft") is not None and r.get("replica"):
+            out.append(Placed(r["rid"], r["replica"], r["start"], r["ttft"], r.get("e2e") or r["ttft"],
+                              r.get("prompt_tokens", 0), r.get("cached_tokens", 0)))
+    return out
+
+
+def contexts(requests: Sequence[Placed]) -> list[Context]:
+    """Each request with what was ahead of it on its replica when it arrived."""
+    by_replica: dict[str, list[Placed]] = defaultdict(list)
+    for r in sorted(requests, key=lambda r: r.start):
+        by_replica[r.replica].append(r)
+    starts = {a: [r.start for r in rs] for a, rs in by_replica.items()}
+    out = []
+    for r in requests:
+        earlier = by_replica[r.replica][:bisect.bisect_left(starts[r.replica], r.start)]
+        waiting = [j for j in earlier if j.first_token > r.start]
+        running = sum(1 for j in earlier if j.start + j.e2e > r.start)
+        idle = any(not any(j.start < r.start < j.first_token for j in rs[:bisect.bisect_left(starts[a], r.start)])
+                   for a, rs in by_replica.items() if a != r.replica)
+        out.append(Context(r, len(waiting), sum(j.prefill for j in waiting), running, idle))
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summary(ctx: Sequence[Context]) -> dict[str, Any]:
+    """The slowest tenth against the rest, by hit or miss and by what was ahead."""
+    if not ctx:
+        return {"requests": 0}
+    p90 = percentile([c.request.ttft for c in ctx], 90)
+    slow = [c for c in ctx if c.request.ttft >= p90]
+
+    def share(group: Iterable[Context], test: Any) -> float:
+        items = list(group)
+        return round(sum(1 for c in items if test(c)) / len(items), 3) if items else 0.0
+
+    def classes(group: Sequence[Context]) -> dict[str, dict[str, float]]:
+        out = {}
+        for name, test in (("hit, nothing ahead", lambda c: c.request.hit and not c.ahead),
+                           ("hit, queued", lambda c: c.request.hit and c.ahead),
+                           ("miss, nothing ahead", lambda c: not c.request.hit and not c.ahead),
+                           ("miss, queued", lambda c: not c.request.hit and c.ahead)):
+            members = [c for c in group if test(c)]
+            out[name] = {"share": round(len(members) / len(group), 3) if group else 0.0,
+                         "ttft_p50_ms": round(1000 * percentile([c.request.ttft for c in members], 50), 1)}
+        return out
+
+    return {
+        "requests": len(ctx),
+        "ttft_p90_ms": round(1000 * p90, 1),
+        "slow": len(slow),
+        "classes": classes(ctx),
+        "slow_classes": classes(slow),
+        "slow_hit_share": share(slow, lambda c: c.request.hit),
+        "slow_queued_share": share(slow, lambda c: c.ahead > 0),
+        "slow_queued_with_idle_elsewhere": share([c for c in slow if c.ahead], lambda c: c.idle_elsewhere),
+        "slow_ahead_prefill_p50": percentile([float(c.ahead_prefill) for c in slow], 50),
+        "slow_running_max": max((c.running for c in slow), default=0),
+        "hit_share": share(ctx, lambda c: c.request.hit),
+        "queued_share": share(ctx, lambda c: c.ahead > 0),
+    }
+
+
+def to_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """One row per arm and class: share of all requests, share of the slowest tenth, TTFT p50."""
+    lines = ["| arm | TTFT p90 ms | class | of all | of the slowest 10 % | its TTFT p50 ms |",
+             "|---|---:|---|---:|---:|---:|"]
+    for arm, s in summaries.items():
+        if not s.get("requests"):
+            continue
+        for name, c in s["classes"].items():
+            lines.append(f"| {arm} | {s['ttft_p90_ms']} | {name} | {c['share']:.0%} | "
+                         f"{s['slow_classes'][name]['share']:.0%} | {c['ttft_p50_ms']} |")
+    lines.append("")
+    lines.append("| arm | slow and queued: another replica had nothing ahead | slow: prefill tokens ahead (p50) "
+                 "| slow: most requests running on the replica |")
+    lines.append("|---|---:|---:|---:|")
+    for arm, s in summaries.items():
+        if s.get("requests"):
+            lines.append(f"| {arm} | {s['slow_queued_with_idle_elsewhere']:.0%} | {s['slow_ahead_prefill_p50']:.0f} | "
+                         f"{s['slow_running_max']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(ctx: Sequence[Context], path: Path, title: str, window: tuple[float, float] | None = None) -> None:
+    """One row per replica: each request a bar from its arrival to its first token (green: a hit, red:
+    a miss; dark: among the slowest tenth), over ``window`` seconds of the run (default: 20 s from the
+    middle)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not ctx:
+        return
+    p90 = percentile([c.request.ttft for c in ctx], 90)
+    end = max(c.request.first_token for c in ctx)
+    lo, hi = window or (end / 2 - 10, end / 2 + 10)
+    replicas = sorted({c.request.replica for c in ctx})
+    fig, ax = plt.subplots(figsize=(11, 1.1 + 1.0 * len(replicas)), layout="constrained")
+    try:
+        lanes: dict[str, list[float]] = {a: [] for a in replicas}  # each lane's end time, per replica
+        for c in sorted(ctx, key=lambda c: c.request.start):
+            r = c.request
+            if r.first_token < lo or r.start > hi:
+                continue
+            row = lanes[r.replica]
+            lane = next((i for i, t in enumerate(row) if t <= r.start), len(row))
+            row[lane:lane + 1] = [r.first_token]
+            y = replicas.index(r.replica) + 0.1 + 0.8 * min(lane, 5) / 6
+            slow = r.ttft >= p90
+            colour = ("#1b7837" if slow else "#7fbf7b") if r.hit else ("#b2182b" if slow else "#ef8a62")
+            ax.broken_barh([(r.start, r.ttft)], (y, 0.8 / 6 * 0.9), facecolors=colour)
+        ax.set_xlim(lo, hi)
+        ax.set_yticks([i + 0.5 for i in range(len(replicas))], [f"replica {i}" for i in range(len(replicas))])
+        ax.set_ylim(0, len(replicas))
+        ax.set_xlabel("seconds into the run (a bar: arrival to first token)")
+        ax.legend(handles=[Patch(color="#7fbf7b", label="hit"), Patch(color="#1b7837", label="hit, slowest 10 %"),
+                           Patch(color="#ef8a62", label="miss"), Patch(color="#b2182b", label="miss, slowest 10 %")],
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+        ax.set_title(title)
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def analyse(out: Path, arms: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Every (or the named) arm's summary from a bench output directory; draws tail-ARM.png for each."""
+    paths = sorted((out / "requests").glob("*.jsonl"))
+    found = {p.stem: p for p in paths if not arms or p.stem in arms}
+    result = {}
+    for arm, path in found.items():
+        ctx = contexts(load(path))
+        result[arm] = summary(ctx)
+        plot(ctx, out / f"tail-{arm}.png", f"{arm}: arrival to first token, per replica")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m routerlab.bench.tail", description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path, help="a bench output directory (with requests/ARM.jsonl)")
+    parser.add_argument("--arm", action="append", default=[], help="only this arm (repeatable)")
+    args = parser.parse_args(argv)
+    if not (args.out / "requests").is_dir():
+        parser.error(f"{args.out}/requests: no per-request records (run bench with --out)")
+    summaries = analyse(args.out, args.arm)
+    print(to_markdown(summaries))
+    (args.out / "tail.json").write_bytes(orjson.dumps(summaries, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
