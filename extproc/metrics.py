@@ -134,7 +134,8 @@ INDEX_BYTES = Gauge(
 REPLICA_LOAD = Gauge(
     "prefix_router_replica_load",
     "Per replica: in_flight (the estimate the choice uses), own (this router's open requests), "
-    "running, waiting and kv_usage (last scrape)",
+    "running, waiting and kv_usage (last scrape), backlog_tokens (prefill estimated queued), "
+    "prefill_tokens_per_s (measured, else configured) and request_seconds (measured; 0: not yet)",
     ["replica", "kind"],
     registry=REGISTRY,
 )

@@ -13,6 +13,7 @@ import pytest
 
 from extproc.cli import main as cli_main
 from routerlab.bench import report as report_mod
+from routerlab.bench import tail
 from routerlab.bench.runner import BenchConfig, run_bench
 from routerlab.bench.scenarios import ENVOY_ARMS
 
@@ -99,3 +100,23 @@ def test_zipf_chat_quick_pick_keeps_hits_and_spreads_load() -> None:
     assert pick["success_rate"] == 1.0 and pick["envoy"]["http.llm.ext_proc.failure_mode_allowed"] == 0
     assert pick["hit_rate_of_oracle"] >= 0.85
     assert pick["replica_max_over_mean"] < maglev["replica_max_over_mean"]
+
+
+def test_shared_prefix_quick_writes_each_request_and_the_tail_analysis_accounts_for_every_one(tmp_path: Path) -> None:
+    report = run_bench(BenchConfig(scenario="shared-prefix", quick=True, out=tmp_path, plots=False,
+                                   arms=["round-robin", "prefix-pick", "prefix-precise"]))
+    assert report.load["router_settings"]["max-num-seqs"] == "64"  # the fleet's, as an operator sets it
+    summaries = tail.analyse(tmp_path)
+    assert set(summaries) == {"round-robin", "prefix-pick", "prefix-precise"}
+    for name, arm in report.arms.items():
+        assert arm["success_rate"] == 1.0, (name, arm["errors"])
+        records = (tmp_path / "requests" / f"{name}.jsonl").read_text().splitlines()
+        assert len(records) == arm["ok"]
+        s = summaries[name]
+        assert s["requests"] == arm["ok"] and s["slow"] >= arm["ok"] // 10
+        assert round(sum(c["share"] for c in s["classes"].values()), 2) == 1.0
+        assert round(sum(c["share"] for c in s["slow_classes"].values()), 2) == 1.0
+        assert (tmp_path / f"tail-{name}.png").stat().st_size > 0
+    rr = report.arms["round-robin"]["kv_hit_rate"]
+    for name in ("prefix-pick", "prefix-precise"):  # equal popularity, twice the fleet's KV: still far above
+        assert report.arms[name]["kv_hit_rate"] > rr + 0.1, name

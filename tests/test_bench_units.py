@@ -268,3 +268,21 @@ def test_a_replica_restarted_mid_run_keeps_what_it_counted_before_the_restart() 
     fleet = delta(before, after, [(0, at_restart)])
     assert [(r.queries, r.hits) for r in fleet.per_replica] == [(300 + 200, 250 + 120), (100, 50)]
     assert delta(before, after).per_replica[0].hits == 70  # counted as if it had not restarted: short
+
+
+def test_tail_counts_what_was_ahead_of_each_request_on_its_replica() -> None:
+    from routerlab.bench.tail import Placed, contexts, summary
+
+    reqs = [Placed(0, "a", 0.0, 0.30, 2.0, 5000, 0),  # a miss, prefilling until 0.30
+            Placed(1, "a", 0.10, 0.25, 2.0, 5000, 4800),  # a hit behind it
+            Placed(2, "b", 0.05, 0.25, 2.0, 5000, 0),  # b prefills until 0.30 too
+            Placed(3, "a", 0.40, 0.03, 2.0, 5000, 4800),  # nothing ahead any more
+            Placed(4, "b", 0.20, 0.40, 2.0, 5000, 0)]  # behind 2; a had 0 and 1 ahead
+    ctx = {c.request.rid: c for c in contexts(reqs)}
+    assert (ctx[1].ahead, ctx[1].ahead_prefill, ctx[1].running, ctx[1].idle_elsewhere) == (1, 5000, 1, False)
+    assert (ctx[3].ahead, ctx[3].running) == (0, 2)
+    assert (ctx[4].ahead, ctx[4].ahead_prefill, ctx[4].idle_elsewhere) == (1, 5000, False)
+    assert ctx[0].idle_elsewhere and not ctx[0].ahead
+    s = summary(list(ctx.values()))
+    assert s["ttft_p90_ms"] == 400.0 and s["slow"] == 1 and s["slow_classes"]["miss, queued"]["share"] == 1.0
+    assert s["classes"]["hit, queued"]["share"] == 0.2 and s["hit_share"] == 0.4

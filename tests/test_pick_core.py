@@ -274,8 +274,12 @@ def test_parse_metrics_reads_the_simulators_real_page() -> None:
 
 
 def test_the_picker_records_its_choice_and_explains_from_saved_state(tmp_path: Path) -> None:
-    core = PickCore(LearnedView(chunk_bytes=64))
+    core = PickCore(LearnedView(chunk_bytes=64), load=LoadTracker(20000.0), clock=lambda: 5.0)
     core.set_endpoints([A, B, C])
+    for now, (tokens, seconds, done) in enumerate([(0, 0.0, 0), (5000, 1.0, 4), (10000, 2.0, 8)]):
+        core.load.scraped(B, Sample(2, 0, 0, 0, requests_done=done, prefill_tokens=tokens,
+                                    prefill_seconds=seconds), 0, now=float(now))  # B prefills at 5000 tokens/s
+    assert core.state()["replicas"][1]["token_cost"] == 4.0 and core.state()["replicas"][1]["request_tokens"] > 0
     s = RouteSettings(mode="pick")
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world " * 200}]}).encode()
     first = core.pick(decide(body, {}, s), s)

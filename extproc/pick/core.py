@@ -38,7 +38,8 @@ class Share(Protocol):
         ...
 
 
-LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage")
+LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage", "backlog_tokens", "prefill_tokens_per_s",
+                     "request_seconds")
 _PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in REASONS}  # every series from 0
 
 
@@ -171,8 +172,9 @@ class PickCore:
         stats = self.view.stats()
         metrics.INDEX_ENTRIES.set(stats.entries)
         metrics.INDEX_BYTES.set(stats.bytes)
-        for r in self.load.snapshot().replicas:
-            values = (r.in_flight, self.load.own(r.address), r.running, r.waiting, r.kv_usage)
+        for r in self.load.snapshot(self.clock()).replicas:
+            values = (r.in_flight, self.load.own(r.address), r.running, r.waiting, r.kv_usage, r.backlog_tokens,
+                      *self.load.speed(r.address))
             for kind, value in zip(LOAD_KINDS, values):
                 metrics.REPLICA_LOAD.labels(r.address, kind).set(value)
 
@@ -181,12 +183,14 @@ class PickCore:
         stats = self.view.stats()
         return {
             **self.view.state(),
+            "prefill_tokens_per_s": self.load.prefill_rate,
             "index": {"entries": stats.entries, "chunks": stats.chunks, "bytes": stats.bytes},
             "replicas": [
                 {"address": r.address, "healthy": r.healthy, "in_flight": r.in_flight,
                  "own_in_flight": self.load.own(r.address), "running": r.running,
                  "waiting": r.waiting, "kv_usage": r.kv_usage, "capacity_tokens": r.capacity_tokens,
-                 "backlog_tokens": r.backlog_tokens, **self.view.replica_state(r.address)}
+                 "backlog_tokens": r.backlog_tokens, "token_cost": round(r.token_cost, 4),
+                 "request_tokens": r.request_tokens, **self.view.replica_state(r.address)}
                 for r in self.load.snapshot(self.clock()).replicas
             ],
         }
@@ -203,7 +207,8 @@ class PickCore:
     def from_state(cls, state: Mapping[str, Any]) -> PickCore:
         """A core that sees what a saved ``state()`` saw (loads frozen as they were)."""
         view = LearnedView(int(state.get("chunk_bytes", 512)), float(state.get("bytes_per_token", 4.0)))
-        core = cls(view)
+        # a clock that stands still: the saved queues do not drain while explain reads them
+        core = cls(view, load=LoadTracker(float(state.get("prefill_tokens_per_s", 0.0))), clock=lambda: 0.0)
         replicas = state.get("replicas", [])
         core.load.set_addresses([r["address"] for r in replicas])
         view.restore(replicas)
@@ -211,7 +216,8 @@ class PickCore:
             core.load.restore(ReplicaState(
                 r["address"], bool(r.get("healthy", True)), int(r.get("in_flight", 0)),
                 kv_usage=float(r.get("kv_usage", 0)), capacity_tokens=int(r.get("capacity_tokens", 0)),
-                backlog_tokens=int(r.get("backlog_tokens", 0))))
+                backlog_tokens=int(r.get("backlog_tokens", 0)), token_cost=float(r.get("token_cost", 1.0)),
+                request_tokens=int(r.get("request_tokens", 0))))
         return core
 
 

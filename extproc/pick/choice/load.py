@@ -93,6 +93,11 @@ class LoadTracker:
             r.backlog = min(r.backlog, r.own_prefill)
             self._refresh(address)
 
+    def speed(self, address: str) -> tuple[float, float]:
+        """Its prefill rate (tokens/s: measured, else configured) and measured request time (s, 0: not yet)."""
+        r = self._replicas.get(address)
+        return (self._rate(r), r.speed.request_s) if r else (self.prefill_rate, 0.0)
+
     def _rate(self, r: _Replica) -> float:
         """Its prefill rate: measured once it has been, else the configured one."""
         return r.speed.prefill_rate or self.prefill_rate
@@ -129,6 +134,10 @@ class LoadTracker:
         r.sample = Sample(float(state.in_flight), 0.0, state.kv_usage, state.capacity_tokens)
         r.own = r.own_at_scrape = 0
         r.backlog = r.own_prefill = state.backlog_tokens
+        r.backlog_at = 0.0
+        if self.prefill_rate:
+            r.speed.prefill_rate = self.prefill_rate / state.token_cost if state.token_cost > 0 else 0.0
+            r.speed.request_s = state.request_tokens / self.prefill_rate
         self._refresh(state.address)
 
     def _refresh(self, address: str, now: float | None = None) -> None:
