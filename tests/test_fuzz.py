@@ -179,7 +179,7 @@ DECISIONS = st.builds(Decision, key=st.none() | st.text(max_size=20) | SURROGATE
                       normalized=st.binary(max_size=8192), document=st.none())
 PICK_ROUTES = st.builds(RouteSettings, mode=st.just("pick"), concurrency_threshold=st.integers(0, 16),
                         tie_tokens=st.integers(0, 4096), load_tokens=st.integers(0, 4096),
-                        backlog_weight=st.floats(0, 4))
+                        backlog_weight=st.floats(0, 4), stall_weight=st.floats(0, 4), max_num_seqs=st.integers(0, 300))
 
 
 @FAST

@@ -406,3 +406,10 @@ def test_the_learned_view_counts_tokens_with_the_measured_ratio() -> None:
     view.sampled(A, Sample(1, 0, 0, capacity_tokens=10_000, prompt_tokens=16 * size / 2, requests_done=16), False)
     assert view.bytes_per_token == 2.0 and view.index.capacity(A) == 50  # a chunk is 200 tokens now
     assert view.match(decision).prompt_tokens == math.ceil(size / 2)
+
+
+def test_a_replica_whose_kv_holds_fewer_requests_than_its_slots_waits_sooner() -> None:
+    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, max_num_seqs=64)
+    kv_bound = ReplicaState(A, in_flight=2, request_tokens=2000, capacity_tokens=10_000)  # two of 5000 fit
+    assert cost(5000, 4000, kv_bound, s) == 1000 + (2 + 1 - 2) * 2000 // 2
+    assert cost(1000, 0, kv_bound, s) == 1000  # ten of 1000 fit: a slot is free

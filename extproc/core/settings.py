@@ -50,9 +50,9 @@ class RouteSettings:
     mode: str = "hash"  # hash: Envoy hashes the key; pick: the router names the replica
     pick_header: str = "x-prefix-pick"  # pick mode: base64(ip:port) for Envoy's stateful_session
     concurrency_threshold: int = 0  # pick mode: SageMaker's per-replica cap on requests in flight; 0 = none
-    load_tokens: int = 512  # pick mode: prefill tokens one request in flight is worth in the cost
-    backlog_weight: float = 0.5  # pick mode: weight of the prefill already queued on a replica
-    stall_weight: float = 0.0  # pick mode: weight of the stall a request's prefill gives each request in flight there
+    load_tokens: int = 0  # pick mode: a flat cost per request in flight, in prefill tokens
+    backlog_weight: float = 1.0  # pick mode: weight of the prefill already queued on a replica
+    stall_weight: float = 0.25  # pick mode: weight of the stall a request's prefill gives each request in flight there
     tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
     max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
     tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)

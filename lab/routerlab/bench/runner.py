@@ -123,8 +123,8 @@ def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None]
 
 
 def with_real_tokenizer(spec: FleetSpec, trace: Trace, sample: int = 64) -> FleetSpec:
-    """Every arm's fleet the same for a run with a precise arm: the tiny real tokenizer, publishing
-    KV-cache events. It makes about twice the stand-in's tokens of the same text, so the KV size
+    """Every arm's fleet the same for a run with a precise arm, or a scenario whose fleet tokenises:
+    the tiny real tokenizer (or the scenario's), publishing KV-cache events. It makes about twice the stand-in's tokens of the same text, so the KV size
     grows by the measured ratio and the scenario keeps the cache pressure it was designed with."""
     tokenizer = spec.tokenizer or str(TINY_BYTELEVEL)
     tok = HfTokenizer(tokenizer)
@@ -145,7 +145,7 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     trace = scenario.trace(params, cfg.seed, model)
     prefix_length = cfg.prefix_length or scenario.prefix_length
     names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
-    if any(arms_mod.get(n).precise for n in names) and not cfg.backend_urls:
+    if (spec.tokenizer or any(arms_mod.get(n).precise for n in names)) and not cfg.backend_urls:
         spec = with_real_tokenizer(spec, trace)
     if not cfg.backend_urls:  # what an operator sets from vLLM's --max-num-seqs (docs/pick-mode.md)
         cfg = dataclasses.replace(cfg, router_settings={"max-num-seqs": str(_max_num_seqs(spec)),

@@ -126,8 +126,8 @@ def pick_core() -> PickCore:
     """
     replicas: list[dict[str, Any]] = [
         {"address": "10.0.0.1:8000", "in_flight": 1},
-        {"address": "10.0.0.2:8000", "in_flight": 3, "backlog_tokens": 4000},
-        {"address": "10.0.0.3:8000", "in_flight": 4, "kv_usage": 0.9},
+        {"address": "10.0.0.2:8000", "in_flight": 3, "backlog_tokens": 4000, "token_cost": 1.5},
+        {"address": "10.0.0.3:8000", "in_flight": 4, "kv_usage": 0.9, "capacity_tokens": 3000, "request_tokens": 9000},
         {"address": "10.0.0.4:8000", "healthy": False},
     ]
     for r in replicas:
@@ -138,7 +138,7 @@ def pick_core() -> PickCore:
         chunks = chunk_hashes(decide(body, {}, settings).normalized, CHUNK_BYTES, WARM_CHUNKS)
         replicas[i % 3]["chunks"] += [f"{h:016x}" for h in chunks]
     # the saved-state form (``explain --state``'s), so the warm index does not depend on how the core holds it
-    return PickCore.from_state({"chunk_bytes": CHUNK_BYTES, "replicas": replicas})
+    return PickCore.from_state({"chunk_bytes": CHUNK_BYTES, "prefill_tokens_per_s": 20000.0, "replicas": replicas})
 
 
 def choice_problems(choice: Choice) -> list[str]:

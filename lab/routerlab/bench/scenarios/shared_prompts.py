@@ -8,6 +8,7 @@ import dataclasses
 import math
 import random
 
+from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, ask, blocks, prompt_blocks, single, zipf_weights
 from routerlab.bench.scenarios.spec import (
     DEFAULT_ARMS,
@@ -134,10 +135,13 @@ GSP = Scenario(
 
 def _shared_prefix_fleet(p: Params) -> FleetSpec:
     """KV per replica so that every group's system prompt together is ``pressure`` times the
-    fleet's KV: at most 1/pressure of the groups can be cached anywhere at once."""
+    fleet's KV: at most 1/pressure of the groups can be cached anywhere at once. The replicas
+    tokenise with the lab's tiny tokenizer in every run, as the outside tool's fleet did, so a
+    pick-mode arm run alone meets the same prompts as beside a precise one."""
     working_set = p["groups"] * blocks(p["system_tokens"] + TEMPLATE_TOKENS)
     return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"], max_num_seqs=p["max_num_seqs"],
-                     num_blocks=math.ceil(working_set / (p["replicas"] * p["pressure"])) + 1)
+                     num_blocks=math.ceil(working_set / (p["replicas"] * p["pressure"])) + 1,
+                     tokenizer=str(TINY_BYTELEVEL))
 
 
 SHARED_PREFIX = Scenario(
