@@ -112,21 +112,30 @@ def snap(*replicas: ReplicaState) -> Snapshot:
 
 
 def test_cost_is_uncached_prefill_plus_queued_work() -> None:
-    s = RouteSettings(mode="pick", load_tokens=100, backlog_weight=0.5)
+    s = RouteSettings(mode="pick", load_tokens=100, backlog_weight=0.5, stall_weight=0)
     assert cost(5000, 4000, ReplicaState(A, in_flight=2), s) == 1000 + 200
     assert cost(100, 100, ReplicaState(A), s) == 1  # vLLM always computes the last token
     assert cost(5000, 4000, ReplicaState(A, in_flight=2, backlog_tokens=300), s) == 1000 + 150 + 200
 
 
 def test_a_replica_full_of_sequences_charges_the_wait_for_a_slot() -> None:
-    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, max_num_seqs=4)
+    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0, max_num_seqs=4)
     stay = 2000  # a request stays 2000 configured-rate tokens' worth of time on it: a slot frees every 500
     assert cost(5000, 4000, ReplicaState(A, in_flight=3, request_tokens=stay), s) == 1000  # a slot free
     assert cost(5000, 4000, ReplicaState(A, in_flight=4, request_tokens=stay), s) == 1000 + 500
     assert cost(5000, 4000, ReplicaState(A, in_flight=6, request_tokens=stay), s) == 1000 + 3 * 500
     assert cost(5000, 4000, ReplicaState(A, in_flight=6), s) == 1000  # its request time not measured yet
-    unknown = RouteSettings(mode="pick", load_tokens=0, max_num_seqs=0)
+    unknown = RouteSettings(mode="pick", load_tokens=0, stall_weight=0, max_num_seqs=0)
     assert cost(5000, 4000, ReplicaState(A, in_flight=60, request_tokens=stay), unknown) == 1000
+
+
+def test_a_prefill_is_charged_the_stall_it_gives_the_requests_running_there() -> None:
+    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0.25)
+    assert cost(5000, 0, ReplicaState(A, in_flight=4), s) == 5000 * 2  # 4 running: each waits a quarter's worth
+    assert cost(5000, 4900, ReplicaState(A, in_flight=4), s) == 100 * 2  # a hit stalls them little
+    fleet = snap(ReplicaState(A, in_flight=6), ReplicaState(B, in_flight=1, backlog_tokens=1000))
+    assert choose("ab", 5000, {}, fleet, s).address == B  # cold: the replica not busy decoding, despite its queue
+    assert choose("ab", 5000, {A: 4800}, fleet, s).address == A  # a hit joins the busy one
 
 
 def test_a_slower_replica_prices_its_prefill_and_queue_in_time() -> None:
@@ -336,8 +345,8 @@ def test_bad_pick_settings_stop_start_up_naming_them() -> None:
 def test_near_ties_go_by_rendezvous_so_routers_with_slightly_different_loads_agree() -> None:
     key = "00ff"
     first, second = sorted((A, B), key=lambda a: -rendezvous(key, a))
-    exact = RouteSettings(mode="pick", load_tokens=100)
-    loose = RouteSettings(mode="pick", load_tokens=100, tie_tokens=250)
+    exact = RouteSettings(mode="pick", load_tokens=100, stall_weight=0)
+    loose = RouteSettings(mode="pick", load_tokens=100, stall_weight=0, tie_tokens=250)
     view_1 = snap(ReplicaState(first, in_flight=2), ReplicaState(second, in_flight=0))  # router 1's view
     view_2 = snap(ReplicaState(first, in_flight=0), ReplicaState(second, in_flight=1))  # router 2's view
     assert [choose(key, 1000, {}, v, exact).address for v in (view_1, view_2)] == [second, first]  # disagree
@@ -409,7 +418,7 @@ def test_the_learned_view_counts_tokens_with_the_measured_ratio() -> None:
 
 
 def test_a_replica_whose_kv_holds_fewer_requests_than_its_slots_waits_sooner() -> None:
-    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, max_num_seqs=64)
+    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0, max_num_seqs=64)
     kv_bound = ReplicaState(A, in_flight=2, request_tokens=2000, capacity_tokens=10_000)  # two of 5000 fit
     assert cost(5000, 4000, kv_bound, s) == 1000 + (2 + 1 - 2) * 2000 // 2
     assert cost(1000, 0, kv_bound, s) == 1000  # ten of 1000 fit: a slot is free

@@ -124,8 +124,9 @@ def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None]
 
 def with_real_tokenizer(spec: FleetSpec, trace: Trace, sample: int = 64) -> FleetSpec:
     """Every arm's fleet the same for a run with a precise arm, or a scenario whose fleet tokenises:
-    the tiny real tokenizer (or the scenario's), publishing KV-cache events. It makes about twice the stand-in's tokens of the same text, so the KV size
-    grows by the measured ratio and the scenario keeps the cache pressure it was designed with."""
+    the tiny real tokenizer (or the scenario's), publishing KV-cache events. It makes about twice
+    the stand-in's tokens of the same text, so the KV size grows by the measured ratio and the
+    scenario keeps the cache pressure it was designed with."""
     tokenizer = spec.tokenizer or str(TINY_BYTELEVEL)
     tok = HfTokenizer(tokenizer)
     bodies = [r.body for r in trace.requests[:sample]]
