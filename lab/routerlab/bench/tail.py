@@ -162,47 +162,58 @@ def to_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(ctx: Sequence[Context], path: Path, title: str, window: tuple[float, float] | None = None) -> None:
-    """One row per replica: each request a bar from its arrival to its first token (green: a hit, red:
-    a miss; dark: among the slowest tenth), over ``window`` seconds of the run (default: 20 s from the
-    middle)."""
+def plot(panels: Sequence[tuple[str, Sequence[Context]]], path: Path,
+         window: tuple[float, float] | None = None) -> None:
+    """One panel per (title, requests), one row per replica: each request a bar from its arrival to
+    its first token (green: a hit, red: a miss; dark: among that panel's slowest tenth), over
+    ``window`` seconds of the run (default: 20 s from the middle of the first panel's run)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    if not ctx:
+    panels = [(t, c) for t, c in panels if c]
+    if not panels:
         return
-    p90 = percentile([c.request.ttft for c in ctx], 90)
-    end = max(c.request.first_token for c in ctx)
+    end = max(c.request.first_token for c in panels[0][1])
     lo, hi = window or (end / 2 - 10, end / 2 + 10)
-    replicas = sorted({c.request.replica for c in ctx})
-    fig, ax = plt.subplots(figsize=(11, 1.1 + 1.0 * len(replicas)), layout="constrained")
+    rows = [len({c.request.replica for c in ctx}) for _, ctx in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 0.9 + 0.9 * sum(rows)), layout="constrained",
+                             squeeze=False, height_ratios=rows)
     try:
-        lanes: dict[str, list[float]] = {a: [] for a in replicas}  # each lane's end time, per replica
-        for c in sorted(ctx, key=lambda c: c.request.start):
-            r = c.request
-            if r.first_token < lo or r.start > hi:
-                continue
-            row = lanes[r.replica]
-            lane = next((i for i, t in enumerate(row) if t <= r.start), len(row))
-            row[lane:lane + 1] = [r.first_token]
-            y = replicas.index(r.replica) + 0.1 + 0.8 * min(lane, 5) / 6
-            slow = r.ttft >= p90
-            colour = ("#1b7837" if slow else "#7fbf7b") if r.hit else ("#b2182b" if slow else "#ef8a62")
-            ax.broken_barh([(r.start, r.ttft)], (y, 0.8 / 6 * 0.9), facecolors=colour)
-        ax.set_xlim(lo, hi)
-        ax.set_yticks([i + 0.5 for i in range(len(replicas))], [f"replica {i}" for i in range(len(replicas))])
-        ax.set_ylim(0, len(replicas))
-        ax.set_xlabel("seconds into the run (a bar: arrival to first token)")
-        ax.legend(handles=[Patch(color="#7fbf7b", label="hit"), Patch(color="#1b7837", label="hit, slowest 10 %"),
-                           Patch(color="#ef8a62", label="miss"), Patch(color="#b2182b", label="miss, slowest 10 %")],
-                  loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
-        ax.set_title(title)
+        for ax, (title, ctx) in zip(axes[:, 0], panels):
+            _draw(ax, ctx, lo, hi, title)
+        axes[-1, 0].set_xlabel("seconds into the run (a bar: arrival to first token)")
+        axes[0, 0].legend(handles=[Patch(color="#7fbf7b", label="hit"),
+                                   Patch(color="#1b7837", label="hit, slowest 10 %"),
+                                   Patch(color="#ef8a62", label="miss"),
+                                   Patch(color="#b2182b", label="miss, slowest 10 %")],
+                          loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
+
+
+def _draw(ax: Any, ctx: Sequence[Context], lo: float, hi: float, title: str) -> None:
+    p90 = percentile([c.request.ttft for c in ctx], 90)
+    replicas = sorted({c.request.replica for c in ctx})
+    lanes: dict[str, list[float]] = {a: [] for a in replicas}  # when each lane of a replica's row frees
+    for c in sorted(ctx, key=lambda c: c.request.start):
+        r = c.request
+        if r.first_token < lo or r.start > hi:
+            continue
+        row = lanes[r.replica]
+        lane = next((i for i, t in enumerate(row) if t <= r.start), len(row))
+        row[lane:lane + 1] = [r.first_token]
+        y = replicas.index(r.replica) + 0.1 + 0.8 * min(lane, 5) / 6
+        slow = r.ttft >= p90
+        colour = ("#1b7837" if slow else "#7fbf7b") if r.hit else ("#b2182b" if slow else "#ef8a62")
+        ax.broken_barh([(r.start, r.ttft)], (y, 0.8 / 6 * 0.9), facecolors=colour)
+    ax.set_xlim(lo, hi)
+    ax.set_yticks([i + 0.5 for i in range(len(replicas))], [f"replica {i}" for i in range(len(replicas))])
+    ax.set_ylim(0, len(replicas))
+    ax.set_title(f"{title}: TTFT p90 {1000 * p90:.0f} ms", fontsize=10)
 
 
 def analyse(out: Path, arms: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
@@ -213,7 +224,7 @@ def analyse(out: Path, arms: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     for arm, path in found.items():
         ctx = contexts(load(path))
         result[arm] = summary(ctx)
-        plot(ctx, out / f"tail-{arm}.png", f"{arm}: arrival to first token, per replica")
+        plot([(arm, ctx)], out / f"tail-{arm}.png")
     return result
 
 
