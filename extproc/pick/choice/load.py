@@ -13,7 +13,8 @@ as its own (extproc.pick.sources.shared_in_flight): they come and go as their me
 
 It also estimates the prefill work queued on each replica (``backlog``): each pick adds
 the tokens the replica must compute for it, and the backlog drains at the replica's
-prefill rate (a fluid queue, which is how vLLM's FCFS chunked prefill works off it),
+prefill rate (a fluid queue, which is how vLLM's FCFS chunked prefill works off it; the rate
+measured from its counters, extproc.pick.choice.speed, the configured one until then),
 never above what this router's requests still in flight brought. A replica busy
 prefilling a cold 8k-token prompt is busy for that long, however few requests it holds.
 

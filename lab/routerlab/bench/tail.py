@@ -9,6 +9,8 @@ have not produced their first token yet (vLLM's FCFS prefill), so
     running(i)      = requests on i's replica in flight when i arrived (for the max_num_seqs slot)
     idle_elsewhere  = another replica had nothing ahead at that moment (a choice that avoided the
                       wait existed)
+    ahead_left      = of ahead_prefill, what was still to compute then (each one's share of its
+                      time to first token still to run)
 
 The slowest tenth (TTFT at or above the arm's p90) is then counted by cache hit or miss and by
 what was ahead. ``python -m routerlab.bench.tail OUT [--arm NAME]`` prints the table for a bench
@@ -65,6 +67,7 @@ class Context:
     ahead_prefill: int
     running: int
     idle_elsewhere: bool
+    ahead_left: float = 0.0  # of ahead_prefill, what was still to compute (each share of its TTFT left)
 
 
 def load(path: Path) -> list[Placed]:
@@ -91,7 +94,25 @@ def contexts(requests: Sequence[Placed]) -> list[Context]:
         running = sum(1 for j in earlier if j.start + j.e2e > r.start)
         idle = any(not any(j.start < r.start < j.first_token for j in rs[:bisect.bisect_left(starts[a], r.start)])
                    for a, rs in by_replica.items() if a != r.replica)
-        out.append(Context(r, len(waiting), sum(j.prefill for j in waiting), running, idle))
+        left = sum(j.prefill * min(1.0, (j.first_token - r.start) / j.ttft) for j in waiting if j.ttft > 0)
+        out.append(Context(r, len(waiting), sum(j.prefill for j in waiting), running, idle, left))
+    return out
+
+
+def queue_estimates(requests: Sequence[Placed], token_scale: float, rate: float) -> dict[int, float]:
+    """What a router's queued-prefill estimate said about each request's replica when it arrived,
+    replayed from the records: each request adds its prefill (prompt - cached) times ``token_scale``
+    (the router's token count against the replica's: 4 bytes per token guessed where the tokenizer
+    makes 1.91 gives 0.48) to a fluid queue that drains at ``rate`` tokens/s, as
+    extproc.pick.choice.load does (an approximation: client-side times, the prefill the replica
+    reported rather than the one the router predicted)."""
+    queue: dict[str, tuple[float, float]] = {}  # replica -> (backlog, when)
+    out = {}
+    for r in sorted(requests, key=lambda r: r.start):
+        backlog, at = queue.get(r.replica, (0.0, r.start))
+        backlog = max(0.0, backlog - rate * (r.start - at))
+        out[r.rid] = backlog
+        queue[r.replica] = (backlog + max(r.prefill, 1) * token_scale, r.start)
     return out
 
 
@@ -232,11 +253,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m routerlab.bench.tail", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="a bench output directory (with requests/ARM.jsonl)")
     parser.add_argument("--arm", action="append", default=[], help="only this arm (repeatable)")
+    parser.add_argument("--queue-estimate", metavar="SCALE,RATE", default="",
+                        help="also replay a router's queued-prefill estimate (its tokens per replica token, "
+                             "its drain rate) and print what it said at the slow queued misses' arrivals")
     args = parser.parse_args(argv)
     if not (args.out / "requests").is_dir():
         parser.error(f"{args.out}/requests: no per-request records (run bench with --out)")
     summaries = analyse(args.out, args.arm)
     print(to_markdown(summaries))
+    if args.queue_estimate:
+        scale, rate = (float(x) for x in args.queue_estimate.split(","))
+        for arm, path in sorted((p.stem, p) for p in (args.out / "requests").glob("*.jsonl")):
+            if args.arm and arm not in args.arm:
+                continue
+            requests = load(path)
+            seen, ctx = queue_estimates(requests, scale, rate), contexts(requests)
+            p90 = percentile([c.request.ttft for c in ctx], 90)
+            slow = [c for c in ctx if c.request.ttft >= p90 and c.ahead and not c.request.hit]
+            ratios = [seen[c.request.rid] / max(c.ahead_left, 1.0) for c in slow]
+            summaries[arm]["slow_queued_miss_seen_over_ahead_p50"] = round(percentile(ratios, 50), 2)
+            print(f"{arm}: at the {len(slow)} slow queued misses' arrivals the estimate held a median "
+                  f"{percentile(ratios, 50):.0%} of the prefill still ahead")
     (args.out / "tail.json").write_bytes(orjson.dumps(summaries, option=orjson.OPT_INDENT_2))
     return 0
 
