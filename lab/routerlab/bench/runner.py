@@ -267,7 +267,7 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
 
 def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
              trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
-             prog: progress_mod.Progress) -> tuple[dict[str, Any], list[float]]:
+             prog: progress_mod.Progress) -> tuple[dict[str, Any], list[loadgen.Result]]:
     backend = _backend(spec, cfg)
     events = sorted(scenario.events(dict(trace.params)), key=lambda e: e.at_s)
     members = [i for i in range(spec.replicas) if i not in {e.replica for e in events if e.action == "join"}]
