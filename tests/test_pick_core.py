@@ -272,7 +272,11 @@ def test_parse_metrics_reads_the_simulators_real_page() -> None:
     m.request_success("stop")
     m.request_success("stop")
     m.request_success("length")
+    m.prompt_tokens.inc(1200)
+    m.prefill_computed.observe(1000)
+    m.prefill_time.observe(0.05)
     sample = parse_metrics(m.render().decode())
+    assert (sample.prompt_tokens, sample.prefill_tokens, sample.prefill_seconds) == (1200, 1000, 0.05)
     assert (sample.running, sample.waiting, sample.kv_usage) == (3, 2, 0.4)
     assert sample.requests_done == 3  # every finish reason (the eviction forecast's requests)
     assert sample.capacity_tokens == profile.num_blocks * profile.block_size and sample.seen
@@ -415,10 +419,3 @@ def test_the_learned_view_counts_tokens_with_the_measured_ratio() -> None:
     view.sampled(A, Sample(1, 0, 0, capacity_tokens=10_000, prompt_tokens=16 * size / 2, requests_done=16), False)
     assert view.bytes_per_token == 2.0 and view.index.capacity(A) == 50  # a chunk is 200 tokens now
     assert view.match(decision).prompt_tokens == math.ceil(size / 2)
-
-
-def test_a_replica_whose_kv_holds_fewer_requests_than_its_slots_waits_sooner() -> None:
-    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0, max_num_seqs=64)
-    kv_bound = ReplicaState(A, in_flight=2, request_tokens=2000, capacity_tokens=10_000)  # two of 5000 fit
-    assert cost(5000, 4000, kv_bound, s) == 1000 + (2 + 1 - 2) * 2000 // 2
-    assert cost(1000, 0, kv_bound, s) == 1000  # ten of 1000 fit: a slot is free

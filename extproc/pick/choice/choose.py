@@ -6,7 +6,7 @@ rate (``prefill_tokens_per_s``), so in effect a time:
     cost(r) = token_cost(r) x ( max(prompt_tokens - cached_tokens(r), 1)    prefill it must compute
                                 x (1 + stall_weight x in_flight(r))         ... stalling those running there
                               + backlog_weight x backlog(r) )               prefill queued ahead of it
-            + max(in_flight(r) + 1 - slots(r), 0) x request_tokens(r) / slots(r)   the wait for a slot
+            + max(in_flight(r) + 1 - max_num_seqs, 0) x request_tokens(r) / max_num_seqs   the wait for a slot
             + load_tokens x in_flight(r)                                    every request it runs
 
 The first term is what the request adds to r's queue, the prefill r computes for it (the prompt
@@ -14,12 +14,13 @@ minus what r most likely holds: the prefill the cached prefix saves is the diffe
 replicas); the second the prefill already queued there, which this request waits for (vLLM's
 FCFS chunked prefill). ``token_cost`` turns r's tokens into time at the configured rate (its
 measured prefill rate, extproc.pick.choice.speed, against the configured one). The slot term
-is the wait on a replica whose slots are all taken, slots(r) being vLLM's ``max_num_seqs`` or
-fewer when r's KV holds fewer requests of this size: a slot frees every request time / slots
-(its request time measured, in configured-rate tokens). ``stall_weight`` charges what the
-prefill does to the requests already running there: chunked prefill puts it in the same steps
-as their decodes, so each waits for it too. The last term charges each request in flight a
-flat amount (off by default: the stall and the slot terms price what a request in flight costs).
+is the wait on a replica whose ``max_num_seqs`` slots are all taken: a slot frees every request
+time / max_num_seqs (its request time measured, in configured-rate tokens). (Counting fewer
+slots where the KV holds fewer requests of this size over-charged conversations whose history
+is cached, which need few new blocks: kv-pressure lost 0.12 of its hit rate; docs/results/tail.)
+``stall_weight`` charges what the prefill does to the requests already running there: chunked
+prefill puts it in the same steps as their decodes, so each waits for it too. The last term
+charges each request in flight a flat amount (off by default: the stall and slot terms price it).
 Dynamo's KV router weighs prefill blocks against active blocks the same way; docs/pick-mode.md
 says how the weights were measured. ``concurrency_threshold`` is SageMaker's hard cap: a replica
 with that many in flight is not chosen while another is below it. Equal costs (a cold prompt on
@@ -95,21 +96,12 @@ def _costs(prompt_tokens: int, cached: Mapping[str, int], replicas: Sequence[Rep
     """Each replica's cost (the formula above), in one comprehension: the choice prices every
     replica of the fleet per request, so a call per replica would cost more than the sums."""
     get, weight, per_request, stall = cached.get, settings.backlog_weight, settings.load_tokens, settings.stall_weight
-    seqs = settings.max_num_seqs or 1 << 30
+    slots = settings.max_num_seqs
     return [round(r.token_cost * (max(prompt_tokens - get(r.address, 0), 1) * (1 + stall * r.in_flight)
                                   + weight * r.backlog_tokens))
             + per_request * r.in_flight
-            + (_slot_wait(r, min(seqs, r.capacity_tokens // max(prompt_tokens, 1) if r.capacity_tokens else seqs))
-               if r.request_tokens else 0)
+            + (max(r.in_flight + 1 - slots, 0) * r.request_tokens // slots if slots and r.request_tokens else 0)
             for r in replicas]
-
-
-def _slot_wait(r: ReplicaState, slots: int) -> int:
-    """The wait for a sequence slot on ``r`` when ``slots`` requests run there at once (vLLM's
-    max_num_seqs, or fewer when its KV cannot hold more requests of this size): with all taken,
-    one frees every request time / slots."""
-    slots = max(slots, 1)
-    return max(r.in_flight + 1 - slots, 0) * r.request_tokens // slots
 
 
 def _ties_by_rendezvous(ranked: list[tuple[int, int, int, ReplicaState]], candidates: tuple[Candidate, ...],
