@@ -136,6 +136,8 @@ def test_a_prefill_is_charged_the_stall_it_gives_the_requests_running_there() ->
     fleet = snap(ReplicaState(A, in_flight=6), ReplicaState(B, in_flight=1, backlog_tokens=1000))
     assert choose("ab", 5000, {}, fleet, s).address == B  # cold: the replica not busy decoding, despite its queue
     assert choose("ab", 5000, {A: 4800}, fleet, s).address == A  # a hit joins the busy one
+    full = RouteSettings(mode="pick", load_tokens=0, stall_weight=0.25, max_num_seqs=4)
+    assert cost(5000, 0, ReplicaState(A, in_flight=10), full) == 5000 * 2  # 4 running; those waiting are not stalled
 
 
 def test_a_slower_replica_prices_its_prefill_and_queue_in_time() -> None:

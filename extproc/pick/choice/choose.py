@@ -4,7 +4,7 @@ Estimated cost of serving the request on replica r, in prefill tokens at the con
 rate (``prefill_tokens_per_s``), so in effect a time:
 
     cost(r) = token_cost(r) x ( max(prompt_tokens - cached_tokens(r), 1)    prefill it must compute
-                                x (1 + stall_weight x in_flight(r))         ... stalling those running there
+                                x (1 + stall_weight x running(r))           ... stalling those running there
                               + backlog_weight x backlog(r) )               prefill queued ahead of it
             + max(in_flight(r) + 1 - max_num_seqs, 0) x request_tokens(r) / max_num_seqs   the wait for a slot
             + load_tokens x in_flight(r)                                    every request it runs
@@ -19,7 +19,8 @@ time / max_num_seqs (its request time measured, in configured-rate tokens). (Cou
 slots where the KV holds fewer requests of this size over-charged conversations whose history
 is cached, which need few new blocks: kv-pressure lost 0.12 of its hit rate; docs/results/tail.)
 ``stall_weight`` charges what the prefill does to the requests already running there: chunked
-prefill puts it in the same steps as their decodes, so each waits for it too. The last term
+prefill puts it in the same steps as their decodes, so each waits for it too (running(r): its
+requests in flight, at most max_num_seqs; those waiting for a slot are not stalled). The last term
 charges each request in flight a flat amount (off by default: the stall and slot terms price it).
 Dynamo's KV router weighs prefill blocks against active blocks the same way; docs/pick-mode.md
 says how the weights were measured. ``concurrency_threshold`` is SageMaker's hard cap: a replica
@@ -97,7 +98,9 @@ def _costs(prompt_tokens: int, cached: Mapping[str, int], replicas: Sequence[Rep
     replica of the fleet per request, so a call per replica would cost more than the sums."""
     get, weight, per_request, stall = cached.get, settings.backlog_weight, settings.load_tokens, settings.stall_weight
     slots = settings.max_num_seqs
-    return [round(r.token_cost * (max(prompt_tokens - get(r.address, 0), 1) * (1 + stall * r.in_flight)
+    running = slots or 1 << 30  # a prefill stalls the requests running, not those waiting for a slot
+    return [round(r.token_cost * (max(prompt_tokens - get(r.address, 0), 1)
+                                  * (1 + stall * (r.in_flight if r.in_flight < running else running))
                                   + weight * r.backlog_tokens))
             + per_request * r.in_flight
             + (max(r.in_flight + 1 - slots, 0) * r.request_tokens // slots if slots and r.request_tokens else 0)
