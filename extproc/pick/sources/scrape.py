@@ -41,13 +41,18 @@ def _value(line: str) -> float:
         return 0.0
 
 
+# The families summed over engines (KV usage is averaged, cache_config_info read for its labels).
+_SUMMED: Final = (RUNNING, WAITING, CACHE_HITS, SUCCESS, PROMPT_TOKENS, PREFILL_TOKENS, PREFILL_SECONDS)
+
+
 def parse_metrics(text: str) -> Sample:
     """Sum over engines of the load gauges, cache hits, finished requests, prompt tokens, and the
     prompt tokens computed and seconds spent in prefill by finished requests; KV usage is the mean;
     capacity from cache_config_info.
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
-    running = waiting = usage = hits = done = prompt = computed = prefill_s = 0.0
+    sums = dict.fromkeys(_SUMMED, 0.0)
+    usage = 0.0
     engines = capacity = block_size = 0
     seen = False
     for line in text.splitlines():
@@ -55,20 +60,8 @@ def parse_metrics(text: str) -> Sample:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         seen = seen or name in (RUNNING, WAITING)
-        if name == RUNNING:
-            running += _value(line)
-        elif name == WAITING:
-            waiting += _value(line)
-        elif name == CACHE_HITS:
-            hits += _value(line)
-        elif name == SUCCESS:
-            done += _value(line)
-        elif name == PROMPT_TOKENS:
-            prompt += _value(line)
-        elif name == PREFILL_TOKENS:
-            computed += _value(line)
-        elif name == PREFILL_SECONDS:
-            prefill_s += _value(line)
+        if name in sums:
+            sums[name] += _value(line)
         elif name == KV_USAGE:
             usage += _value(line)
             engines += 1
@@ -79,8 +72,8 @@ def parse_metrics(text: str) -> Sample:
                 capacity += int(labels.get("num_gpu_blocks", "0")) * block_size
             except ValueError:
                 pass
-    return Sample(running, waiting, usage / engines if engines else 0.0, capacity, seen, hits, block_size, done,
-                  prompt, computed, prefill_s)
+    return Sample(sums[RUNNING], sums[WAITING], usage / engines if engines else 0.0, capacity, seen, sums[CACHE_HITS],
+                  block_size, sums[SUCCESS], sums[PROMPT_TOKENS], sums[PREFILL_TOKENS], sums[PREFILL_SECONDS])
 
 
 class Scraper:
