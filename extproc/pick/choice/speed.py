@@ -59,11 +59,14 @@ class Speed:
     def _request_time(self, s: Sample, now: float) -> None:
         finished = s.requests_done - self._done
         if self._done < 0 or finished < 0:
-            self._done, self._since, self._running_sum, self._scrapes = s.requests_done, now, 0.0, 0
+            self._open_window(s, now)
             return
         self._running_sum += s.running
         self._scrapes += 1
         elapsed = now - self._since
         if finished >= MIN_FINISHED and elapsed > 0:
             self.request_s = smooth(self.request_s, (self._running_sum / self._scrapes) * elapsed / finished)
-            self._done, self._since, self._running_sum, self._scrapes = s.requests_done, now, 0.0, 0
+            self._open_window(s, now)
+
+    def _open_window(self, s: Sample, now: float) -> None:
+        self._done, self._since, self._running_sum, self._scrapes = s.requests_done, now, 0.0, 0
