@@ -286,3 +286,14 @@ def test_tail_counts_what_was_ahead_of_each_request_on_its_replica() -> None:
     s = summary(list(ctx.values()))
     assert s["ttft_p90_ms"] == 400.0 and s["slow"] == 1 and s["slow_classes"]["miss, queued"]["share"] == 1.0
     assert s["classes"]["hit, queued"]["share"] == 0.2 and s["hit_share"] == 0.4
+
+
+def test_tail_replays_the_routers_queue_estimate_through_its_load_view() -> None:
+    from routerlab.bench.tail import Placed, queue_estimates
+
+    reqs = [Placed(0, "a", 0.0, 0.5, 0.6, 1000, 0),  # 1000 to compute, in flight until 0.6
+            Placed(1, "a", 0.1, 0.4, 1.0, 1000, 800),  # 0.1 s later: 900 of the first still queued
+            Placed(2, "a", 0.7, 0.1, 1.0, 1000, 0)]  # the first ended (at most the second's 200 left), drained
+    seen = queue_estimates(reqs, token_scale=1.0, rate=1000.0)
+    assert seen == {0: 0.0, 1: 900.0, 2: 0.0}
+    assert queue_estimates(reqs, token_scale=0.5, rate=1000.0)[1] == 400.0  # half the tokens, same drain

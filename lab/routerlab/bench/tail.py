@@ -30,6 +30,8 @@ from typing import Any
 
 import orjson
 
+from extproc.pick.choice.load import LoadTracker
+
 HIT_SHARE = 0.5  # a request with at least this share of its prompt cached counts as a hit
 
 
@@ -101,18 +103,23 @@ def contexts(requests: Sequence[Placed]) -> list[Context]:
 
 def queue_estimates(requests: Sequence[Placed], token_scale: float, rate: float) -> dict[int, float]:
     """What a router's queued-prefill estimate said about each request's replica when it arrived,
-    replayed from the records: each request adds its prefill (prompt - cached) times ``token_scale``
-    (the router's token count against the replica's: 4 bytes per token guessed where the tokenizer
-    makes 1.91 gives 0.48) to a fluid queue that drains at ``rate`` tokens/s, as
-    extproc.pick.choice.load does (an approximation: client-side times, the prefill the replica
-    reported rather than the one the router predicted)."""
-    queue: dict[str, tuple[float, float]] = {}  # replica -> (backlog, when)
+    replayed from the records through the router's own load view (extproc.pick.choice.load): each
+    request adds its prefill (prompt - cached) times ``token_scale`` (the router's token count
+    against the replica's: 4 bytes per token guessed where the tokenizer makes 1.91 gives 0.48),
+    drained at ``rate`` tokens/s, and takes it off when it ends (an approximation: client-side
+    times, the prefill the replica reported rather than the one the router predicted)."""
+    tracker = LoadTracker(rate)
+    tracker.set_addresses(sorted({r.replica for r in requests}))
+    starts = [(r.start, 1, r) for r in requests]
+    ends = [(r.start + r.e2e, 0, r) for r in requests]  # at a tie, an end comes before a start
     out = {}
-    for r in sorted(requests, key=lambda r: r.start):
-        backlog, at = queue.get(r.replica, (0.0, r.start))
-        backlog = max(0.0, backlog - rate * (r.start - at))
-        out[r.rid] = backlog
-        queue[r.replica] = (backlog + max(r.prefill, 1) * token_scale, r.start)
+    for at, kind, r in sorted(starts + ends, key=lambda e: (e[0], e[1])):
+        prefill = round(max(r.prefill, 1) * token_scale)
+        if kind:
+            out[r.rid] = float(tracker.snapshot(at).by_address()[r.replica].backlog_tokens)
+            tracker.assign(r.replica, prefill, at)
+        else:
+            tracker.release(r.replica, prefill)
     return out
 
 
