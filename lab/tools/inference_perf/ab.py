@@ -46,7 +46,6 @@ import argparse
 import base64
 import dataclasses
 import json
-import math
 import os
 import shlex
 import signal
@@ -71,6 +70,7 @@ from routerlab.bench import backends, replica_metrics  # noqa: E402
 from routerlab.bench.scenarios import FleetSpec  # noqa: E402
 from routerlab.bench.scenarios import get as get_scenario  # noqa: E402
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, blocks  # noqa: E402
+from routerlab.bench.scenarios.shared_prompts import groups_kv_blocks  # noqa: E402
 from routerlab.harness.arm import ROUTED_HEADER, UPSTREAM_HEADER  # noqa: E402
 from routerlab.realvllm.promtext import fetch_metrics  # noqa: E402
 from routerlab.sim.profiles import get_profile  # noqa: E402
@@ -124,7 +124,7 @@ def default_num_blocks(w: Mapping[str, Any], replicas: int) -> tuple[int, str]:
     """KV blocks per replica (the null block included) for workload ``w``, and why."""
     prefix = blocks(w["system_prompt_len"] + TEMPLATE_TOKENS)
     request = blocks(w["system_prompt_len"] + w["question_len"] + w["output_len"] + TEMPLATE_TOKENS)
-    by_pressure = math.ceil(w["num_groups"] * prefix / (replicas * PRESSURE)) + 1
+    by_pressure = groups_kv_blocks(w["num_groups"], w["system_prompt_len"], replicas, PRESSURE)
     floor = 2 * request + 1  # two whole requests: a small workload still runs (one request > KV would hang)
     why = (f"{w['num_groups']} groups x {prefix} blocks of system prompt = {w['num_groups'] * prefix} blocks, "
            f"{PRESSURE:g}x the fleet's {replicas} x {by_pressure - 1}")

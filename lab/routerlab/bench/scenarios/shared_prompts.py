@@ -138,10 +138,15 @@ def _shared_prefix_fleet(p: Params) -> FleetSpec:
     fleet's KV: at most 1/pressure of the groups can be cached anywhere at once. The replicas
     tokenise with the lab's tiny tokenizer in every run, as the outside tool's fleet did, so a
     pick-mode arm run alone meets the same prompts as beside a precise one."""
-    working_set = p["groups"] * blocks(p["system_tokens"] + TEMPLATE_TOKENS)
     return FleetSpec(replicas=p["replicas"], time_scale=p["time_scale"], max_num_seqs=p["max_num_seqs"],
-                     num_blocks=math.ceil(working_set / (p["replicas"] * p["pressure"])) + 1,
+                     num_blocks=groups_kv_blocks(p["groups"], p["system_tokens"], p["replicas"], p["pressure"]),
                      tokenizer=str(TINY_BYTELEVEL))
+
+
+def groups_kv_blocks(groups: int, system_tokens: int, replicas: int, pressure: float) -> int:
+    """KV blocks per replica (the null block included) for which ``groups`` system prompts of
+    ``system_tokens`` together are ``pressure`` times the fleet's KV."""
+    return math.ceil(groups * blocks(system_tokens + TEMPLATE_TOKENS) / (replicas * pressure)) + 1
 
 
 SHARED_PREFIX = Scenario(
