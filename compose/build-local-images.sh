@@ -5,8 +5,9 @@
 #   compose/build-local-images.sh [--rebuild-base] [STEP...]
 #
 # Steps (default: all, in this order):
-#   base    local/python:3.11-bookworm: `debootstrap --variant=minbase` of Debian bookworm with
-#           python3, python3-venv and ca-certificates from the mirror apt uses, then `docker import`.
+#   base    local/python:3.11-bookworm: `debootstrap --variant=minbase` of Debian bookworm (or
+#           $DEBIAN_SUITE) with python3, python3-venv and ca-certificates from the mirror apt uses,
+#           then `docker import`.
 #           Built once: skipped while the image exists, unless --rebuild-base.
 #   wheels  compose/wheelhouse/: every wheel of the router and the lab (both freshly built, and their
 #           dependencies), made on the host with `pip wheel`, which reaches the index apt and pip are
@@ -23,7 +24,8 @@
 # Env: BASE_IMAGE (local/python:3.11-bookworm), ROUTER_IMAGE (envoy-prefix-router:0.1.0),
 #      SIM_IMAGE (envoy-prefix-router-sim:0.1.0), ENVOY_IMAGE (local/envoy:1.40.0),
 #      REDIS_IMAGE (local/redis:7-bookworm),
-#      DEBIAN_MIRROR (read from /etc/apt/sources.list*), PYTHON (.venv/bin/python).
+#      DEBIAN_MIRROR (read from /etc/apt/sources.list*), DEBIAN_SUITE (bookworm; e.g. trixie for
+#      lab/tools/inference_perf, whose tool needs Python 3.13), PYTHON (.venv/bin/python).
 # Needs: root (debootstrap), a running Docker engine (.ci/machine), debootstrap.
 set -eu
 
@@ -35,7 +37,10 @@ ENVOY_IMAGE=${ENVOY_IMAGE:-local/envoy:1.40.0}
 REDIS_IMAGE=${REDIS_IMAGE:-local/redis:7-bookworm}
 PYTHON=${PYTHON:-.venv/bin/python}
 WHEELHOUSE=compose/wheelhouse
-SUITE=bookworm
+SUITE=${DEBIAN_SUITE:-bookworm}
+# The suite the host's own apt lines name: its mirror serves $SUITE too.
+HOST_SUITE=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}") || HOST_SUITE=""
+[ -n "$HOST_SUITE" ] || HOST_SUITE=$SUITE
 
 say() { echo "build-local-images: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -55,18 +60,18 @@ done
 
 docker info >/dev/null 2>&1 || die "no Docker engine answers: run .ci/machine (as root) first"
 
-# The Debian mirror apt uses for $SUITE: deb822 .sources files first, then one-line lists.
+# The Debian mirror apt uses for the host's suite: deb822 .sources files first, then one-line lists.
 debian_mirror() {
     for f in /etc/apt/sources.list.d/*.sources; do
         [ -f "$f" ] || continue
-        awk -v suite="$SUITE" '
+        awk -v suite="$HOST_SUITE" '
             function flush() { if (uri != "" && ok && uri !~ /security/) { print uri; exit } uri = ""; ok = 0 }
             /^[ \t]*$/ { flush(); next }
             /^URIs:/ { uri = $2 }
             /^Suites:/ { for (i = 2; i <= NF; i++) if ($i == suite) ok = 1 }
             END { flush() }' "$f"
     done | head -n 1 | grep . && return 0
-    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | awk -v suite="$SUITE" '
+    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | awk -v suite="$HOST_SUITE" '
         $1 == "deb" { i = 2; if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
                       if ($(i + 1) == suite && $i !~ /security/) { print $i; exit } }' | grep . && return 0
     echo http://deb.debian.org/debian

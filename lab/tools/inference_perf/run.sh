@@ -13,8 +13,9 @@
 # wire=chat|completions max_seconds=120 model=NAME, or any dotted path of inference-perf's config).
 #
 # The image is built from local parts only (each step skipped while its result exists):
-#   base    $IP_BASE_IMAGE: debootstrap --variant=minbase of Debian trixie (Python 3.13) with
-#           python3, python3-venv and ca-certificates from the mirror apt uses, docker import.
+#   base    $IP_BASE_IMAGE: compose/build-local-images.sh's base step on Debian trixie (Python
+#           3.13): debootstrap --variant=minbase with python3, python3-venv and ca-certificates
+#           from the mirror apt uses, docker import.
 #   wheels  $IP_CACHE_DIR/wheelhouse: `pip download inference-perf==0.7.0` for CPython 3.13 on
 #           manylinux (this machine's arch), binary wheels only, through the host's pip index.
 #   image   $IP_IMAGE: `docker build --network none` of the Dockerfile beside this script.
@@ -46,47 +47,16 @@ now() { date +%s; }
 
 usage() { sed -n '2,27p' "$0"; }
 
-# The Debian mirror apt uses (deb822 .sources first, then one-line lists), not the security one.
-debian_mirror() {
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [ -f "$f" ] || continue
-        awk '/^URIs:/ { for (i = 2; i <= NF; i++) if ($i ~ /\/debian\/?$/) { print $i; exit } }' "$f"
-    done | head -n 1 | grep . && return 0
-    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | awk '
-        $1 == "deb" { for (i = 2; i <= NF; i++) if ($i ~ /^https?:.*\/debian\/?$/) { print $i; exit } }' \
-        | head -n 1 | grep . && return 0
-    return 1
-}
-
+# The base is the compose images' step, on Debian $SUITE (compose/build-local-images.sh base).
 build_base() {
     if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
         say "base: $BASE_IMAGE exists"
         return 0
     fi
-    command -v debootstrap >/dev/null 2>&1 || die "base: debootstrap missing (sh .ci/machine installs it)"
-    [ "$(id -u)" = 0 ] || die "base: debootstrap needs root"
-    mirror=${DEBIAN_MIRROR:-$(debian_mirror)} || die "base: no Debian mirror in /etc/apt: set DEBIAN_MIRROR"
     t0=$(now)
-    root=$(mktemp -d /tmp/routerlab-ip-rootfs.XXXXXX)
-    # shellcheck disable=SC2064  # expand $root now
-    trap "rm -rf '$root' '$root.log'" EXIT
-    say "base: debootstrap --variant=minbase $SUITE from $mirror into $root (about a minute)"
-    nice -n 10 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-        "$SUITE" "$root" "$mirror" >"$root.log" 2>&1 \
-        || { tail -n 30 "$root.log" >&2; die "base: debootstrap failed"; }
-    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/var/log/* \
-        "$root"/usr/share/man "$root"/usr/share/info "$root"/usr/share/locale/*
-    find "$root/usr/share/doc" -mindepth 1 ! -type d ! -name copyright -delete
-    say "base: docker import -> $BASE_IMAGE"
-    tar -C "$root" -c . | docker import \
-        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-        --change 'ENV LANG=C.UTF-8' \
-        --change 'CMD ["python3"]' \
-        --message "debootstrap --variant=minbase $SUITE + python3 python3-venv ca-certificates" \
-        - "$BASE_IMAGE" >/dev/null
-    rm -rf "$root" "$root.log"
-    trap - EXIT
-    say "base: $BASE_IMAGE ($(docker run --rm --network none "$BASE_IMAGE" python3 --version)) in $(($(now) - t0)) s"
+    DEBIAN_SUITE=$SUITE BASE_IMAGE=$BASE_IMAGE nice -n 10 sh "$REPO/compose/build-local-images.sh" base \
+        || die "base: compose/build-local-images.sh base failed"
+    say "base: $BASE_IMAGE in $(($(now) - t0)) s"
 }
 
 build_wheels() {  # [--rebuild]
