@@ -15,9 +15,9 @@ replicas); the second the prefill already queued there, which this request waits
 FCFS chunked prefill). ``token_cost`` turns r's tokens into time at the configured rate (its
 measured prefill rate, extproc.pick.choice.speed, against the configured one). The slot term
 is the wait on a replica whose ``max_num_seqs`` slots are all taken: a slot frees every request
-time / max_num_seqs (its request time measured, in configured-rate tokens). (Counting fewer
-slots where the KV holds fewer requests of this size over-charged conversations whose history
-is cached, which need few new blocks: kv-pressure lost 0.12 of its hit rate; docs/results/tail.)
+time / max_num_seqs (its request time measured, in configured-rate tokens). Not fewer slots
+where the KV holds fewer requests of the prompt's size: a request whose history is cached needs
+few new blocks, and counting its whole prompt drove conversations off the replica holding it.
 ``stall_weight`` charges what the prefill does to the requests already running there: chunked
 prefill puts it in the same steps as their decodes, so each waits for it too (running(r): its
 requests in flight, at most max_num_seqs; those waiting for a slot are not stalled). The last term
