@@ -118,5 +118,7 @@ def test_shared_prefix_quick_writes_each_request_and_the_tail_analysis_accounts_
         assert round(sum(c["share"] for c in s["slow_classes"].values()), 2) == 1.0
         assert (tmp_path / f"tail-{name}.png").stat().st_size > 0
     rr = report.arms["round-robin"]["kv_hit_rate"]
-    for name in ("prefix-pick", "prefix-precise"):  # equal popularity, twice the fleet's KV: still far above
+    # Equal popularity, twice the fleet's KV: still far above round robin. Three quick runs gave 0.25-0.29
+    # above it (round robin 0.08-0.10, pick 0.34-0.37, precise 0.34-0.37): the margin is 5x that spread.
+    for name in ("prefix-pick", "prefix-precise"):
         assert report.arms[name]["kv_hit_rate"] > rr + 0.1, name
