@@ -208,7 +208,7 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
     before is returned (``{"replica_reset": index, "counters": ...}``, for ``replica_metrics.delta``)."""
     if event.action == "router-restart":
         each = [_predictions(port) for port in running.metrics_ports]
-        snapshot = {"at_s": event.at_s, "predicted": _summed(each), "replicas": _scrape(urls),
+        snapshot = {"at_s": event.at_s, "predicted": _summed(each), "replicas": scrape_fleet(urls),
                     "restarted_predicted": each[event.replica] if event.replica < len(each) else {}}
         started = time.monotonic()
         running.restart_router(event.replica)
@@ -218,7 +218,7 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
         sim_control(urls[event.replica], reset_cache=True)
         return None
     if event.action in ("down", "restart"):
-        counters = _scrape([urls[event.replica]])
+        counters = scrape_fleet([urls[event.replica]])
         if event.action == "down":  # crashed: its requests fail, its cache and event sequence are gone
             sim_control(urls[event.replica], restart=True, healthy=False, drop_connections=True)
         else:  # and up again, if it was down
@@ -279,7 +279,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
                                  router_settings=cfg.router_settings, endpoints=members,
                                  router_flags=cfg.router_flags, event_flags=backend.event_flags(),
                                  router_metrics=arm.pick) as running:
-            before = _scrape(backend.urls)
+            before = scrape_fleet(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
             snapshots: list[dict[str, Any]] = []
@@ -288,7 +288,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
                 duration_s=load.duration_s, seed=cfg.seed, on_done=prog.advance),
                 running, backend.urls, events, prog.note, snapshots))
             cpu = meter.stop()
-            after = _scrape(backend.urls)
+            after = scrape_fleet(backend.urls)
             envoy = running.envoy_stats()
             predicted = _summed([_predictions(port) for port in running.metrics_ports])
     finally:
@@ -355,7 +355,7 @@ def _predictions(port: int) -> dict[str, float]:
     return out
 
 
-def _scrape(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:
+def scrape_fleet(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:
     """Every replica's counters, or [] when one has no /metrics (then no hit rate)."""
     try:
         return replica_metrics.scrape_all(urls)

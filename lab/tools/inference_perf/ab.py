@@ -67,6 +67,7 @@ import driver as ip_driver  # noqa: E402  (the container's config builder: the s
 from routerlab.assets import TINY_BYTELEVEL  # noqa: E402
 from routerlab.bench import arms as arms_mod  # noqa: E402
 from routerlab.bench import backends, replica_metrics  # noqa: E402
+from routerlab.bench.runner import scrape_fleet  # noqa: E402
 from routerlab.bench.scenarios import FleetSpec  # noqa: E402
 from routerlab.bench.scenarios import get as get_scenario  # noqa: E402
 from routerlab.bench.scenarios.parts import TEMPLATE_TOKENS, blocks  # noqa: E402
@@ -142,13 +143,6 @@ def fleet_spec(args: argparse.Namespace, num_blocks: int) -> FleetSpec:
 
 
 # --- what the processes counted -----------------------------------------------------------------
-
-def scrape(urls: Sequence[str]) -> list[replica_metrics.ReplicaCounters]:
-    try:
-        return replica_metrics.scrape_all(urls)
-    except OSError:
-        return []
-
 
 ROUTER_FAMILIES = {
     "prefix_router_decisions_total": ("normalize", "fallback"),
@@ -302,10 +296,10 @@ def run_arm(label: str, spec: FleetSpec, overrides: Sequence[str], out: Path, in
             row["url"] = running.url
             cmd = [str(RUN_SH.relative_to(REPO)), running.url, str(out), *overrides]
             row["command"] = shlex.join(cmd)
-            before, router_before = scrape(backend.urls), router_counters(running.metrics_ports)
+            before, router_before = scrape_fleet(backend.urls), router_counters(running.metrics_ports)
             say(f"{label}: inference-perf running against {running.url} (pids {row['pids']}): {row['command']}")
             row["rc"] = run_inference_perf(running.url, out, overrides)
-            after, router_after = scrape(backend.urls), router_counters(running.metrics_ports)
+            after, router_after = scrape_fleet(backend.urls), router_counters(running.metrics_ports)
             row["envoy"] = running.envoy_stats()
             row["probe"] = probe(running.url, get_profile(spec.profile).model)
     finally:
