@@ -114,6 +114,14 @@ ISOLATION = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+MODEL_HEADER = Counter(
+    "prefix_router_model_header_total",
+    "The model header per request (when one is configured): set (the body's model copied for Envoy's route "
+    "table), absent (no model, or not a whole JSON body: routed on Envoy's default route), too_long or "
+    "bad_chars (a model name that cannot be a header value: not copied)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 STREAMS_ACTIVE = Gauge(
     "prefix_router_streams_active", "ext_proc streams currently open", registry=REGISTRY
 )

@@ -151,6 +151,7 @@ TESTS: dict[str, dict[str, tuple[str, ...]]] = {
     "test_docs.py": {"test_mkdocs_build_is_strict_clean": ("procs",)},
     "test_drills.py": {"test_soak_samples_memory_and_every_stream_closes": BENCH},
     "test_envoy_integration.py": {"*": RUN},
+    "test_multi_model.py": {"*": RUN},
     "test_isolation.py": {"test_bad_isolation_settings_exit_2_naming_the_setting": ("procs",)},
     "test_layering.py": {"*": ("procs",)},  # lint-imports
     "test_manifests.py": {  # kubectl renders each variant once (cached) for the tests that read it

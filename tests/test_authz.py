@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 
@@ -50,13 +51,29 @@ def test_check_sets_the_key_of_the_body_and_tenant_and_never_denies(stub: pb_grp
     assert reply.status.code == grpc.StatusCode.OK.value[0] and reply.WhichOneof("http_response") == "ok_response"
     assert key_of(reply) == decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
     assert key_of(reply) != decide(BODY, {}, RouteSettings()).key  # the tenant counted
-    (option,) = reply.ok_response.headers
-    assert option.append_action == option.OVERWRITE_IF_EXISTS_OR_ADD  # a client's copy never survives
+    assert {o.header.key: o.header.value for o in reply.ok_response.headers}["x-gateway-model-name"] == "m"
+    overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    assert {o.append_action for o in reply.ok_response.headers} == {overwrite}  # a client's copy never survives
 
 
-def test_no_body_removes_the_key_header(stub: pb_grpc.AuthorizationStub) -> None:
+def test_no_body_removes_the_key_and_model_headers(stub: pb_grpc.AuthorizationStub) -> None:
     reply = stub.Check(check_request(body=b""), timeout=10)
-    assert key_of(reply) is None and list(reply.ok_response.headers_to_remove) == ["x-prefix-key"]
+    assert key_of(reply) is None
+    assert list(reply.ok_response.headers_to_remove) == ["x-prefix-key", "x-gateway-model-name"]
+
+
+@pytest.mark.parametrize(("body", "model"), [
+    (BODY, "m"), (json.dumps({"model": "x\n", "prompt": "hi"}).encode(), None),  # cannot be a header value
+    (json.dumps({"model": 7, "prompt": "hi"}).encode(), None), (b"not json", None)])
+def test_the_model_header_carries_the_bodys_model_or_is_removed(stub: pb_grpc.AuthorizationStub, body: bytes,
+                                                                model: str | None) -> None:
+    reply = stub.Check(check_request(body, per_route={"x-prefix-router-model-header": "x-model"}), timeout=10)
+    set_ = {o.header.key: o.header.value for o in reply.ok_response.headers}
+    assert set_.get("x-model") == model
+    assert ("x-model" in reply.ok_response.headers_to_remove) is (model is None)
+    off = stub.Check(check_request(body, per_route={"x-prefix-router-model-header": ""}), timeout=10)
+    assert not {"x-model", "x-gateway-model-name"} & {*off.ok_response.headers_to_remove,
+                                                       *(o.header.key for o in off.ok_response.headers)}
 
 
 def test_a_cut_body_is_keyed_as_the_start_of_a_body(stub: pb_grpc.AuthorizationStub) -> None:

@@ -27,6 +27,7 @@ from support import send, until
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
 KEY = "x-prefix-key"
+MODEL = "x-gateway-model-name"
 
 
 def check(body: bytes = BODY, headers: dict[str, str] | None = None, path: str = "/check/v1/chat/completions",
@@ -87,12 +88,14 @@ def test_a_check_gets_the_key_of_the_body_and_tenant(port: int) -> None:
     assert status == 200
     assert headers[KEY] == decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
     assert headers[KEY] != decide(BODY, {}, RouteSettings()).key  # the tenant counted
-    assert REMOVE_HEADER not in headers  # setting the key replaces a client's; removing it would undo that
+    assert headers[MODEL] == json.loads(BODY)["model"]
+    assert REMOVE_HEADER not in headers  # setting a header replaces a client's; removing it would undo that
 
 
-def test_no_body_removes_the_key_header(port: int) -> None:
+def test_no_body_removes_the_key_and_model_headers(port: int) -> None:
     status, headers = ask(port, check(body=b"", path="/check/v1/models"))
-    assert status == 200 and KEY not in headers and headers[REMOVE_HEADER] == KEY
+    assert status == 200 and KEY not in headers and MODEL not in headers
+    assert headers[REMOVE_HEADER] == f"{KEY},{MODEL}"
 
 
 def test_settings_come_from_the_route_headers_which_envoy_is_asked_to_drop(port: int) -> None:
@@ -213,7 +216,7 @@ def test_an_exception_answers_200_removing_the_key(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(service, "settings_for", broken)
     before = metrics.ERRORS.labels("authz_http")._value.get()
-    assert HttpAuthz(service).answer({}, BODY) == f"{REMOVE_HEADER}: {KEY}\r\n".encode()
+    assert HttpAuthz(service).answer({}, BODY) == f"{REMOVE_HEADER}: {KEY},{MODEL}\r\n".encode()
     assert metrics.ERRORS.labels("authz_http")._value.get() == before + 1
 
 

@@ -33,9 +33,13 @@ def plain_answer(service: RouterService, headers: dict[str, str], body: bytes, c
     """The answer as the adapter computed it before the shortcuts: resolve, decide, format, per request."""
     ours = sorted((k, v) for k, v in headers.items() if k.startswith("x-prefix-router-"))
     settings = service.settings_for(ours, authz.LIMITS)
-    key = authz.authz_key(service, settings, headers, body, authz.DECLARED_LENGTH_HEADER, cut)
-    remove = [name for name, _ in ours] + ([settings.key_header] if key is None else [])
+    decision = authz.authz_decision(service, settings, headers, body, authz.DECLARED_LENGTH_HEADER, cut)
+    key = decision.key if decision else None
+    model = decision.model if decision and settings.model_header else None
+    remove = ([name for name, _ in ours] + ([settings.key_header] if key is None else [])
+              + ([settings.model_header] if settings.model_header and model is None else []))
     lines = f"{settings.key_header}: {key}\r\n" if key is not None else ""
+    lines += f"{settings.model_header}: {model}\r\n" if model is not None else ""
     if remove:
         lines += f"{REMOVE_HEADER}: {','.join(remove)}\r\n"
     return lines.encode("latin-1")
@@ -45,7 +49,8 @@ SETTING = st.sampled_from([
     ("x-prefix-router-prefix-length", "64"), ("x-prefix-router-prefix-length", "banana"),
     ("x-prefix-router-normalize", "raw"), ("x-prefix-router-normalize", "canonical"),
     ("x-prefix-router-key-header", "x-other-key"), ("x-prefix-router-mode", "pick"),
-    ("x-prefix-router-tenant-isolation", "on"), ("x-prefix-router-unknown", "1")])
+    ("x-prefix-router-tenant-isolation", "on"), ("x-prefix-router-unknown", "1"),
+    ("x-prefix-router-model-header", ""), ("x-prefix-router-model-header", "x-model")])
 OTHER = st.sampled_from([
     ("x-prefix-aware-id", "acme"), ("x-prefix-aware-id", " "), ("content-encoding", "gzip"),
     (authz.PARTIAL_BODY_HEADER, "true"), (authz.PARTIAL_BODY_HEADER, "false"),

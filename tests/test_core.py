@@ -213,3 +213,24 @@ def test_compressed_bodies_are_keyed_raw_and_never_decompressed(encoding: str) -
     plain = json.dumps(chat_doc()).encode()  # a mislabelled plain body is keyed raw too
     assert decide(plain, {"content-encoding": encoding}, PROMPT).key != decide(plain, {}, PROMPT).key
     assert decide(plain, {"content-encoding": "identity"}, PROMPT).fallback is None
+
+
+@pytest.mark.parametrize(("model", "expected", "outcome"), [
+    ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct", "set"),
+    ("sql-lora", "sql-lora", "set"),
+    (None, None, "absent"), ("", None, "absent"), (7, None, "absent"), (["m"], None, "absent"),
+    ("a\nb", None, "bad_chars"), (" padded", None, "bad_chars"), ("modèle", None, "bad_chars"),
+    ("m" * 257, None, "too_long"),
+])
+@pytest.mark.parametrize("mode", ["prompt", "canonical", "raw"])
+def test_the_model_is_the_bodys_when_it_can_be_a_header(model: object, expected: str | None, outcome: str,
+                                                        mode: str) -> None:
+    doc = chat_doc() if model is None else {**chat_doc(), "model": model}
+    if model is None:
+        doc.pop("model", None)
+    body = json.dumps(doc).encode()
+    d = decide(body, {}, RouteSettings(normalize=mode))
+    assert (d.model, d.model_outcome) == (expected, outcome)
+    cut = decide(body[: len(body) // 2], {}, RouteSettings(normalize=mode), complete=False)
+    assert (cut.model, cut.model_outcome) == (None, "absent")  # only a whole body says what it asks for
+    assert decide(b"\x1f\x8b gzip", {"content-encoding": "gzip"}, RouteSettings(normalize=mode)).model is None

@@ -32,6 +32,7 @@ from routerlab.harness.procs import wait_until
 from support import send, start_router
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
+MODEL = "x-gateway-model-name"
 
 
 def headers_msg(headers: dict[str, str], end_of_stream: bool = False) -> pb.ProcessingRequest:
@@ -60,9 +61,14 @@ def test_headers_then_body_sets_the_key_and_strips_the_client_copy(channel: grpc
     replies = process(channel, [headers_msg({":path": "/v1/chat/completions", "x-prefix-aware-id": "acme",
                                              "x-prefix-key": "spoof"}), body_message(BODY)])
     assert len(replies) == 2
-    assert list(replies[0].request_headers.response.header_mutation.remove_headers) == ["x-prefix-key", "x-prefix-pick"]
+    first = replies[0].request_headers.response
+    assert list(first.header_mutation.remove_headers) == ["x-prefix-key", "x-prefix-pick", MODEL]
+    assert first.clear_route_cache  # Envoy chose the route with the client's headers: it chooses again
     expected = decide(BODY, {"x-prefix-aware-id": "acme"}, RouteSettings()).key
     assert key_set(replies[1]) == expected
+    body = replies[1].request_body.response
+    assert {h.header.key: h.header.raw_value for h in body.header_mutation.set_headers}[MODEL] == b"m"
+    assert body.clear_route_cache
     fields = replies[1].dynamic_metadata.fields["prefix_router"].struct_value.fields
     assert fields["prefix_key"].string_value == expected
 
@@ -129,10 +135,23 @@ def test_a_pick_stream_closed_at_any_point_releases_the_replica(close_after: int
     assert asyncio.run(run()) == [1, 0]
 
 
+@pytest.mark.parametrize("body", [b"not json", b'{"model": 7, "prompt": "hi"}', b'{"model": "a\\u0000b"}'])
+def test_a_body_without_a_usable_model_removes_the_model_header(channel: grpc.Channel, body: bytes) -> None:
+    (reply,) = process(channel, [body_message(body)])
+    response = reply.request_body.response
+    assert MODEL in response.header_mutation.remove_headers and response.clear_route_cache
+    assert MODEL not in {h.header.key for h in response.header_mutation.set_headers}
+    (off,) = process(channel, [body_message(BODY)], (("x-prefix-router-model-header", ""),))
+    mutation = off.request_body.response.header_mutation
+    assert MODEL not in {*mutation.remove_headers, *(h.header.key for h in mutation.set_headers)}
+    assert not off.request_body.response.clear_route_cache  # nothing to route on: the route stays
+
+
 def test_get_without_body_gets_no_key(channel: grpc.Channel) -> None:
     (reply,) = process(channel, [headers_msg({":path": "/v1/models"}, end_of_stream=True)])
     assert reply.WhichOneof("response") == "request_headers"
-    assert list(reply.request_headers.response.header_mutation.remove_headers) == ["x-prefix-key", "x-prefix-pick"]
+    assert list(reply.request_headers.response.header_mutation.remove_headers) == ["x-prefix-key", "x-prefix-pick",
+                                                                                   MODEL]
 
 
 def test_grpc_health_is_serving(channel: grpc.Channel) -> None:

@@ -1,4 +1,4 @@
-"""What both ext_authz shapes (gRPC Check, HTTP) share: one key from the sent headers and body.
+"""What both ext_authz shapes (gRPC Check, HTTP) share: one decision from the sent headers and body.
 
 Envoy's ext_authz filter sends the same things either way (the allowed headers, the buffered
 body, a partial-body flag); only the envelope differs. So reading a check lives here once (is the
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from extproc.adapters.service import Limits, RouterService
-from extproc.core.decide import CONTENT_ENCODING
+from extproc.core.decide import CONTENT_ENCODING, Decision
 from extproc.core.settings import RouteSettings
 
 PARTIAL_BODY_HEADER: Final = "x-envoy-auth-partial-body"  # Envoy sets it to "true" on a cut body
@@ -49,9 +49,10 @@ def body_is_whole(body: bytes, sent: Mapping[str, str], length_header: str = CON
     return is_whole(len(body), sent.get(PARTIAL_BODY_HEADER) == "true", sent.get(length_header))
 
 
-def key_for(service: RouterService, settings: RouteSettings, tenant_headers: Mapping[str, str], body: bytes,
-            complete: bool) -> str | None:
-    """The key for one ext_authz call, or None: the caller then removes any client-sent key.
+def decision_for(service: RouterService, settings: RouteSettings, tenant_headers: Mapping[str, str], body: bytes,
+                 complete: bool) -> Decision | None:
+    """The decision for one ext_authz call (its key, its model), or None: the caller then removes
+    any client-sent key and model header.
 
     ``tenant_headers``: the sent headers ``decide()`` reads (the tenant headers, content-encoding),
     lower-case names; ``complete``: the body is the whole request body (``is_whole``).
@@ -59,16 +60,15 @@ def key_for(service: RouterService, settings: RouteSettings, tenant_headers: Map
     if not body:
         service.no_body(settings)
         return None
-    decision = service.decide(body, tenant_headers, settings, complete=complete)
-    return None if decision is None else decision.key
+    return service.decide(body, tenant_headers, settings, complete=complete)
 
 
-def authz_key(service: RouterService, settings: RouteSettings, sent: Mapping[str, str], body: bytes,
-              length_header: str = CONTENT_LENGTH, cut: bool = False) -> str | None:
-    """``key_for`` from the call's headers as a str mapping (the gRPC Check's).
+def authz_decision(service: RouterService, settings: RouteSettings, sent: Mapping[str, str], body: bytes,
+                   length_header: str = CONTENT_LENGTH, cut: bool = False) -> Decision | None:
+    """``decision_for`` from the call's headers as a str mapping (the gRPC Check's).
 
     ``sent``: the call's headers, lower-case names. ``cut``: the server itself kept only the
     start of the body (its own size limit), so it is not whole whatever Envoy said.
     """
     headers = {name: sent[name] for name in (*settings.tenant_headers, CONTENT_ENCODING) if name in sent}
-    return key_for(service, settings, headers, body, not cut and body_is_whole(body, sent, length_header))
+    return decision_for(service, settings, headers, body, not cut and body_is_whole(body, sent, length_header))

@@ -29,7 +29,7 @@ from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 
 from extproc import metrics
-from extproc.adapters.authz import LIMITS, PARTIAL_BODY_HEADER, authz_key, body_is_whole
+from extproc.adapters.authz import LIMITS, PARTIAL_BODY_HEADER, authz_decision, body_is_whole
 from extproc.adapters.service import RouterService
 
 log = logging.getLogger("extproc.adapters.ext_authz")
@@ -40,7 +40,7 @@ _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 class PrefixAuthz(pb_grpc.AuthorizationServicer):  # type: ignore[misc]  # xds-protos ship no types
-    """Authorization service that never denies: it only adds (or removes) the key header."""
+    """Authorization service that never denies: it only adds (or removes) the key and model headers."""
 
     def __init__(self, service: RouterService) -> None:
         self.service = service
@@ -63,17 +63,28 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):  # type: ignore[misc]  # xds-p
             (*(invocation_metadata or ()), *attributes.context_extensions.items()), LIMITS)
         http = attributes.request.http
         body = http.raw_body or http.body.encode()  # raw_body with pack_as_bytes
-        key = authz_key(service, settings, http.headers, body)
+        decision = authz_decision(service, settings, http.headers, body)
         reply = pb.CheckResponse()
         ok = reply.ok_response
+        key = decision.key if decision else None
+        model = decision.model if decision else None
         if key is None:
             ok.headers_to_remove.append(settings.key_header)
-            return reply
-        option = ok.headers.add()
-        option.header.key = settings.key_header
-        option.header.value = key
-        option.append_action = _OVERWRITE
+        else:
+            _set(ok, settings.key_header, key)
+        if settings.model_header:  # Envoy routes again on it (the filter's clear_route_cache)
+            if model is None:
+                ok.headers_to_remove.append(settings.model_header)
+            else:
+                _set(ok, settings.model_header, model)
         return reply
+
+
+def _set(ok: pb.OkHttpResponse, name: str, value: str) -> None:
+    option = ok.headers.add()
+    option.header.key = name
+    option.header.value = value
+    option.append_action = _OVERWRITE
 
 
 def add_to_server(service: RouterService, server: grpc.aio.Server) -> None:

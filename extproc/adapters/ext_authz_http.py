@@ -1,12 +1,12 @@
-"""The HTTP shape of ext_authz (envoy-fast.yaml): Envoy's check request in, the key header out.
+"""The HTTP shape of ext_authz (envoy-fast.yaml): Envoy's check request in, the key and model headers out.
 
 Envoy's ext_authz filter with ``http_service`` sends each request's allowed headers and
 buffered body as a plain HTTP/1.1 request, and from a 200 answer copies the headers named in
 ``allowed_upstream_headers`` onto the upstream request (replacing any the client sent) and
 removes those listed in ``x-envoy-auth-headers-to-remove``. Envoy applies the removals after
-the copies, so an answer either sets the key or removes it, never both. The HTTP hop costs a
-fraction of the gRPC one (docs/overhead.md); the reading of a check is the one the gRPC Check
-shares (extproc.adapters.authz), the key and the settings the router service's
+the copies, so an answer either sets a header (the key, the model) or removes it, never both. The
+HTTP hop costs a fraction of the gRPC one (docs/overhead.md); the reading of a check is the one the
+gRPC Check shares (extproc.adapters.authz), the decision and the settings the router service's
 (extproc.adapters.service), as for every adapter.
 
 Settings: the process's own, overridden per route by ``x-prefix-router-*`` request headers
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from extproc import metrics
-from extproc.adapters.authz import DECLARED_LENGTH_HEADER, LIMITS, PARTIAL_BODY_HEADER, is_whole, key_for
+from extproc.adapters.authz import DECLARED_LENGTH_HEADER, LIMITS, PARTIAL_BODY_HEADER, decision_for, is_whole
 from extproc.adapters.service import RouterService
 from extproc.core.decide import CONTENT_ENCODING
 from extproc.core.settings import METADATA_PREFIX, RouteSettings
@@ -42,6 +42,7 @@ _PREFIX: Final = METADATA_PREFIX.encode()
 _PARTIAL: Final = PARTIAL_BODY_HEADER.encode()
 _DECLARED: Final = DECLARED_LENGTH_HEADER.encode()
 _TRUE: Final = b"true"
+_CRLF: Final = b"\r\n"
 _MAX_ROUTES: Final = 1024  # distinct x-prefix-router-* sets (in the order sent) kept; then forgotten at once
 
 Headers = Mapping[bytes, bytes]  # lower-case names, as extproc.process.http1 parses them
@@ -50,17 +51,22 @@ Headers = Mapping[bytes, bytes]  # lower-case names, as extproc.process.http1 pa
 class _Route:
     """What one set of x-prefix-router-* headers resolves to, built once per set."""
 
-    __slots__ = ("settings", "wanted", "keyed", "tail", "unkeyed")
+    __slots__ = ("settings", "wanted", "keyed", "modeled", "removals")
 
     def __init__(self, settings: RouteSettings, ours: list[str]) -> None:
         self.settings = settings
         # the sent headers decide() reads: (name as parsed, name as decide() asks for it)
         self.wanted = tuple((name.encode("latin-1"), name) for name in (*settings.tenant_headers, CONTENT_ENCODING))
-        drop = ",".join(ours)
-        removal = f"{REMOVE_HEADER}: {drop}\r\n" if drop else ""
-        self.keyed = f"{settings.key_header}: ".encode("latin-1")  # the key follows,
-        self.tail = f"\r\n{removal}".encode("latin-1")  # then this
-        self.unkeyed = f"{REMOVE_HEADER}: {','.join((*ours, settings.key_header))}\r\n".encode("latin-1")
+        self.keyed = f"{settings.key_header}: ".encode("latin-1")  # the key follows, then CRLF
+        self.modeled = f"{settings.model_header}: ".encode("latin-1")  # the model follows, then CRLF
+        # the removal line, by (keyed, modeled): the route's own headers, and what the answer does not set
+        self.removals: dict[tuple[bool, bool], bytes] = {}
+        for keyed in (False, True):
+            for modeled in (False, True):
+                drop = [*ours, *(() if keyed else (settings.key_header,)),
+                        *(() if modeled or not settings.model_header else (settings.model_header,))]
+                self.removals[keyed, modeled] = f"{REMOVE_HEADER}: {','.join(drop)}\r\n".encode(
+                    "latin-1") if drop else b""
 
 
 class HttpAuthz:
@@ -81,17 +87,25 @@ class HttpAuthz:
         except Exception:  # never let the router fail a request
             log.exception("answering an HTTP check failed; passing the request on without a key")
             metrics.ERRORS.labels("authz_http").inc()
-            return f"{REMOVE_HEADER}: {self.service.settings.key_header}\r\n".encode()
+            settings = self.service.settings
+            names = ",".join(name for name in (settings.key_header, settings.model_header) if name)
+            return f"{REMOVE_HEADER}: {names}\r\n".encode()
 
     def _answer(self, headers: Headers, body: bytes, cut: bool) -> bytes:
         ours = tuple([item for item in headers.items() if item[0].startswith(_PREFIX)])
         route = self._routes.get(ours) or self._route(ours)
         sent = {name: value.decode("latin-1") for raw, name in route.wanted if (value := headers.get(raw)) is not None}
         complete = not cut and is_whole(len(body), headers.get(_PARTIAL) == _TRUE, headers.get(_DECLARED))
-        key = key_for(self.service, route.settings, sent, body, complete)
-        if key is None:
-            return route.unkeyed
-        return b"".join((route.keyed, key.encode("latin-1"), route.tail))
+        decision = decision_for(self.service, route.settings, sent, body, complete)
+        key = decision.key if decision else None
+        model = decision.model if decision and route.settings.model_header else None
+        lines: list[bytes] = []
+        if key is not None:
+            lines += (route.keyed, key.encode("latin-1"), _CRLF)
+        if model is not None:
+            lines += (route.modeled, model.encode("latin-1"), _CRLF)
+        lines.append(route.removals[key is not None, model is not None])
+        return b"".join(lines)
 
     def _route(self, ours: tuple[tuple[bytes, bytes], ...]) -> _Route:
         # sorted: one set of settings is one entry (and one log line) in settings_for whatever order

@@ -72,7 +72,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
     def __init__(self, service: RouterService, metadata_namespace: str = "prefix_router") -> None:
         self.service = service
         self.namespace = metadata_namespace
-        self._headers_replies: dict[tuple[str, str], pb.ProcessingResponse] = {}
+        self._headers_replies: dict[tuple[str, str, str], pb.ProcessingResponse] = {}
         self.open_streams = 0  # `serve` has the streams_active gauge read it at scrape time
 
     async def Process(
@@ -137,15 +137,19 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
             return {}
 
     def headers_reply(self, settings: RouteSettings) -> pb.ProcessingResponse:
-        """A client-sent key or pick header must never choose the host: remove both.
+        """A client-sent key, pick or model header must never choose the host or the cluster:
+        remove them. Envoy chose the route before this filter ran (with the client's headers), so
+        with a model header it must choose it again (``clear_route_cache``).
 
-        Built once per header pair and shared by every stream (grpc only serialises it).
+        Built once per set of names and shared by every stream (grpc only serialises it).
         """
-        names = (settings.key_header, settings.pick_header)
+        names = (settings.key_header, settings.pick_header, settings.model_header)
         reply = self._headers_replies.get(names)
         if reply is None:
             reply = pb.ProcessingResponse()
-            reply.request_headers.response.header_mutation.remove_headers.extend(names)
+            common = reply.request_headers.response
+            common.header_mutation.remove_headers.extend(name for name in names if name)
+            common.clear_route_cache = bool(settings.model_header)
             self._headers_replies[names] = reply
         return reply
 
@@ -183,9 +187,15 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
             response.body_mutation.body = decision.body  # Envoy drops content-length and re-frames it
         if decision.key is None:
             mutation.remove_headers.append(settings.key_header)
-            return reply
-        _set_header(mutation, settings.key_header, decision.key.encode())
-        reply.dynamic_metadata.fields[self.namespace].struct_value.fields["prefix_key"].string_value = decision.key
+        else:
+            _set_header(mutation, settings.key_header, decision.key.encode())
+            reply.dynamic_metadata.fields[self.namespace].struct_value.fields["prefix_key"].string_value = decision.key
+        if settings.model_header:  # the body's model for Envoy's route table, which then routes again
+            if decision.model is None:
+                mutation.remove_headers.append(settings.model_header)
+            else:
+                _set_header(mutation, settings.model_header, decision.model.encode())
+            response.clear_route_cache = True
         return reply
 
 

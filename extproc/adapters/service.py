@@ -31,6 +31,7 @@ from typing import Final
 
 from extproc import metrics
 from extproc.core.decide import Decision, decide
+from extproc.core.model import MODEL_ABSENT
 from extproc.core.settings import METADATA_PREFIX, RouteSettings, with_metadata
 from extproc.pick.choice.choose import Choice
 from extproc.pick.core import PickCore
@@ -131,6 +132,8 @@ class RouterService:
     def no_body(settings: RouteSettings) -> None:
         """Count a request that has no body to key (a GET, an empty POST)."""
         metrics.decision_counter(settings.normalize, "empty").inc()
+        if settings.model_header:
+            metrics.MODEL_HEADER.labels(MODEL_ABSENT).inc()
 
     def decide(self, body: bytes, headers: Mapping[str, str], settings: RouteSettings,
                complete: bool) -> Decision | None:
@@ -156,6 +159,8 @@ class RouterService:
             metrics.TENANTS_REJECTED.labels(decision.tenant_rejected).inc()
         if decision.isolation:
             metrics.ISOLATION.labels(decision.isolation).inc()
+        if settings.model_header:
+            metrics.MODEL_HEADER.labels(decision.model_outcome).inc()
         return decision
 
     async def prepare(self, decision: Decision | None, settings: RouteSettings) -> int:

@@ -13,6 +13,7 @@ import orjson
 import xxhash
 
 from extproc.core import isolation
+from extproc.core.model import MODEL_ABSENT, MODEL_FIELD_BYTES, body_model
 from extproc.core.normalize import CONTENT_ENCODED, Normalized, normalize, normalize_document
 from extproc.core.settings import RouteSettings
 from extproc.core.tenant import BODY_FIELD_BYTES, body_tenant, header_tenant, tenant_problem
@@ -43,12 +44,15 @@ class Decision(NamedTuple):
     # the parsed body as the replica will see it (with the salt isolation added), when the body
     # was a whole JSON object: precise mode renders and tokenises it as vLLM does
     document: dict[str, Any] | None = None
+    model: str | None = None  # the body's model, fit for a header (extproc.core.model), else None
+    model_outcome: str = MODEL_ABSENT  # set, absent, or why the name cannot be a header
 
     def __repr__(self) -> str:  # without the body-sized fields
         return (f"Decision(key={self.key!r}, tenant={self.tenant!r}, tenant_source={self.tenant_source!r}, "
                 f"normalize={self.normalize!r}, fallback={self.fallback!r}, prefix_bytes={self.prefix_bytes}, "
                 f"normalized_bytes={self.normalized_bytes}, preview={self.preview!r}, "
-                f"tenant_rejected={self.tenant_rejected!r}, isolation={self.isolation!r})")
+                f"tenant_rejected={self.tenant_rejected!r}, isolation={self.isolation!r}, model={self.model!r}, "
+                f"model_outcome={self.model_outcome!r})")
 
 
 def prefix_key(tenant: str | None, prefix: bytes) -> str:
@@ -99,8 +103,8 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     norm = normalize(body, settings.normalize, complete, headers.get(CONTENT_ENCODING, ""))
     doc = norm.document
     if doc is None and complete and norm.mode == "raw" and norm.fallback is None and (
-            settings.tenant_isolation or BODY_FIELD_BYTES in body):
-        doc = parsed_object(body)  # raw mode hashes the bytes but still reads the tenant (and salt) fields
+            settings.tenant_isolation or BODY_FIELD_BYTES in body or MODEL_FIELD_BYTES in body):
+        doc = parsed_object(body)  # raw mode hashes the bytes but still reads the tenant, salt and model fields
     tenant, source = header_tenant(headers, settings)
     if tenant is None:
         tenant = body_tenant(doc)
@@ -112,8 +116,10 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     if settings.tenant_isolation and secret is not None and body:
         trusted = tenant if source in settings.tenant_headers else None  # never a body field
         norm, salted, outcome = _isolate(body, norm, doc, settings.normalize, trusted, secret, complete)
+    model, model_outcome = body_model(doc) if complete else (None, MODEL_ABSENT)
     if not norm.data:
-        return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected)
+        return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected,
+                        model=model, model_outcome=model_outcome)
     prefix = norm.data[: settings.prefix_length]
     return Decision(
         key=prefix_key(tenant, prefix),
@@ -129,4 +135,6 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
         body=salted,
         isolation=outcome,
         document=(norm.document or doc) if complete else None,
+        model=model,
+        model_outcome=model_outcome,
     )

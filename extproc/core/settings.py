@@ -57,6 +57,9 @@ class RouteSettings:
     max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
     tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)
     cache_view: str = "auto"  # pick mode: auto (events when the process subscribes), learned, or events
+    # the body's model, copied into this header for Envoy's route table (the Gateway API Inference
+    # Extension's name); "": no header
+    model_header: str = "x-gateway-model-name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +280,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "index_max_chunks": _Spec(_number_in(int, 1, 10**9), "an integer in 1..1000000000"),
     "tenant_isolation": _Spec(_switch, "on or off"),
     "cache_view": _Spec(_choice(*CACHE_VIEWS), "one of " + ", ".join(CACHE_VIEWS)),
+    "model_header": _Spec(_optional(_header_name), "a lower-case HTTP header name, or empty for none"),
     "kv_events": _Spec(_switch, "on or off"),
     "tokenizer": _Spec(_optional(_tokenizer_dirs), "a model directory (tokenizer.json, tokenizer_config.json), "
                        "or NAME=DIR,... per served model name"),
