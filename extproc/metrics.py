@@ -129,8 +129,22 @@ STREAMS_ACTIVE = Gauge(
 # --- pick mode ----------------------------------------------------------------------------
 PICKS = Counter(
     "prefix_router_pick_decisions_total",
-    "Pick-mode choices by reason: cheapest, cold, threshold_spill, all_busy, no_replica",
+    "Pick-mode choices by reason: cheapest, cold, threshold_spill, all_busy, no_replica; with --pools also "
+    "no_model and unknown_model (not picked: Envoy's load balancer chooses)",
     ["reason"],
+    registry=REGISTRY,
+)
+POOL_PICKS = Counter(
+    "prefix_router_pool_picks_total",
+    "Pick-mode choices per model pool (--pools) and reason; pool=\"\" with no_model (the request names none) "
+    "or unknown_model (no pool serves it): not picked, Envoy's load balancer chooses",
+    ["pool", "reason"],
+    registry=REGISTRY,
+)
+REPLICA_POOL = Gauge(
+    "prefix_router_replica_pool",
+    "1 for each replica and the model pool it is in (--pools): join per-replica series on replica to get their pool",
+    ["replica", "pool"],
     registry=REGISTRY,
 )
 INDEX_ENTRIES = Gauge(

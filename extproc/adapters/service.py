@@ -114,7 +114,7 @@ class RouterService:
         if settings.mode == "pick" and (limits.cannot_pick or self.picker is None):
             errors.append("x-prefix-router-mode pick: " + (
                 limits.cannot_pick
-                or "the router has no endpoints (--endpoints, --endpoints-file or --endpoints-dns)")
+                or "the router has no endpoints (--endpoints, --endpoints-file, --endpoints-dns or --pools)")
                 + "; using hash mode")
             settings = dataclasses.replace(settings, mode="hash")
         if settings.tenant_isolation and (limits.cannot_edit_body or self.secret is None):

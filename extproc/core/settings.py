@@ -63,6 +63,17 @@ class RouteSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One model's replicas (``--pools``): the served model name requests ask for, and exactly one
+    endpoint source, as ``--endpoints``, ``--endpoints-file`` or ``--endpoints-dns`` give the one pool."""
+
+    model: str
+    endpoints: tuple[str, ...] = ()
+    endpoints_file: str = ""
+    endpoints_dns: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings:
     """Process-wide settings of ``prefix-router serve``."""
 
@@ -80,6 +91,9 @@ class ServerSettings:
     endpoints: tuple[str, ...] = ()
     endpoints_file: str = ""
     endpoints_dns: str = ""  # name:port, e.g. a Kubernetes headless service
+    # Several models: each model's replicas (MODEL=SOURCE;...), instead of the three sources above
+    pools: tuple[PoolSpec, ...] = ()
+    models_interval: float = 10.0  # seconds between reads of every replica's /v1/models (its adapters); 0: never
     dns_interval: float = 5.0
     scrape_interval: float = 1.0
     chunk_bytes: int = 512  # the learned index cuts the normalised prompt into chunks of this size
@@ -211,6 +225,33 @@ def _redis_url(raw: str) -> str:
     return value
 
 
+_POOL_FILE: Final = "file:"
+_POOL_DNS: Final = "dns:"
+
+
+def _pools(raw: str) -> tuple[PoolSpec, ...]:
+    """``MODEL=SOURCE`` entries separated by ``;`` or newlines; SOURCE is ``ip:port,ip:port``,
+    ``file:PATH`` or ``dns:NAME:PORT``. A model named twice is refused; nothing at all is no pools."""
+    pools: dict[str, PoolSpec] = {}
+    for entry in raw.replace("\n", ";").split(";"):
+        if not entry.strip():
+            continue
+        model, sep, source = entry.strip().partition("=")
+        model, source = model.strip(), source.strip()
+        if not sep or not model or not source or model in pools or " " in model or len(model) > 256:
+            raise ValueError
+        if source.startswith(_POOL_FILE) and source[len(_POOL_FILE):].strip():
+            pools[model] = PoolSpec(model, endpoints_file=source[len(_POOL_FILE):].strip())
+        elif source.startswith(_POOL_DNS):
+            pools[model] = PoolSpec(model, endpoints_dns=_dns_target(source[len(_POOL_DNS):]))
+        else:
+            endpoints = _address_list(source)
+            if not endpoints:
+                raise ValueError
+            pools[model] = PoolSpec(model, endpoints=endpoints)
+    return tuple(pools.values())
+
+
 def _nonempty(raw: str) -> str:
     if not raw.strip():
         raise ValueError
@@ -271,6 +312,9 @@ SPECS: Final[dict[str, _Spec]] = {
     "endpoints": _Spec(_address_list, "a comma-separated list of ip:port"),
     "endpoints_file": _Spec(_optional(str.strip), "a file path"),
     "endpoints_dns": _Spec(_optional(_dns_target), "name:port"),
+    "pools": _Spec(_pools, "MODEL=SOURCE entries separated by ';', SOURCE one of ip:port,ip:port or "
+                   "file:PATH or dns:NAME:PORT, each model once (empty: one pool, --endpoints*)"),
+    "models_interval": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600 (0: never read /v1/models)"),
     "dns_interval": _Spec(_number_in(float, 0.1, 3600.0), "seconds in 0.1..3600"),
     "scrape_interval": _Spec(_number_in(float, 0.05, 60.0), "seconds in 0.05..60"),
     "chunk_bytes": _Spec(_number_in(int, 16, 65536), "an integer in 16..65536 (bytes)"),
@@ -359,15 +403,15 @@ def route_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> R
 def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> ServerSettings:
     """Like route_settings; also refuses more than one pick-mode endpoint source."""
     cfg: ServerSettings = _resolve(ServerSettings, args, env)
-    sources = [flag(n) for n in ENDPOINT_SOURCES if getattr(cfg, n)]
+    sources = [flag(n) for n in (*ENDPOINT_SOURCES, "pools") if getattr(cfg, n)]
     if len(sources) > 1:
         raise SettingError(f"{' and '.join(sources)} both set: give pick mode one endpoint source")
     if cfg.kv_events and not (has_endpoints(cfg) and cfg.tokenizer):
         raise SettingError(f"{flag('kv_events')} on needs the replicas' endpoints (--endpoints, "
-                           f"--endpoints-file or --endpoints-dns) and {flag('tokenizer')}")
+                           f"--endpoints-file, --endpoints-dns or --pools) and {flag('tokenizer')}")
     if cfg.share_in_flight and not has_endpoints(cfg):
         raise SettingError(f"{flag('share_in_flight')} is for pick mode: it needs the replicas' endpoints "
-                           "(--endpoints, --endpoints-file or --endpoints-dns)")
+                           "(--endpoints, --endpoints-file, --endpoints-dns or --pools)")
     return cfg
 
 
@@ -396,7 +440,7 @@ def tenant_secret(cfg: ServerSettings, route: RouteSettings, env: Mapping[str, s
 
 
 def has_endpoints(cfg: ServerSettings) -> bool:
-    return any(getattr(cfg, n) for n in ENDPOINT_SOURCES)
+    return bool(cfg.pools) or any(getattr(cfg, n) for n in ENDPOINT_SOURCES)
 
 
 _METADATA_FIELDS: Final = {metadata_key(name): name for name in ROUTE_FIELDS}

@@ -20,7 +20,8 @@ from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefill_tokens
 from extproc.pick.choice.load import LoadTracker
-from extproc.pick.choice.state import ReplicaState, Sample
+from extproc.pick.choice.pools import NO_MODEL, UNKNOWN_MODEL, Pools, Served
+from extproc.pick.choice.state import ReplicaState, Sample, Snapshot
 from extproc.pick.views.base import NOTHING, CacheView, Match, Placed
 from extproc.pick.views.learned import BYTES_PER_TOKEN, LearnedView
 
@@ -40,7 +41,8 @@ class Share(Protocol):
 
 LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage", "backlog_tokens", "prefill_tokens_per_s",
                      "request_seconds")
-_PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in REASONS}  # every series from 0
+PICK_REASONS: Final = (*REASONS, NO_MODEL, UNKNOWN_MODEL)
+_PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in PICK_REASONS}  # every series from 0
 
 
 class Remote:
@@ -72,14 +74,18 @@ class PickCore:
     """A cache view + the load view + the choice, without background tasks (``explain`` uses it alone)."""
 
     def __init__(self, view: CacheView | None = None, *, load: LoadTracker | None = None,
-                 share: Share | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 share: Share | None = None, pools: Pools | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``view``: what the replicas hold (default: a learned view with default settings); ``load``:
         their load (shared with ``Remote`` when the routers share requests in flight); ``share``: told of
-        every pick and its end, for the other router replicas."""
+        every pick and its end, for the other router replicas; ``pools``: which replicas serve which
+        model (None: every replica serves every model)."""
         self.view: CacheView = view if view is not None else LearnedView()
         self.load = load if load is not None else LoadTracker()
         self.share = share
+        self.pools = pools
         self.clock = clock
+        self._pool_snapshots: dict[str, tuple[Snapshot, Snapshot]] = {}  # pool -> (whole, its replicas)
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
         self._placed: dict[int, Placed] = {}  # id(choice) -> what the view kept of it
 
@@ -94,6 +100,21 @@ class PickCore:
                 metrics.forget_series(metrics.REPLICA_LOAD, address, kind)
             metrics.forget_series(metrics.REPLICA_UP, address)
         metrics.ENDPOINTS.set(len(self.load.addresses()))
+
+    def set_pool(self, pool: str, addresses: Sequence[str]) -> None:
+        """One pool's replicas changed (``--pools``); the router's replicas are every pool's."""
+        assert self.pools is not None
+        for address in self.pools.members[pool] - set(addresses):
+            metrics.forget_series(metrics.REPLICA_POOL, address, pool)
+        self.pools.set_members(pool, addresses)
+        for address in addresses:
+            metrics.REPLICA_POOL.labels(address, pool).set(1)
+        self.set_endpoints(sorted(self.pools.addresses()))
+
+    def on_models(self, address: str, models: Sequence[Served]) -> None:
+        """What a replica's /v1/models lists now (its served names and adapters)."""
+        if self.pools is not None:
+            self.pools.served(address, models)
 
     def on_sample(self, address: str, sample: Sample | None) -> None:
         metrics.REPLICA_UP.labels(address).set(0 if sample is None else 1)
@@ -120,16 +141,35 @@ class PickCore:
                   settle: bool = False) -> tuple[Choice, Match | None]:
         """``settle`` (``pick``): first end the other routers' requests this one continues
         (``Share.continued``), so their load no longer counts."""
-        snapshot = self.load.snapshot(self.clock())
+        pool = None
+        if self.pools is not None:
+            pool, unpicked = self.pools.resolve(decision.model)
+            if pool is None:
+                return Choice(None, unpicked or UNKNOWN_MODEL, 0, ()), None
+        snapshot = self._snapshot(pool)
         match = self.view.match(decision, settings, snapshot, max_new_chars)
         if match is None:  # the view cannot say: no replica holds any of it as far as the choice knows
             tokens = math.ceil(len(decision.normalized) / BYTES_PER_TOKEN)
-            return choose(decision.key, tokens, {}, snapshot, settings), None
+            return choose(decision.key, tokens, {}, snapshot, settings, pool=pool), None
         if settle and match.runs and self.share is not None:
             if sum(self.share.continued(run) for run in match.runs):
-                snapshot = self.load.snapshot(self.clock())
-        choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views)
+                snapshot = self._snapshot(pool)
+        choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views, pool)
         return choice, match
+
+    def _snapshot(self, pool: str | None) -> Snapshot:
+        """The load snapshot now, of ``pool``'s replicas only (None: every replica); a pool's is
+        rebuilt only when the whole one changes."""
+        snapshot = self.load.snapshot(self.clock())
+        if pool is None:
+            return snapshot
+        kept = self._pool_snapshots.get(pool)
+        if kept is None or kept[0] is not snapshot:
+            assert self.pools is not None
+            members = self.pools.members[pool]
+            kept = self._pool_snapshots[pool] = (snapshot, Snapshot(tuple(
+                r for r in snapshot.replicas if r.address in members)))
+        return kept[1]
 
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``, on the event loop: what must happen off it first; returns ``pick``'s
@@ -142,6 +182,8 @@ class PickCore:
         says when: its worker could not take the request's long new text)."""
         choice, match = self._evaluate(decision, settings, max_new_chars, settle=True)
         _PICKS[choice.reason].inc()
+        if self.pools is not None:
+            metrics.POOL_PICKS.labels(choice.pool or "", choice.reason).inc()
         address = choice.address
         if address is not None:
             placed = self.view.learn(address, match) if match is not None else NOTHING
@@ -183,6 +225,7 @@ class PickCore:
         stats = self.view.stats()
         return {
             **self.view.state(),
+            **(self.pools.state() if self.pools is not None else {}),
             "prefill_tokens_per_s": self.load.prefill_rate,
             "index": {"entries": stats.entries, "chunks": stats.chunks, "bytes": stats.bytes},
             "replicas": [
@@ -200,7 +243,8 @@ class PickCore:
         and, in precise mode, where that replica's event view comes from and the tokens the eviction
         forecast took off its figure (``/debug/pick``)."""
         choice, match = self._evaluate(decision, settings)
-        return {"address": choice.address, "reason": choice.reason, "prompt_tokens": choice.prompt_tokens,
+        return {"address": choice.address, "reason": choice.reason, "pool": choice.pool,
+                "prompt_tokens": choice.prompt_tokens,
                 "candidates": [{**c._asdict(), **self.view.describe(c.address, match)} for c in choice.candidates]}
 
     @classmethod
@@ -208,9 +252,17 @@ class PickCore:
         """A core that sees what a saved ``state()`` saw (loads frozen as they were)."""
         view = LearnedView(int(state.get("chunk_bytes", 512)), float(state.get("bytes_per_token", 4.0)))
         # a clock that stands still: the saved queues do not drain while explain reads them
-        core = cls(view, load=LoadTracker(float(state.get("prefill_tokens_per_s", 0.0))), clock=lambda: 0.0)
+        saved_pools: Mapping[str, Sequence[str]] = state.get("pools", {})
+        pools = Pools(saved_pools) if saved_pools else None
+        core = cls(view, load=LoadTracker(float(state.get("prefill_tokens_per_s", 0.0))), pools=pools,
+                   clock=lambda: 0.0)
         replicas = state.get("replicas", [])
         core.load.set_addresses([r["address"] for r in replicas])
+        if pools is not None:
+            for pool, members in saved_pools.items():
+                pools.set_members(pool, members)
+            for address, cards in state.get("served", {}).items():
+                pools.served(address, [Served(*card) for card in cards])
         view.restore(replicas)
         for r in replicas:
             core.load.restore(ReplicaState(

@@ -8,6 +8,8 @@ KV-cache events run as background tasks that ``start`` launches. The request pat
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -16,6 +18,7 @@ from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings, ServerSettings, SettingError, flag, tokenizer_dirs
 from extproc.pick.choice.load import LoadTracker
+from extproc.pick.choice.pools import Pools
 from extproc.pick.core import PickCore, Remote
 from extproc.pick.events.eviction_forecast import EvictionForecast
 from extproc.pick.events.kv_index import EventIndex
@@ -23,6 +26,7 @@ from extproc.pick.sources.endpoints import EndpointWatcher
 from extproc.pick.sources.in_flight_bus import InFlightBus
 from extproc.pick.sources.kv_subscriber import KvEventSubscriber
 from extproc.pick.sources.scrape import Scraper
+from extproc.pick.sources.served_models import ModelLister
 from extproc.pick.sources.shared_in_flight import RemoteInFlight
 from extproc.pick.sources.tokenize_ahead import TokenizeAhead
 from extproc.pick.sources.tokenizer_check import TokenizerCheck
@@ -46,8 +50,9 @@ def load_tokenizers(cfg: ServerSettings) -> dict[str, ModelTokenizer]:
 
 
 class Picker(PickCore):
-    """PickCore, built from the settings, plus its background tasks: endpoint discovery, metric
-    scraping, KV-cache events, the in-flight channel, the tokenizer check."""
+    """PickCore, built from the settings, plus its background tasks: endpoint discovery (per model's
+    pool with ``--pools``, and each replica's /v1/models), metric scraping, KV-cache events, the
+    in-flight channel, the tokenizer check."""
 
     def __init__(self, cfg: ServerSettings, tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
         learned = LearnedView(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks)
@@ -74,9 +79,17 @@ class Picker(PickCore):
             remote = RemoteInFlight(Remote(load, view), os.urandom(8), time.monotonic, time.time,
                                     metrics.SHARING_DELAY.observe)
             self.bus = InFlightBus(cfg.share_in_flight, cfg.share_in_flight_channel, remote)
-        super().__init__(view, load=load, share=self.bus)
-        self.watcher = EndpointWatcher(cfg, self.set_endpoints)
+        pools = Pools(pool.model for pool in cfg.pools) if cfg.pools else None
+        super().__init__(view, load=load, share=self.bus, pools=pools)
+        # one endpoint source, or one per model's pool (each replaces only its own pool's replicas)
+        self.watchers = [EndpointWatcher(dataclasses.replace(cfg, endpoints=pool.endpoints,
+                                                             endpoints_file=pool.endpoints_file,
+                                                             endpoints_dns=pool.endpoints_dns),
+                                         functools.partial(self.set_pool, pool.model))
+                         for pool in cfg.pools] or [EndpointWatcher(cfg, self.set_endpoints)]
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
+        self.lister = ModelLister(self.load.addresses, cfg.models_interval, self.on_models) \
+            if pools is not None and cfg.models_interval else None
 
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
@@ -97,16 +110,23 @@ class Picker(PickCore):
             await self.subscriber.start()
         if self.tokenizer_check is not None:
             await self.tokenizer_check.start()
-        await self.watcher.start()
+        for watcher in self.watchers:
+            await watcher.start()
         if self.load.addresses():
             await self.scraper.scrape_once()  # first loads and capacities before serving
         self.scraper.start()
+        if self.lister is not None:
+            await self.lister.list_once()  # the adapters' and other names' pools before serving
+            self.lister.start()
 
     async def stop(self) -> None:
         if self.bus is not None:
             await self.bus.stop()
-        await self.watcher.stop()
+        for watcher in self.watchers:
+            await watcher.stop()
         await self.scraper.stop()
+        if self.lister is not None:
+            await self.lister.stop()
         if self.subscriber is not None:
             await self.subscriber.stop()
         if self.tokenizer_check is not None:

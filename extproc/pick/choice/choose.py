@@ -63,6 +63,7 @@ class Choice(NamedTuple):
     reason: str
     prompt_tokens: int
     candidates: tuple[Candidate, ...]  # the healthy replicas, best first
+    pool: str | None = None  # the model's pool the candidates are from (None: every replica)
 
 
 def rendezvous(key: str | None, address: str) -> int:
@@ -119,13 +120,14 @@ def _ties_by_rendezvous(ranked: list[tuple[int, int, int, ReplicaState]], candid
 
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
-           settings: RouteSettings, views: Mapping[str, str] | None = None) -> Choice:
+           settings: RouteSettings, views: Mapping[str, str] | None = None, pool: str | None = None) -> Choice:
     """The replica with the lowest cost, honouring the concurrency threshold.
 
-    ``views`` names, per replica, where its ``cached`` figure came from (default: learned)."""
+    ``views`` names, per replica, where its ``cached`` figure came from (default: learned); ``pool``:
+    the model's pool ``snapshot`` holds the replicas of, carried into the choice."""
     healthy = [r for r in snapshot.replicas if r.healthy]
     if not healthy:
-        return Choice(None, NO_REPLICA, prompt_tokens, ())
+        return Choice(None, NO_REPLICA, prompt_tokens, (), pool)
     cap = settings.concurrency_threshold
     seed = _seed(key)
     # (cost, minus the rendezvous score, position, replica): the distinct positions keep the
@@ -141,11 +143,11 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     best = candidates[0]
     chosen = best if not best.capped else next((c for c in candidates if not c.capped), None)
     if chosen is None:
-        return Choice(best.address, ALL_BUSY, prompt_tokens, candidates)
+        return Choice(best.address, ALL_BUSY, prompt_tokens, candidates, pool)
     if chosen is not best:
         reason = THRESHOLD_SPILL
     elif any(c.cached_tokens for c in candidates):
         reason = CHEAPEST
     else:
         reason = COLD
-    return Choice(chosen.address, reason, prompt_tokens, candidates)
+    return Choice(chosen.address, reason, prompt_tokens, candidates, pool)
