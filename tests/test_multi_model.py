@@ -16,7 +16,7 @@ from routerlab.harness.envoy_proc import Envoy
 from routerlab.harness.procs import Process, free_ports
 
 from backends import BackendFleet
-from support import send
+from support import metric, send, start_router
 
 MODEL_HEADER = "x-gateway-model-name"
 LLAMA, QWEN = "llama-3.1-8b", "qwen2.5-1.5b"
@@ -41,20 +41,25 @@ def with_model_routes(cfg: envoy_config.Config) -> None:
         c for c in multi["static_resources"]["clusters"] if c["name"] in CLUSTERS]
 
 
-Start = Callable[[str], int]
+Start = Callable[..., int]
 
 
 @pytest.fixture()
 def start(backends: BackendFleet, router: tuple[Process, int, int, int]) -> Iterator[Start]:
-    """Start Envoy on a shipped config with two model clusters of two backends each; its port."""
+    """Start Envoy on a shipped config with two model clusters of two backends each; its port.
+    ``router_port``: another router's gRPC port; ``metadata``: listener settings to add."""
     started: list[Envoy] = []
 
-    def run(name: str) -> int:
+    def run(name: str, router_port: int | None = None, metadata: dict[str, str] | None = None) -> int:
         listener, admin = free_ports(2)
         cfg = envoy_config.load(name)
         if name == "envoy-fast.yaml":
             with_model_routes(cfg)
-        port = router[3] if envoy_config.router_over_http(cfg) else router[1]
+        if metadata:
+            envoy_config.set_stream_metadata(cfg, {**envoy_config.stream_metadata(cfg), **metadata})
+        envoy_config.http_manager(cfg)["route_config"]["response_headers_to_add"] = [
+            {"header": {"key": "x-picked", "value": "%DYNAMIC_METADATA(prefix_router:picked)%"}}]
+        port = router[3] if envoy_config.router_over_http(cfg) else (router_port or router[1])
         cfg = envoy_config.localize(cfg, listener_port=listener, admin_port=admin, backends=backends.addresses,
                                     extproc_port=port, health_interval=0.2)
         for cluster, members in CLUSTERS.items():
@@ -115,3 +120,30 @@ def test_a_prefix_stays_on_one_replica_of_its_model(start: Start) -> None:
     for model in (LLAMA, QWEN):
         replicas = {served(port, chat(model, 99).replace(b'"hi"', f'"q{n}"'.encode())) for n in range(12)}
         assert len(replicas) == 1 and replicas <= SERVES[model], (model, replicas)
+
+
+def test_pick_mode_picks_within_the_requests_models_pool(start: Start, backends: BackendFleet) -> None:
+    """The router given each model's replicas (--pools) names one of that model's: Envoy honours it
+    (the replica the router named is the one that served), and each pool's picks are counted apart."""
+    pools = ";".join(f"{model}={','.join(f'{h}:{p}' for h, p in (backends.addresses[i] for i in sorted(members)))}"
+                     for model, members in SERVES.items())
+    proc, grpc_port, metrics_port = start_router("--pools", pools, "--scrape-interval", "0.2")
+    try:
+        port = start("multi-model.yaml", grpc_port, {"x-prefix-router-mode": "pick"})
+        sent = {LLAMA: 0, QWEN: 0}
+        for i in range(24):
+            model = (LLAMA, QWEN)[i % 2]
+            reply = send(port, body=chat(model, i // 2), headers={MODEL_HEADER: (QWEN, LLAMA)[i % 2]})
+            assert reply.status == 200, reply.body
+            backend = reply.json()["backend"]
+            assert backend in SERVES[model], (i, model)
+            # the replica that served is the one the router named
+            assert reply.headers["x-picked"] == "{}:{}".format(*backends.addresses[backend])
+            sent[model] += 1
+        for model, n in sent.items():
+            assert metric(metrics_port, "prefix_router_pool_picks_total", pool=model) == n
+        assert metric(metrics_port, "prefix_router_pool_picks_total", pool="") == 0
+        served = {b.index for b in backends.backends if b.seen_bodies}
+        assert served == {0, 1, 2, 3}  # distinct prompts spread within each pool
+    finally:
+        proc.stop()
