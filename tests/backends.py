@@ -53,6 +53,10 @@ class Backend:
                 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
         return web.Response(text=text)
 
+    async def models(self, _: web.Request) -> web.Response:
+        """vLLM's model list, as a pick-mode router reads it (not counted as a request served)."""
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "parent": None}]})
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.active += 1
         try:
@@ -103,6 +107,7 @@ class BackendFleet:
             app = web.Application(client_max_size=16 * 1024 * 1024)
             app.router.add_get("/health", b.health)
             app.router.add_get("/metrics", b.metrics)
+            app.router.add_get("/v1/models", b.models)
             app.router.add_route("*", "/{tail:.*}", b.handle)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()

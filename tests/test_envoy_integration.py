@@ -134,7 +134,7 @@ def test_client_sent_key_is_replaced_by_the_router(backends: BackendFleet, make_
     spoofed = send(port, body=chat(SYSTEM, "q"), headers={"x-prefix-key": "attacker"}).json()
     assert spoofed["prefix_key"] == honest["prefix_key"] != "attacker"
     assert spoofed["backend"] == honest["backend"]
-    no_body = send(port, path="/v1/models", headers={"x-prefix-key": "attacker"})
+    no_body = send(port, path="/version", headers={"x-prefix-key": "attacker"})
     assert no_body.status == 200 and no_body.json()["prefix_key"] is None
 
 
@@ -248,7 +248,7 @@ def test_fast_shape_keys_by_body_and_tenant_attribute(backends: BackendFleet, ma
     assert len(served) == 1
     spread = Counter(served_by(port, chat(f"prefix {i}", "q")) for i in range(100))
     assert len(spread) == 4
-    no_body = send(port, path="/v1/models", headers={"x-prefix-key": "spoof"})
+    no_body = send(port, path="/version", headers={"x-prefix-key": "spoof"})
     assert no_body.status == 200 and no_body.json()["prefix_key"] is None
 
 

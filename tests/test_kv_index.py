@@ -274,40 +274,45 @@ def test_bytes_per_block_estimate_is_close_to_measured() -> None:
 @settings(max_examples=150, deadline=None)
 @given(prefix=st.lists(st.integers(0, 2**32 - 1), max_size=700), tails=st.lists(
     st.lists(st.integers(0, 2**32 - 1), max_size=200), min_size=1, max_size=4),
-    bs=st.sampled_from([1, 4, 16]), salt=st.sampled_from([None, "tenant-a", "t\u00e9"]))
-def test_the_chain_cache_gives_exactly_the_uncached_hashes(prefix, tails, bs, salt) -> None:
-    """Requests sharing a prefix, each hashed twice (the second time from the cache), with a cache
-    small enough to evict: always exactly block_hashes with the request's extra keys."""
+    bs=st.sampled_from([1, 4, 16]), salt=st.sampled_from([None, "tenant-a", "t\u00e9"]),
+    loras=st.lists(st.sampled_from([None, "sql-lora", "chat-lora"]), min_size=1, max_size=3))
+def test_the_chain_cache_gives_exactly_the_uncached_hashes(prefix, tails, bs, salt, loras) -> None:
+    """Requests sharing a prefix, each hashed twice (the second time from the cache), under one or
+    more LoRA adapters, with a cache small enough to evict: always exactly block_hashes with the
+    request's extra keys (so two adapters never share a chain)."""
     cache = ChainCache(max_spans=3, span=4)
     for _ in range(2):
         for tail in tails:
-            tokens = prefix + tail
-            n = len(tokens) // bs
-            expected = block_hashes(tokens, bs, request_extra_keys(n, salt, None) if salt else None)
-            assert list(cache.hashes(tokens, bs, salt)) == expected
+            for lora in loras:
+                tokens = prefix + tail
+                n = len(tokens) // bs
+                expected = block_hashes(tokens, bs, request_extra_keys(n, salt, lora) if salt or lora else None)
+                assert list(cache.hashes(tokens, bs, salt, lora_name=lora)) == expected
 
 
 @settings(max_examples=200, deadline=None)
 @given(prefix=st.lists(st.integers(0, 60), max_size=40), tails=st.lists(st.tuples(
     st.integers(0, 40), st.lists(st.integers(0, 60), max_size=20), st.booleans(), st.booleans()),
-    min_size=1, max_size=6), bs=st.sampled_from([1, 2, 4]), salt=st.none() | st.sampled_from(["s", "t"]))
-def test_a_chain_continued_from_the_request_it_extends_is_exactly_the_uncached_one(prefix, tails, bs, salt) -> None:
+    min_size=1, max_size=6), bs=st.sampled_from([1, 2, 4]), salt=st.none() | st.sampled_from(["s", "t"]),
+    lora=st.none() | st.just("sql-lora"))
+def test_a_chain_continued_from_the_request_it_extends_is_exactly_the_uncached_one(prefix, tails, bs, salt,
+                                                                                    lora) -> None:
     """Each request names an earlier one it begins with (as the prompt memo does), for as many ids
     as they truly share, or fewer; sometimes ids equal to the earlier one's but not the very ones
     whose chain the cache holds; sometimes all its full blocks but the last (as precise mode asks):
     always exactly block_hashes, and nothing probed where the earlier chain was held."""
     cache = ChainCache(max_spans=3, span=4)
     earlier = array("I", prefix)
-    cache.hashes(earlier, bs, salt, own=earlier)
+    cache.hashes(earlier, bs, salt, own=earlier, lora_name=lora)
     chained = len(earlier) // bs  # blocks of the earlier request's chain
     for keep, tail, stranger, but_last in tails:
         ids = array("I", list(earlier[:keep]) + tail)
         shared = min(keep, len(earlier))
         n = max(len(ids) // bs - but_last, 0)
-        expected = block_hashes(list(ids[: n * bs]), bs, request_extra_keys(n, salt, None) if salt else None)
+        expected = block_hashes(list(ids[: n * bs]), bs, request_extra_keys(n, salt, lora) if salt or lora else None)
         probes = cache.hits + cache.misses
         base = array("I", earlier) if stranger else earlier  # a stranger: no chain held for it
-        assert list(cache.hashes(ids, bs, salt, (base, shared), ids, n)) == expected
+        assert list(cache.hashes(ids, bs, salt, (base, shared), ids, n, lora)) == expected
         if not stranger and min(shared // bs, n, chained) >= 1:
             assert cache.hits + cache.misses == probes  # continued from the earlier chain, no probe
         earlier, chained = ids, n

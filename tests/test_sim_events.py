@@ -45,7 +45,8 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def stored(self, block_hashes, parent_hash, token_ids, block_size, extra_keys=None) -> None:
+    def stored(self, block_hashes, parent_hash, token_ids, block_size, extra_keys=None, lora_id=None,
+               lora_name=None) -> None:  # the adapter fields: tests/test_sim_lora.py
         self.events.append(("stored", list(block_hashes), parent_hash, list(token_ids), block_size,
                             None if extra_keys is None else list(extra_keys)))
 

@@ -18,9 +18,10 @@ from typing import Any, Final, Protocol
 from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
+from extproc.pick.choice.adapters import AdapterSlots
 from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefill_tokens
 from extproc.pick.choice.load import LoadTracker
-from extproc.pick.choice.pools import NO_MODEL, UNKNOWN_MODEL, Pools, Served
+from extproc.pick.choice.pools import EVERY_MODEL, NO_MODEL, UNKNOWN_MODEL, Pools, Served
 from extproc.pick.choice.state import ReplicaState, Sample, Snapshot
 from extproc.pick.views.base import NOTHING, CacheView, Match, Placed
 from extproc.pick.views.learned import BYTES_PER_TOKEN, LearnedView
@@ -83,19 +84,25 @@ class PickCore:
         self.view: CacheView = view if view is not None else LearnedView()
         self.load = load if load is not None else LoadTracker()
         self.share = share
-        self.pools = pools
+        self.pools = pools if pools is not None else Pools()
         self.clock = clock
         self._pool_snapshots: dict[str, tuple[Snapshot, Snapshot]] = {}  # pool -> (whole, its replicas)
+        self.adapters = AdapterSlots()
+        self._adapter_of: dict[int, str] = {}  # id(choice) -> the LoRA adapter it runs, while in flight
         self._hits: dict[str, float] = {}  # each replica's last vllm:prefix_cache_hits_total
         self._placed: dict[int, Placed] = {}  # id(choice) -> what the view kept of it
 
     # --- state updates -----------------------------------------------------------------
     def set_endpoints(self, addresses: Sequence[str]) -> None:
+        """The router's replicas now: every pool's (``set_pool``), or without --pools the one pool's."""
+        if not self.pools.named:
+            self.pools.set_members(EVERY_MODEL, addresses)
         added, removed = self.load.set_addresses(addresses)
         for address in added:
             self.view.joined(address)
         for address in removed:
             self.view.left(address)
+            self.adapters.left(address)
             for kind in LOAD_KINDS:
                 metrics.forget_series(metrics.REPLICA_LOAD, address, kind)
             metrics.forget_series(metrics.REPLICA_UP, address)
@@ -103,7 +110,6 @@ class PickCore:
 
     def set_pool(self, pool: str, addresses: Sequence[str]) -> None:
         """One pool's replicas changed (``--pools``); the router's replicas are every pool's."""
-        assert self.pools is not None
         for address in self.pools.members[pool] - set(addresses):
             metrics.forget_series(metrics.REPLICA_POOL, address, pool)
         self.pools.set_members(pool, addresses)
@@ -113,13 +119,13 @@ class PickCore:
 
     def on_models(self, address: str, models: Sequence[Served]) -> None:
         """What a replica's /v1/models lists now (its served names and adapters)."""
-        if self.pools is not None:
-            self.pools.served(address, models)
+        self.pools.served(address, models)
 
     def on_sample(self, address: str, sample: Sample | None) -> None:
         metrics.REPLICA_UP.labels(address).set(0 if sample is None else 1)
         if sample is None:
             return
+        self.adapters.scraped(address, sample)
         before = self._hits.get(address)
         self._hits[address] = sample.prefix_cache_hits
         restarted = before is not None and sample.prefix_cache_hits < before
@@ -141,31 +147,36 @@ class PickCore:
                   settle: bool = False) -> tuple[Choice, Match | None]:
         """``settle`` (``pick``): first end the other routers' requests this one continues
         (``Share.continued``), so their load no longer counts."""
-        pool = None
-        if self.pools is not None:
-            pool, unpicked = self.pools.resolve(decision.model)
-            if pool is None:
-                return Choice(None, unpicked or UNKNOWN_MODEL, 0, ()), None
+        pool, unpicked = self.pools.resolve(decision.model)
+        if pool is None:
+            return Choice(None, unpicked or UNKNOWN_MODEL, 0, ()), None
         snapshot = self._snapshot(pool)
         match = self.view.match(decision, settings, snapshot, max_new_chars)
+        adapter = self._adapter(decision, settings)
         if match is None:  # the view cannot say: no replica holds any of it as far as the choice knows
             tokens = math.ceil(len(decision.normalized) / BYTES_PER_TOKEN)
-            return choose(decision.key, tokens, {}, snapshot, settings, pool=pool), None
+            slots = self.adapters.costs(adapter, snapshot.replicas, tokens, settings) if adapter else None
+            return choose(decision.key, tokens, {}, snapshot, settings, pool=pool, adapter=slots), None
         if settle and match.runs and self.share is not None:
             if sum(self.share.continued(run) for run in match.runs):
                 snapshot = self._snapshot(pool)
-        choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views, pool)
+        slots = self.adapters.costs(adapter, snapshot.replicas, match.prompt_tokens, settings) if adapter else None
+        choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views, pool, slots)
         return choice, match
 
-    def _snapshot(self, pool: str | None) -> Snapshot:
-        """The load snapshot now, of ``pool``'s replicas only (None: every replica); a pool's is
-        rebuilt only when the whole one changes."""
+    def _adapter(self, decision: Decision, settings: RouteSettings) -> str | None:
+        """The LoRA adapter the request runs, when the choice prices adapters (None: a base model)."""
+        model = decision.model
+        return model if model and settings.adapter_affinity and self.pools.base_of(model) else None
+
+    def _snapshot(self, pool: str) -> Snapshot:
+        """The load snapshot now, of ``pool``'s replicas only (every replica without --pools); a
+        pool's is rebuilt only when the whole one changes."""
         snapshot = self.load.snapshot(self.clock())
-        if pool is None:
+        if not self.pools.named:
             return snapshot
         kept = self._pool_snapshots.get(pool)
         if kept is None or kept[0] is not snapshot:
-            assert self.pools is not None
             members = self.pools.members[pool]
             kept = self._pool_snapshots[pool] = (snapshot, Snapshot(tuple(
                 r for r in snapshot.replicas if r.address in members)))
@@ -182,7 +193,7 @@ class PickCore:
         says when: its worker could not take the request's long new text)."""
         choice, match = self._evaluate(decision, settings, max_new_chars, settle=True)
         _PICKS[choice.reason].inc()
-        if self.pools is not None:
+        if self.pools.named:
             metrics.POOL_PICKS.labels(choice.pool or "", choice.reason).inc()
         address = choice.address
         if address is not None:
@@ -192,6 +203,10 @@ class PickCore:
             chosen = _chosen(choice)
             prefill = _prefill(choice, chosen)
             self.load.assign(address, prefill, self.clock())
+            model = decision.model
+            if model and self.pools.base_of(model):  # its slot there is taken, whatever the settings
+                self.adapters.assign(address, model)
+                self._adapter_of[id(choice)] = model
             if self.share is not None:
                 self.share.picked(id(choice), address, prefill, placed.run)
             if chosen.cached_tokens > placed.taken_off:
@@ -207,6 +222,9 @@ class PickCore:
             placed = self._placed.pop(id(choice), None)
             if placed is not None:
                 self.view.forget(choice.address, placed)
+            adapter = self._adapter_of.pop(id(choice), None)
+            if adapter is not None:
+                self.adapters.release(choice.address, adapter)
 
     # --- observation -------------------------------------------------------------------
     def publish_metrics(self) -> None:
@@ -225,7 +243,7 @@ class PickCore:
         stats = self.view.stats()
         return {
             **self.view.state(),
-            **(self.pools.state() if self.pools is not None else {}),
+            **self.pools.state(),
             "prefill_tokens_per_s": self.load.prefill_rate,
             "index": {"entries": stats.entries, "chunks": stats.chunks, "bytes": stats.bytes},
             "replicas": [
@@ -233,7 +251,8 @@ class PickCore:
                  "own_in_flight": self.load.own(r.address), "running": r.running,
                  "waiting": r.waiting, "kv_usage": r.kv_usage, "capacity_tokens": r.capacity_tokens,
                  "backlog_tokens": r.backlog_tokens, "token_cost": round(r.token_cost, 4),
-                 "request_tokens": r.request_tokens, **self.view.replica_state(r.address)}
+                 "request_tokens": r.request_tokens, **self.adapters.state(r.address),
+                 **self.view.replica_state(r.address)}
                 for r in self.load.snapshot(self.clock()).replicas
             ],
         }
@@ -253,16 +272,15 @@ class PickCore:
         view = LearnedView(int(state.get("chunk_bytes", 512)), float(state.get("bytes_per_token", 4.0)))
         # a clock that stands still: the saved queues do not drain while explain reads them
         saved_pools: Mapping[str, Sequence[str]] = state.get("pools", {})
-        pools = Pools(saved_pools) if saved_pools else None
+        pools = Pools(name for name in saved_pools if name != EVERY_MODEL)
         core = cls(view, load=LoadTracker(float(state.get("prefill_tokens_per_s", 0.0))), pools=pools,
                    clock=lambda: 0.0)
         replicas = state.get("replicas", [])
         core.load.set_addresses([r["address"] for r in replicas])
-        if pools is not None:
-            for pool, members in saved_pools.items():
-                pools.set_members(pool, members)
-            for address, cards in state.get("served", {}).items():
-                pools.served(address, [Served(*card) for card in cards])
+        for pool in pools.order:
+            pools.set_members(pool, saved_pools.get(pool, [r["address"] for r in replicas]))
+        for address, cards in state.get("served", {}).items():
+            pools.served(address, [Served(*card) for card in cards])
         view.restore(replicas)
         for r in replicas:
             core.load.restore(ReplicaState(

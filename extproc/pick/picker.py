@@ -55,6 +55,7 @@ class Picker(PickCore):
     in-flight channel, the tokenizer check."""
 
     def __init__(self, cfg: ServerSettings, tokenizers: dict[str, ModelTokenizer] | None = None) -> None:
+        pools = Pools(pool.model for pool in cfg.pools)  # none: one pool, every model
         learned = LearnedView(cfg.chunk_bytes, cfg.bytes_per_token, cfg.kv_capacity_tokens, cfg.index_max_chunks)
         view: CacheView = learned
         self.subscriber: KvEventSubscriber | None = None
@@ -67,7 +68,7 @@ class Picker(PickCore):
                                                 cfg.kv_events_topic, cfg.kv_dp_ranks,
                                                 ports_relative=cfg.kv_ports_relative)
             precise = self.precise = PreciseView(events, tokenizers if tokenizers is not None else load_tokenizers(cfg),
-                                                 self.subscriber.stats.replicas)
+                                                 self.subscriber.stats.replicas, pools.base_of)
             ahead = self.ahead = TokenizeAhead(precise, cfg.tokenize_inline_chars, cfg.tokenize_queue_seconds)
             self.tokenizer_check = TokenizerCheck(precise, cfg.tokenizer_check_every,
                                                   ahead=lambda decision: ahead.prepare(decision, checking=True))
@@ -79,7 +80,6 @@ class Picker(PickCore):
             remote = RemoteInFlight(Remote(load, view), os.urandom(8), time.monotonic, time.time,
                                     metrics.SHARING_DELAY.observe)
             self.bus = InFlightBus(cfg.share_in_flight, cfg.share_in_flight_channel, remote)
-        pools = Pools(pool.model for pool in cfg.pools) if cfg.pools else None
         super().__init__(view, load=load, share=self.bus, pools=pools)
         # one endpoint source, or one per model's pool (each replaces only its own pool's replicas)
         self.watchers = [EndpointWatcher(dataclasses.replace(cfg, endpoints=pool.endpoints,
@@ -89,7 +89,7 @@ class Picker(PickCore):
                          for pool in cfg.pools] or [EndpointWatcher(cfg, self.set_endpoints)]
         self.scraper = Scraper(self.load, cfg.scrape_interval, self.on_sample)
         self.lister = ModelLister(self.load.addresses, cfg.models_interval, self.on_models) \
-            if pools is not None and cfg.models_interval else None
+            if cfg.models_interval else None
 
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
@@ -116,8 +116,7 @@ class Picker(PickCore):
             await self.scraper.scrape_once()  # first loads and capacities before serving
         self.scraper.start()
         if self.lister is not None:
-            await self.lister.list_once()  # the adapters' and other names' pools before serving
-            self.lister.start()
+            self.lister.start()  # its first round now, without holding the start up (a hung replica)
 
     async def stop(self) -> None:
         if self.bus is not None:

@@ -8,6 +8,7 @@ rate (``prefill_tokens_per_s``), so in effect a time:
                               + backlog_weight x backlog(r) )               prefill queued ahead of it
             + max(in_flight(r) + 1 - max_num_seqs, 0) x request_tokens(r) / max_num_seqs   the wait for a slot
             + load_tokens x in_flight(r)                                    every request it runs
+            + adapter(r)                                                    its LoRA adapter's slot
 
 The first term is what the request adds to r's queue, the prefill r computes for it (the prompt
 minus what r most likely holds: the prefill the cached prefix saves is the difference between
@@ -22,6 +23,8 @@ few new blocks, and counting its whole prompt drove conversations off the replic
 prefill puts it in the same steps as their decodes, so each waits for it too (running(r): its
 requests in flight, at most max_num_seqs; those waiting for a slot are not stalled). The last term
 charges each request in flight a flat amount (off by default: the stall and slot terms price it).
+``adapter`` is a LoRA request's slot: nothing where its adapter runs, the load where a slot is
+free, the wait for one where every slot is taken (extproc.pick.choice.adapters).
 Dynamo's KV router weighs prefill blocks against active blocks the same way; docs/pick-mode.md
 says how the weights were measured. ``concurrency_threshold`` is SageMaker's hard cap: a replica
 with that many in flight is not chosen while another is below it. Equal costs (a cold prompt on
@@ -56,6 +59,7 @@ class Candidate(NamedTuple):
     capped: bool  # at or over the concurrency threshold
     backlog_tokens: int = 0
     view: str = "learned"  # where cached_tokens came from: learned (own picks) or events (exact)
+    adapter_tokens: int = 0  # of ``cost``, the LoRA adapter's slot (extproc.pick.choice.adapters)
 
 
 class Choice(NamedTuple):
@@ -120,23 +124,29 @@ def _ties_by_rendezvous(ranked: list[tuple[int, int, int, ReplicaState]], candid
 
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
-           settings: RouteSettings, views: Mapping[str, str] | None = None, pool: str | None = None) -> Choice:
+           settings: RouteSettings, views: Mapping[str, str] | None = None, pool: str | None = None,
+           adapter: Mapping[str, int] | None = None) -> Choice:
     """The replica with the lowest cost, honouring the concurrency threshold.
 
     ``views`` names, per replica, where its ``cached`` figure came from (default: learned); ``pool``:
-    the model's pool ``snapshot`` holds the replicas of, carried into the choice."""
+    the model's pool ``snapshot`` holds the replicas of, carried into the choice; ``adapter``: per
+    replica, the request's LoRA adapter term, added to its cost (extproc.pick.choice.adapters)."""
     healthy = [r for r in snapshot.replicas if r.healthy]
     if not healthy:
         return Choice(None, NO_REPLICA, prompt_tokens, (), pool)
     cap = settings.concurrency_threshold
     seed = _seed(key)
+    costs = _costs(prompt_tokens, cached, healthy, settings)
+    extra = adapter.get if adapter else None
+    if extra is not None:
+        costs = [c + extra(r.address, 0) for c, r in zip(costs, healthy)]
     # (cost, minus the rendezvous score, position, replica): the distinct positions keep the
     # comparison on ints, so the sort runs in C
-    ranked = sorted(zip(_costs(prompt_tokens, cached, healthy, settings),
-                        [-_score(seed, r.address) for r in healthy], range(len(healthy)), healthy))
+    ranked = sorted(zip(costs, [-_score(seed, r.address) for r in healthy], range(len(healthy)), healthy))
     get, view = cached.get, (views or {}).get
     candidates = tuple(_new(Candidate, (r.address, get(r.address, 0), r.in_flight, c, bool(cap) and r.in_flight >= cap,
-                                        r.backlog_tokens, view(r.address, "learned")))
+                                        r.backlog_tokens, view(r.address, "learned"),
+                                        extra(r.address, 0) if extra is not None else 0))
                        for c, _, _, r in ranked)
     if settings.tie_tokens:
         candidates = _ties_by_rendezvous(ranked, candidates, settings.tie_tokens)

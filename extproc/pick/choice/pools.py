@@ -16,6 +16,7 @@ from typing import Final, NamedTuple
 
 NO_MODEL: Final = "no_model"  # the request names no model: no pool to pick in
 UNKNOWN_MODEL: Final = "unknown_model"  # no pool serves the model it names
+EVERY_MODEL: Final = ""  # the one pool without --pools: every replica serves every model
 
 
 class Served(NamedTuple):
@@ -27,13 +28,20 @@ class Served(NamedTuple):
 
 class Pools:
     """Each pool's replicas and the names each answers to; ``resolve`` maps a request's model to
-    its pool. Updated from the endpoint sources (``set_members``) and ``/v1/models`` (``served``)."""
+    its pool. Updated from the endpoint sources (``set_members``) and ``/v1/models`` (``served``).
 
-    def __init__(self, names: Iterable[str]) -> None:
+    No names (no ``--pools``): one pool, ``EVERY_MODEL``, which every request is picked in, as
+    before pools; /v1/models still says which names are adapters (``base_of``)."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
         self.order: tuple[str, ...] = tuple(names)  # the configured order: the first pool wins a shared name
+        self.named = bool(self.order)
+        if not self.named:
+            self.order = (EVERY_MODEL,)
         self.members: dict[str, frozenset[str]] = {name: frozenset() for name in self.order}
         self.models: dict[str, tuple[Served, ...]] = {}  # replica -> what its /v1/models lists
         self._names: dict[str, str] = {}
+        self._parents: dict[str, str] = {}  # adapter -> its base model
         self._rebuild()
 
     def set_members(self, pool: str, addresses: Iterable[str]) -> None:
@@ -60,6 +68,8 @@ class Pools:
 
     def resolve(self, model: str | None) -> tuple[str | None, str | None]:
         """The pool ``model`` is served by, or None and why (``NO_MODEL``, ``UNKNOWN_MODEL``)."""
+        if not self.named:
+            return EVERY_MODEL, None
         if model is None:
             return None, NO_MODEL
         pool = self._names.get(model)
@@ -69,15 +79,23 @@ class Pools:
         """Every name a request may use -> its pool."""
         return self._names
 
+    def base_of(self, model: str) -> str | None:
+        """The base model of the LoRA adapter ``model`` (None: not an adapter any replica lists)."""
+        return self._parents.get(model)
+
     def _rebuild(self) -> None:
         names: dict[str, str] = {}
-        for pool in self.order:
-            names.setdefault(pool, pool)
+        parents: dict[str, str] = {}
+        if self.named:
+            for pool in self.order:
+                names.setdefault(pool, pool)
         for pool in self.order:
             for address in sorted(self.members[pool]):
                 for card in self.models.get(address, ()):
                     names.setdefault(card.id, pool)
-        self._names = names
+                    if card.parent is not None:
+                        parents.setdefault(card.id, card.parent)
+        self._names, self._parents = names, parents
 
     def state(self) -> dict[str, object]:
         """The pools as JSON (``/debug/state``)."""

@@ -60,3 +60,8 @@ class Sample:
     prompt_tokens: float = 0.0  # vllm:prompt_tokens_total (cached tokens included)
     prefill_tokens: float = 0.0  # vllm:request_prefill_kv_computed_tokens_sum (cached tokens excluded)
     prefill_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum (first scheduled to first token)
+    # vllm:lora_requests_info's latest sample: adapters per batch (0: no LoRA info), and the adapters
+    # of the requests running and waiting
+    max_lora: int = 0
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()

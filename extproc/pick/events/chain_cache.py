@@ -33,6 +33,7 @@ Ids: TypeAlias = "array[int] | IdRun"  # a request's ids, known by their identit
 
 SPAN_BLOCKS: Final = 32
 MAX_OWNED: Final = 4096  # chains kept by the identity of their request's ids
+_Keys: TypeAlias = tuple[int, str | None, str | None]  # (block size, cache_salt, LoRA name): what a chain is keyed by
 
 
 class ChainCache:
@@ -53,26 +54,28 @@ class ChainCache:
         self.held = 0
         self.hits = 0
         self.misses = 0
-        # id(a request's ids) -> (a weak reference to them, (block size, salt) -> their chain)
-        self._owned: OrderedDict[int, tuple[weakref.ref[Ids], dict[tuple[int, str | None], array[int]]]] = OrderedDict()
+        # id(a request's ids) -> (a weak reference to them, (block size, salt, LoRA) -> their chain)
+        self._owned: OrderedDict[int, tuple[weakref.ref[Ids], dict[_Keys, array[int]]]] = OrderedDict()
 
     def hashes(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None = None,
-               known: tuple[Ids, int] | None = None, own: Ids | None = None, blocks: int | None = None) -> array[int]:
+               known: tuple[Ids, int] | None = None, own: Ids | None = None, blocks: int | None = None,
+               lora_name: str | None = None) -> array[int]:
         """``known``: (an earlier request's ids, n): ``tokens`` begin with the first n of them;
         ``own``: this request's ids (``tokens``, or ids they are the first of), for later ``known``;
         ``blocks``: hash only the first ``blocks`` full blocks (default: all), so a caller leaving out
-        the last one need not copy a prefix of ``tokens``."""
-        key = (block_size, cache_salt)
+        the last one need not copy a prefix of ``tokens``; ``lora_name``: the LoRA adapter the request
+        runs (its name is in every block's extra keys, as vLLM's)."""
+        key = (block_size, cache_salt, lora_name)
         full = len(tokens) // block_size
         blocks = full if blocks is None else min(blocks, full)
         out = self._known(tokens, block_size, key, known, blocks) if known is not None else None
         if out is None:
-            out = self._probed(tokens, block_size, cache_salt, blocks)
+            out = self._probed(tokens, block_size, cache_salt, blocks, lora_name)
         if own is not None:
             self._own(own, key, out)
         return out
 
-    def _known(self, tokens: Sequence[int] | IdRun, block_size: int, key: tuple[int, str | None],
+    def _known(self, tokens: Sequence[int] | IdRun, block_size: int, key: _Keys,
                known: tuple[Ids, int], blocks: int) -> array[int] | None:
         """The chain from the earlier request's, or None if this cache no longer holds it."""
         base, n = known
@@ -88,10 +91,11 @@ class ChainCache:
         self._owned.move_to_end(id(base))
         out = chain[:have]
         if blocks > have:
-            out.extend(block_hashes(_range(tokens, have * block_size, blocks * block_size), block_size, None, out[-1]))
+            out.extend(block_hashes(_range(tokens, have * block_size, blocks * block_size), block_size,
+                                    _later(blocks - have, key[2]), out[-1]))
         return out
 
-    def _own(self, ids: Ids, key: tuple[int, str | None], chain: array[int]) -> None:
+    def _own(self, ids: Ids, key: _Keys, chain: array[int]) -> None:
         at = id(ids)
         entry = self._owned.get(at)
         if entry is None or entry[0]() is not ids:
@@ -105,17 +109,19 @@ class ChainCache:
         entry[1][key] = chain
 
     def _probed(self, tokens: Sequence[int] | IdRun, block_size: int, cache_salt: str | None,
-                blocks: int) -> array[int]:
+                blocks: int, lora_name: str | None = None) -> array[int]:
         if isinstance(tokens, IdRun):
             tokens = tokens.array()
         spans = blocks // self.span
+        extra = request_extra_keys(blocks, cache_salt, lora_name) if cache_salt or lora_name else None
         if not spans:
-            return array("Q", block_hashes(tokens[: blocks * block_size], block_size,
-                                           request_extra_keys(blocks, cache_salt, None) if cache_salt else None))
+            return array("Q", block_hashes(tokens[: blocks * block_size], block_size, extra))
         whole = tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)
         view = memoryview(whole).cast("B")
         step = self.span * block_size * 4
         salt = cache_salt.encode("utf-8", "surrogatepass") + b"\x00" if cache_salt else b""
+        if lora_name:  # a fingerprint no salt alone can give: the LoRA after a byte a salt never ends in
+            salt += b"\x01" + lora_name.encode("utf-8", "surrogatepass") + b"\x00"
         keys: list[tuple[int, int, int]] = []  # the boundaries probed and not found, deepest first
         found, chain = 0, None
         for m in range(spans, 0, -1):
@@ -130,12 +136,12 @@ class ChainCache:
         self.misses += spans - found
         first = found * self.span
         if chain is None:
-            out = array("Q", block_hashes(whole[: blocks * block_size], block_size,
-                                          request_extra_keys(blocks, cache_salt, None) if cache_salt else None))
+            out = array("Q", block_hashes(whole[: blocks * block_size], block_size, extra))
         else:
             out = chain[:first]
             if blocks > first:
-                out.extend(block_hashes(whole[first * block_size: blocks * block_size], block_size, None, out[-1]))
+                out.extend(block_hashes(whole[first * block_size: blocks * block_size], block_size,
+                                        _later(blocks - first, lora_name), out[-1]))
         if found < spans:  # boundaries past the one found are new: remember them on this chain
             self._remember(out, keys)
         return out
@@ -168,6 +174,11 @@ class ChainCache:
         if not entry[0]:
             del self._lists[id(chain)]
             self.held -= entry[1]
+
+
+def _later(n_blocks: int, lora_name: str | None) -> list[tuple[str, ...]] | None:
+    """The extra keys of blocks after the first: the LoRA's name on each (the salt is block 0's alone)."""
+    return [(lora_name,)] * n_blocks if lora_name else None
 
 
 def _range(tokens: Sequence[int] | IdRun, start: int, stop: int) -> Sequence[int]:

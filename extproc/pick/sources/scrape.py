@@ -31,6 +31,7 @@ SUCCESS: Final = "vllm:request_success_total"
 PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"
 PREFILL_TOKENS: Final = "vllm:request_prefill_kv_computed_tokens_sum"
 PREFILL_SECONDS: Final = "vllm:request_prefill_time_seconds_sum"
+LORA_INFO: Final = "vllm:lora_requests_info"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -48,13 +49,14 @@ _SUMMED: Final = (RUNNING, WAITING, CACHE_HITS, SUCCESS, PROMPT_TOKENS, PREFILL_
 def parse_metrics(text: str) -> Sample:
     """Sum over engines of the load gauges, cache hits, finished requests, prompt tokens, and the
     prompt tokens computed and seconds spent in prefill by finished requests; KV usage is the mean;
-    capacity from cache_config_info.
+    capacity from cache_config_info; the LoRA adapters running and waiting from lora_requests_info.
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
     sums = dict.fromkeys(_SUMMED, 0.0)
     usage = 0.0
     engines = capacity = block_size = 0
     seen = False
+    lora: dict[str, tuple[float, dict[str, str]]] = {}  # engine -> its latest lora_requests_info (value, labels)
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -65,6 +67,12 @@ def parse_metrics(text: str) -> Sample:
         elif name == KV_USAGE:
             usage += _value(line)
             engines += 1
+        elif name == LORA_INFO:
+            labels = dict(_LABEL.findall(line))
+            value = _value(line)
+            engine = labels.get("engine", "")
+            if engine not in lora or value >= lora[engine][0]:
+                lora[engine] = (value, labels)
         elif name == CACHE_INFO:
             labels = dict(_LABEL.findall(line))
             try:
@@ -72,8 +80,26 @@ def parse_metrics(text: str) -> Sample:
                 capacity += int(labels.get("num_gpu_blocks", "0")) * block_size
             except ValueError:
                 pass
+    max_lora, running, waiting = _adapters([labels for _, labels in lora.values()])
     return Sample(sums[RUNNING], sums[WAITING], usage / engines if engines else 0.0, capacity, seen, sums[CACHE_HITS],
-                  block_size, sums[SUCCESS], sums[PROMPT_TOKENS], sums[PREFILL_TOKENS], sums[PREFILL_SECONDS])
+                  block_size, sums[SUCCESS], sums[PROMPT_TOKENS], sums[PREFILL_TOKENS], sums[PREFILL_SECONDS],
+                  max_lora, running, waiting)
+
+
+def _adapters(samples: list[dict[str, str]]) -> tuple[int, frozenset[str], frozenset[str]]:
+    """vLLM's lora_requests_info, its latest sample per engine (its value is when it was set: the label
+    set is the information): the adapters per batch, and the adapters running and waiting, over engines."""
+    max_lora = 0
+    running: set[str] = set()
+    waiting: set[str] = set()
+    for labels in samples:
+        try:
+            max_lora = max(max_lora, int(labels.get("max_lora", "0")))
+        except ValueError:
+            continue
+        running.update(name for name in labels.get("running_lora_adapters", "").split(",") if name)
+        waiting.update(name for name in labels.get("waiting_lora_adapters", "").split(",") if name)
+    return max_lora, frozenset(running), frozenset(waiting)
 
 
 class Scraper:

@@ -70,11 +70,11 @@ class ModelLister:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
             try:
                 await self.list_once()
             except Exception:  # the loop must outlive any one bad round
                 log.exception("listing the replicas' models failed")
+            await asyncio.sleep(self.interval)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())

@@ -10,7 +10,7 @@ tokenised) stays with the learned view, and the caller says so.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple, Protocol
@@ -51,9 +51,14 @@ class PreciseView:
     """The event index, the models' tokenizers, and which replicas the events cover."""
 
     def __init__(self, index: EventIndex, tokenizers: Mapping[str, ModelTokenizer],
-                 origins: Mapping[str, Origin] | None = None) -> None:
+                 origins: Mapping[str, Origin] | None = None,
+                 base_of: Callable[[str], str | None] = lambda model: None) -> None:
+        """``base_of``: a LoRA adapter's base model (None: the name is no adapter), from the replicas'
+        /v1/models (extproc.pick.choice.pools): an adapter's prompt is its base model's tokens, and
+        its blocks carry its name."""
         self.index = index
         self.tokenizers = dict(tokenizers)
+        self.base_of = base_of
         self.origins: Mapping[str, Origin] = origins if origins is not None else {}
         self.chains = ChainCache()
         self.distrusted: set[str] = set()  # models whose last tokenizer check disagreed with a replica
@@ -75,17 +80,19 @@ class PreciseView:
         """The prompt's token ids as the replica computes them; raises NotTokenizable (also for a
         model whose tokenizer a run-time check found wrong, unless ``checking`` it again, and for
         more than ``max_new_chars`` characters the tokenizer's cache does not hold, 0: no limit)."""
-        tokenizer, doc, kind = self._resolve(decision, checking)
+        tokenizer, doc, kind, _ = self._resolve(decision, checking)
         return tokenizer.token_run(doc, kind, max_new_chars).array()
 
     def missing(self, decision: Decision, checking: bool = False) -> tuple[ModelTokenizer, list[tuple[bool, str]]]:
         """The tokenizer for the request and the segments of its text that tokenizer's cache does not
         hold (what ``tokens`` would tokenise); raises NotTokenizable as ``tokens`` does."""
-        tokenizer, doc, kind = self._resolve(decision, checking)
+        tokenizer, doc, kind, _ = self._resolve(decision, checking)
         return tokenizer, tokenizer.request_missing(doc, kind)
 
-    def _resolve(self, decision: Decision, checking: bool) -> tuple[ModelTokenizer, Mapping[str, Any], PathKind]:
-        """The request's tokenizer, parsed body and path kind; raises NotTokenizable."""
+    def _resolve(self, decision: Decision,
+                 checking: bool) -> tuple[ModelTokenizer, Mapping[str, Any], PathKind, str | None]:
+        """The request's tokenizer, parsed body, path kind and LoRA adapter (None: a base model);
+        raises NotTokenizable."""
         doc = decision.document
         if doc is None and decision.normalize == "raw" and decision.fallback is None and decision.normalized:
             doc = parsed_object(decision.normalized)  # raw mode hashed the bytes without parsing them
@@ -97,13 +104,16 @@ class PreciseView:
         if not checking and self.distrusted and str(model) in self.distrusted:
             raise NotTokenizable("tokenizer_mismatch", f"the tokenizer of {model!r} disagrees "
                                  "with the replicas' (extproc.pick.sources.tokenizer_check)")
-        tokenizer = self.tokenizers.get(str(model)) or self.tokenizers.get(ANY_MODEL)
+        base = self.base_of(model) if model else None
+        tokenizer = (self.tokenizers.get(str(model)) or (self.tokenizers.get(base) if base else None)
+                     or self.tokenizers.get(ANY_MODEL))
         if tokenizer is None:
             raise NotTokenizable("no_tokenizer", f"no --tokenizer for model {model!r}")
+        lora = model if base else None
         if "messages" in doc:
-            return tokenizer, doc, "chat"
+            return tokenizer, doc, "chat", lora
         if "prompt" in doc:
-            return tokenizer, doc, "completions"
+            return tokenizer, doc, "completions", lora
         raise NotTokenizable("bad_request", "neither messages nor prompt")
 
     def match(self, decision: Decision, max_new_chars: int = 0,
@@ -113,7 +123,7 @@ class PreciseView:
         replica will have evicted before it admits the request (``thresholds``, per replica, from
         ``EvictionForecast.threshold``); raises NotTokenizable, also for more than ``max_new_chars``
         new characters to tokenise (0: no limit)."""
-        tokenizer, doc, kind = self._resolve(decision, False)
+        tokenizer, doc, kind, lora = self._resolve(decision, False)
         ids = tokenizer.token_run(doc, kind, max_new_chars)
         known = tokenizer.resumed  # the earlier prompt whose ids these begin with, if the memo found one
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
@@ -122,7 +132,7 @@ class PreciseView:
         held: dict[int, dict[str, int]] = {}
         for size in set(sizes.values()):
             blocks = max(len(ids) - 1, 0) // size
-            hashes[size] = self.chains.hashes(ids, size, salt, known, ids, blocks) if blocks else []
+            hashes[size] = self.chains.hashes(ids, size, salt, known, ids, blocks, lora) if blocks else []
             held[size] = self.index.match(hashes[size]) if blocks else {}
         cached = dict.fromkeys(covered, 0)
         in_flight: dict[str, int] = {}

@@ -12,6 +12,11 @@ KV-cache events: with a ``kv_events`` publisher (:class:`routerlab.sim.kv_events
 the cache reports to it and the engine flushes one batch per step, after the step's results are
 applied (vLLM publishes in ``update_from_output``). A prefix-cache reset is flushed at once as
 its own batch (vLLM would send it with the next step's).
+
+LoRA (with an ``adapters`` cache): a step's adapter loads lengthen that step (the scheduler prices
+them); a run-time load (``/v1/load_lora_adapter``) runs in the loop between steps, as vLLM's engine
+core runs its ``add_lora`` utility call, so it delays the next step. Every step sets
+``vllm:lora_requests_info`` from :class:`~routerlab.sim.lora_states.LoraRequestStates`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from dataclasses import fields
 from typing import Any
 
 from routerlab.sim.control import Control
+from routerlab.sim.lora import AdapterCache
+from routerlab.sim.lora_states import LoraRequestStates
 from routerlab.sim.metrics import ReplicaMetrics
 from routerlab.sim.profiles import Profile
 from routerlab.sim.scheduler import Counters, Scheduler, Sequence
@@ -53,7 +60,7 @@ class Engine:
 
     def __init__(
         self, profile: Profile, time_scale: float, control: Control, metrics: ReplicaMetrics,
-        kv_events: Any = None, output_ids: Seq[int] | None = None,
+        kv_events: Any = None, output_ids: Seq[int] | None = None, adapters: AdapterCache | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
@@ -62,7 +69,9 @@ class Engine:
         self.control = control
         self.metrics = metrics
         self.kv_events = kv_events  # a KvEventPublisher (hooks + flush) or None
-        self.sched = Scheduler(profile, listener=kv_events, output_ids=output_ids)
+        self.sched = Scheduler(profile, listener=kv_events, output_ids=output_ids, adapters=adapters)
+        self.lora_states = LoraRequestStates() if adapters is not None else None
+        self._loads: list[tuple[int, bool, asyncio.Future[None]]] = []
         self._loop = asyncio.get_running_loop()
         self._origin = self._loop.time()
         self._model_now = 0.0
@@ -95,6 +104,9 @@ class Engine:
                 pass
             self._task = None
         self.abort_all()
+        for _, _, done in self._loads:
+            done.cancel()
+        self._loads.clear()
 
     # ---- requests ----------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -103,8 +115,18 @@ class Engine:
         self.metrics.waiting.set(len(self.sched.waiting))
         self._wake.set()
 
+    async def add_lora(self, lora_id: int, reload: bool = False) -> None:
+        """Load an adapter into the CPU cache and a GPU slot (vLLM's ``add_lora``) between two steps;
+        returns once loaded."""
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._loads.append((lora_id, reload, done))
+        self._wake.set()
+        await done
+
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
+            if self.lora_states is not None:
+                self.lora_states.finished(seq.req_id, seq.lora_name)
             self.sched.abort(seq)
             self.metrics.request_success("abort")
             self.refresh_gauges()
@@ -135,19 +157,17 @@ class Engine:
         idle = True
         while True:
             try:
-                if not self.sched.has_work():
+                if not self.sched.has_work() and not self._loads:
                     self.refresh_gauges()
                     self._wake.clear()
                     await self._wake.wait()
                     idle = True
                     continue
-                wall_model = self.model_time()
-                lag = LAG_TOLERANCE_S * self.time_scale
-                if idle or wall_model - self._model_now > lag:
-                    if not idle:
-                        self.clock_snaps += 1
-                        self.snapped_model_s += wall_model - self._model_now
-                    self._model_now = max(self._model_now, wall_model)
+                self._catch_up(idle)
+                if self._loads:
+                    idle = False
+                    await self._load_adapters()
+                    continue
                 plan = self.sched.schedule()
                 if not plan.scheduled:
                     # nothing can run until a request leaves (cannot normally happen)
@@ -158,10 +178,7 @@ class Engine:
                 for seq, _ in plan.scheduled:
                     if seq.scheduled_time is None:
                         seq.scheduled_time = self._model_now
-                end = self._model_now + plan.duration * self.control.slow_factor
-                delay = self._origin + end / self.time_scale - self._loop.time()
-                await asyncio.sleep(delay if delay > 0 else 0)
-                self._model_now = end
+                end = await self._advance(plan.duration * self.control.slow_factor)
                 emitted = self.sched.complete(plan, end)
                 self.flush_events()
                 self._account(emitted, end)
@@ -174,10 +191,43 @@ class Engine:
                 self.abort_all()
                 self.flush_events()
 
+    def _catch_up(self, idle: bool) -> None:
+        """Start the model clock at wall time after idling; snap it forward when the loop lags."""
+        wall_model = self.model_time()
+        if idle or wall_model - self._model_now > LAG_TOLERANCE_S * self.time_scale:
+            if not idle:
+                self.clock_snaps += 1
+                self.snapped_model_s += wall_model - self._model_now
+            self._model_now = max(self._model_now, wall_model)
+
+    async def _advance(self, model_s: float) -> float:
+        """Let ``model_s`` model seconds pass (sleeping towards the absolute wall deadline)."""
+        end = self._model_now + model_s
+        delay = self._origin + end / self.time_scale - self._loop.time()
+        await asyncio.sleep(delay if delay > 0 else 0)
+        self._model_now = end
+        return end
+
+    async def _load_adapters(self) -> None:
+        """Run the pending run-time adapter loads, one after the other, then answer them."""
+        loads, self._loads = self._loads, []
+        seconds = sum(self.sched.load_adapters([lora_id], reload) for lora_id, reload, _ in loads)
+        await self._advance(seconds * self.control.slow_factor)
+        self._sync_counters()
+        for _, _, done in loads:
+            if not done.done():
+                done.set_result(None)
+
     def _account(self, emitted: list[Sequence], now: float) -> None:
         m = self.metrics
+        states = self.lora_states
         for seq in emitted:
             n = len(seq.outputs)
+            if states is not None and (n == 1 or seq.finished):
+                if n == 1:
+                    states.first_token(seq.req_id, seq.lora_name)
+                if seq.finished:
+                    states.finished(seq.req_id, seq.lora_name)
             if n == 1:
                 m.ttft.observe(max(0.0, now - seq.arrival))
             else:
@@ -191,6 +241,8 @@ class Engine:
                 seq.listener.notify()
         self._sync_counters()
         self.refresh_gauges()
+        if states is not None:
+            m.lora_requests_info(states.label())
 
     def _observe_phases(self, seq: Sequence, now: float) -> None:
         """vLLM's per-phase histograms, observed when a request finishes (v1's record_finished_request):
@@ -211,7 +263,8 @@ class Engine:
             ("prompt_tokens", m.prompt_tokens),
             ("generation_tokens", m.generation_tokens),
             ("preemptions", m.num_preemptions),
-        )
+        ) + ((("lora_loads_disk", m.lora_loads_disk), ("lora_loads_cpu", m.lora_loads_cpu),
+              ("lora_slot_waits", m.lora_slot_waits)) if m.lora_info is not None else ())
         for name, metric in pairs:
             delta = getattr(c, name) - getattr(s, name)
             if delta:
@@ -252,4 +305,14 @@ class Engine:
             "model_time_s": self.model_time(),
             "clock_snaps": self.clock_snaps,
             "snapped_model_s": self.snapped_model_s,
+            **self._lora_state(),
         }
+
+    def _lora_state(self) -> dict[str, object]:
+        """The adapter counters and caches (lora_int_ids, oldest first); nothing without LoRA."""
+        cache, c = self.sched.adapters, self.sched.counters
+        if cache is None:
+            return {}
+        return {"lora_loads_disk": c.lora_loads_disk, "lora_loads_cpu": c.lora_loads_cpu,
+                "lora_slot_waits": c.lora_slot_waits, "lora_cpu_cache": list(cache.cpu),
+                "lora_gpu_slots": list(cache.gpu)}

@@ -6,8 +6,8 @@ Semantics copied from vLLM v1 (see docs/simulator.md, "Cache semantics"):
   "null block" as in vLLM, so ``num_blocks - 1`` blocks are usable and
   ``usage = 1 - free / (num_blocks - 1)``.
 * Only full blocks are hashed. Hash of block i = H(hash of block i-1, token ids of block
-  i); the first block's parent is a root hash over the *extra keys* (model name and
-  ``cache_salt``), so a salt or a model isolates a whole chain.
+  i); the first block's parent is a root hash over the *extra keys* (the model or LoRA adapter
+  the request names and ``cache_salt``), so a salt, a model or an adapter isolates a whole chain.
 * Lookup = longest run of consecutive cached blocks from the start, over at most
   ``(num_tokens - 1) // block_size`` blocks: at least one prompt token is always computed
   (vLLM recomputes the last token to get logits, rounded down to whole blocks).
@@ -23,7 +23,7 @@ Semantics copied from vLLM v1 (see docs/simulator.md, "Cache semantics"):
 KV-cache events (vLLM's ``BlockPool`` with ``enable_kv_cache_events``): an optional
 ``listener`` (:class:`KvEventListener`, e.g. :class:`routerlab.sim.kv_events.KvEventPublisher`)
 hears ``stored(...)`` once per newly cached contiguous run of one request's blocks (its token
-ids, the parent block's hash or None at block 0, ``(cache_salt,)`` as block 0's extra keys),
+ids, the parent block's hash or None at block 0, the per-block extra keys, the adapter's id and name),
 ``removed([hash])`` for every cached block evicted because it is reused, and ``cleared()`` on
 :meth:`KVCache.reset`. A prefix-cache hit announces nothing. The cache only calls the
 listener; batching per engine step and all I/O belong to the caller.
@@ -45,11 +45,14 @@ def root_hash(extra_keys: bytes) -> int:
     return _hash(b"prefix-router-sim-root\x00" + extra_keys)
 
 
-def extra_keys(model: str, cache_salt: str | None) -> bytes:
-    """Extra keys of a request's first block (model and optional salt)."""
-    return model.encode("utf-8") + b"\x00" + (cache_salt or "").encode("utf-8") + (
+def extra_keys(model: str, cache_salt: str | None, lora_path: str | None = None) -> bytes:
+    """Extra keys of a request's first block: the model the request names (a LoRA adapter's name
+    for an adapter, so adapters never share blocks), the optional salt and, for an adapter, its
+    path (vLLM 0.32 hashes ``("lora", name, path)``: an adapter re-loaded from elsewhere starts cold)."""
+    keys = model.encode("utf-8") + b"\x00" + (cache_salt or "").encode("utf-8") + (
         b"\x01" if cache_salt is not None else b"\x00"
     )
+    return keys if lora_path is None else keys + b"\x02" + lora_path.encode("utf-8")
 
 
 def extend_block_hashes(
@@ -78,16 +81,21 @@ class KvEventListener(Protocol):
     """What a :class:`KVCache` reports (the hook API of ``KvEventPublisher``)."""
 
     def stored(self, block_hashes: Sequence[int], parent_hash: int | None, token_ids: Sequence[int],
-               block_size: int, extra_keys: Sequence[Any] | None = None) -> None: ...
+               block_size: int, extra_keys: Sequence[Any] | None = None, lora_id: int | None = None,
+               lora_name: str | None = None) -> None: ...
 
     def removed(self, block_hashes: Sequence[int]) -> None: ...
 
     def cleared(self) -> None: ...
 
 
-def block_extra_keys(first_block: int, n: int, cache_salt: str | None) -> list[tuple[str, ...] | None]:
-    """vLLM's per-block extra keys of a text-only request: ``(cache_salt,)`` on block 0, else None."""
-    return [(cache_salt,) if cache_salt and first_block + i == 0 else None for i in range(n)]
+def block_extra_keys(first_block: int, n: int, cache_salt: str | None,
+                     lora_name: str | None = None) -> list[tuple[str, ...] | None]:
+    """vLLM's per-block extra keys of a text-only request as its events carry them: the adapter's
+    name on every block, then ``cache_salt`` on block 0; None for a block with neither."""
+    lora: tuple[str, ...] = (lora_name,) if lora_name else ()
+    first = lora + ((cache_salt,) if cache_salt else ())
+    return [(first if first_block + i == 0 else lora) or None for i in range(n)]
 
 
 class Block:
@@ -234,6 +242,8 @@ class KVCache:
         owner: str = "",
         token_ids: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> bool:
         """Make the request hold blocks for ``num_tokens`` tokens (computed + scheduled).
 
@@ -241,8 +251,9 @@ class KVCache:
         they are touched before new blocks are taken so they cannot be evicted by this
         very allocation. Returns False, changing nothing, if there are not enough free
         blocks. Full blocks up to ``num_tokens_to_cache`` are then registered in the cache.
-        ``token_ids`` (the request's prompt + generated ids) and ``cache_salt`` are only read
-        to tell the listener what was stored; with a listener, ``token_ids`` is required.
+        ``token_ids`` (the request's prompt + generated ids), ``cache_salt`` and the adapter
+        (``lora_id``, ``lora_name``) are only read to tell the listener what was stored; with a
+        listener, ``token_ids`` is required.
         """
         held = self.req_blocks.get(req_id)
         if held is None:
@@ -264,7 +275,7 @@ class KVCache:
             held.append(self._take_free_block())
         self._cache_full_blocks(
             req_id, held, hashes, num_tokens if num_tokens_to_cache is None else num_tokens_to_cache, owner,
-            token_ids, cache_salt,
+            token_ids, cache_salt, lora_id, lora_name,
         )
         return True
 
@@ -290,7 +301,8 @@ class KVCache:
 
     def _cache_full_blocks(
         self, req_id: str, held: list[Block], hashes: Sequence[int], num_tokens: int, owner: str,
-        token_ids: Sequence[int] | None, cache_salt: str | None,
+        token_ids: Sequence[int] | None, cache_salt: str | None, lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         done = self._req_num_cached[req_id]
         full = min(num_tokens // self.block_size, len(hashes), len(held))
@@ -311,7 +323,8 @@ class KVCache:
             bs = self.block_size
             self.listener.stored(
                 list(hashes[done:full]), hashes[done - 1] if done > 0 else None,
-                list(token_ids[done * bs : full * bs]), bs, block_extra_keys(done, full - done, cache_salt),
+                list(token_ids[done * bs : full * bs]), bs, block_extra_keys(done, full - done, cache_salt, lora_name),
+                lora_id, lora_name,
             )
 
     def free(self, req_id: str) -> None:

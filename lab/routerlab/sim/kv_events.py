@@ -29,7 +29,8 @@ One deliberate difference: the live socket is an XPUB (wire-identical to PUB for
 sleeping through ZMQ's slow-joiner window.
 
 Hook API for the engine (collected per step, sent as one batch by :meth:`flush`):
-``stored(block_hashes, parent_hash, token_ids, block_size, extra_keys)``, ``removed(block_hashes)``,
+``stored(block_hashes, parent_hash, token_ids, block_size, extra_keys, lora_id, lora_name)``,
+``removed(block_hashes)``,
 ``cleared()``. The replay socket is served by a daemon thread (it only touches the ROUTER socket
 and the buffer, under a lock); ``publish``/``flush``/``subscriptions`` must be called from one
 thread (the simulator's event loop), since the XPUB socket is not thread-safe.
@@ -183,8 +184,10 @@ class KvEventPublisher:
 
     # ---- hook API (one engine step) -----------------------------------------------------
     def stored(self, block_hashes: Sequence[int | bytes], parent_hash: int | bytes | None,
-               token_ids: Sequence[int], block_size: int, extra_keys: Sequence[Any] | None = None) -> None:
+               token_ids: Sequence[int], block_size: int, extra_keys: Sequence[Any] | None = None,
+               lora_id: int | None = None, lora_name: str | None = None) -> None:
         self._pending.append(BlockStored(list(block_hashes), parent_hash, list(token_ids), block_size,
+                                         lora_id=lora_id, lora_name=lora_name,
                                          extra_keys=None if extra_keys is None else list(extra_keys),
                                          **self._group(stored=True)))
 

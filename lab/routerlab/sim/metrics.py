@@ -7,6 +7,8 @@ the wall-clock time the scaled simulation takes: see docs/simulator.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from routerlab.sim.profiles import Profile
@@ -43,7 +45,8 @@ def one_two_five(limit: int) -> tuple[float, ...]:
 class ReplicaMetrics:
     """The vLLM metric families of one replica (one engine)."""
 
-    def __init__(self, model: str, profile: Profile) -> None:
+    def __init__(self, model: str, profile: Profile, max_loras: int | None = None) -> None:
+        """``max_loras``: LoRA is enabled (vLLM then exports ``vllm:lora_requests_info``)."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         names = ["model_name", "engine"]
         lv = {"model_name": model, "engine": "0"}
@@ -117,6 +120,30 @@ class ReplicaMetrics:
                                      one_two_five(profile.max_model_len))
         self.itl = hist("vllm:inter_token_latency_seconds",
                         "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.max_loras = max_loras
+        self.lora_info: Gauge | None = None
+        if max_loras is not None:
+            self._lora_metrics(counter)
+
+    def _lora_metrics(self, counter: Any) -> None:
+        """vLLM's LoRA gauge (labels in its order; no sample until the first step, as vLLM), and the
+        simulator's own adapter counters (not vLLM metrics: a benchmark's adapter loads and waits)."""
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
+        loads = Counter("sim:lora_adapter_loads", "LoRA adapters loaded for a step or a load request: "
+                        "source=disk (not in the CPU cache), source=cpu (from the CPU cache into a GPU slot).",
+                        ["model_name", "engine", "source"], registry=self.registry)
+        self.lora_loads_disk = loads.labels(source="disk", **self._success_lv)
+        self.lora_loads_cpu = loads.labels(source="cpu", **self._success_lv)
+        self.lora_slot_waits = counter(
+            "sim:lora_slot_waited_requests",
+            "Requests skipped at least one step because max_loras other adapters were running.")
+
+    def lora_requests_info(self, adapters: str) -> None:
+        """One step's update of ``vllm:lora_requests_info`` (both adapter labels, as vLLM 0.32)."""
+        if self.lora_info is not None:
+            self.lora_info.labels(max_lora=str(self.max_loras), waiting_lora_adapters=adapters,
+                                  running_lora_adapters=adapters).set_to_current_time()
 
     def request_success(self, finished_reason: str) -> None:
         self._success.labels(finished_reason=finished_reason, **self._success_lv).inc()

@@ -25,6 +25,10 @@ class Profile:
     step_base_s: float
     per_prefill_token_s: float
     per_decode_s: float
+    # LoRA adapter costs (model seconds), docs/simulator.md "Models and LoRA adapters": reading one
+    # adapter from disk into CPU memory, and copying one from CPU memory into a GPU slot
+    lora_load_s: float = 0.02
+    lora_activate_s: float = 0.001
 
     def __post_init__(self) -> None:
         """Reject limits the scheduler cannot run with (a zero budget would stall it)."""
@@ -35,6 +39,8 @@ class Profile:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if min(self.step_base_s, self.per_prefill_token_s, self.per_decode_s) < 0:
             raise ValueError("step time coefficients must be >= 0")
+        if min(self.lora_load_s, self.lora_activate_s) < 0:
+            raise ValueError("LoRA load times must be >= 0")
 
     def step_time(self, prefill_tokens: int, decodes: int) -> float:
         """Model-time duration of one engine step."""
@@ -67,6 +73,8 @@ PROFILES: dict[str, Profile] = {
             step_base_s=0.012,
             per_prefill_token_s=45e-6,
             per_decode_s=0.05e-3,
+            lora_load_s=0.25,
+            lora_activate_s=0.003,
         ),
         Profile(
             name="tiny",

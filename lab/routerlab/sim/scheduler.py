@@ -9,17 +9,24 @@ while there is budget, a free ``max_num_seqs`` slot and enough free blocks; a se
 that does not fit waits (head-of-line, as vLLM's FCFS policy does). Long prompts are
 prefilled in chunks. Prefix-cache counters (queries = prompt tokens looked up, hits =
 cached tokens) are counted once, when a new sequence is admitted.
+
+LoRA (with an :class:`~routerlab.sim.lora.AdapterCache`): as vLLM's ``schedule()``, a waiting
+sequence whose adapter is not among the adapters this step already runs, while those number
+``max_loras``, is *skipped*: it stays waiting, at its place, and the sequences behind it may still
+be admitted. The step's adapters are then applied to the cache; a load lengthens the step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 from routerlab.sim import tokenizer
 from routerlab.sim.kv_cache import KVCache, KvEventListener, extend_block_hashes, root_hash
+from routerlab.sim.lora import AdapterCache
 from routerlab.sim.profiles import Profile
 
 
@@ -49,6 +56,9 @@ class Sequence:
     listener: Any = None
     tenant: str = ""  # the tenant header, only to count cross-tenant hits (a simulator diagnostic)
     cache_salt: str | None = None  # only for KV-cache events (block 0's extra keys); the hash has it in extra_keys
+    lora_id: int = 0  # the adapter's lora_int_id (0: the base model); the hash has its name in extra_keys
+    lora_name: str | None = None
+    slot_waited: bool = False  # skipped at least once because max_loras other adapters were running
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -76,6 +86,7 @@ class StepPlan:
     decodes: int
     duration: float
     preempted: list[Sequence]
+    lora_s: float = 0.0  # of the duration: loading the step's adapters
 
 
 @dataclass
@@ -95,16 +106,26 @@ class Counters:
     steps: int = 0
     finished: int = 0
     aborted: int = 0
+    lora_loads_disk: int = 0  # adapters read from disk (not in the CPU cache) for a step or a load call
+    lora_loads_cpu: int = 0  # adapters copied from the CPU cache into a GPU slot
+    lora_slot_waits: int = 0  # sequences skipped at least one step for an adapter slot
+
+
+def seq_lora(seq: Sequence) -> dict[str, Any]:
+    """The adapter fields of a sequence's KV events (none for the base model)."""
+    return {"lora_id": seq.lora_id, "lora_name": seq.lora_name} if seq.lora_id else {}
 
 
 class Scheduler:
     """FCFS scheduler with chunked prefill, max_num_seqs and preemption by recompute."""
 
     def __init__(self, profile: Profile, kv: KVCache | None = None, listener: KvEventListener | None = None,
-                 output_ids: Seq[int] | None = None) -> None:
+                 output_ids: Seq[int] | None = None, adapters: AdapterCache | None = None) -> None:
         """``listener`` hears the cache's KV events (see kv_cache.py); ``output_ids`` are the ids
-        generated tokens cycle through (default: the stand-in tokenizer's filler)."""
+        generated tokens cycle through (default: the stand-in tokenizer's filler); ``adapters``:
+        LoRA is enabled, with that many slots (max_loras) and that CPU cache."""
         self.profile = profile
+        self.adapters = adapters
         self.kv = kv or KVCache(profile.num_blocks, profile.block_size, listener)
         self.output_ids: tuple[int, ...] = tuple(output_ids) if output_ids else tokenizer.FILLER_IDS
         self.waiting: deque[Sequence] = deque()
@@ -154,7 +175,7 @@ class Scheduler:
                 continue
             ok = True
             while not kv.allocate(seq.req_id, seq.num_computed + n, seq.block_hashes, owner=seq.tenant,
-                                  token_ids=seq.tokens, cache_salt=seq.cache_salt):
+                                  token_ids=seq.tokens, cache_salt=seq.cache_salt, **seq_lora(seq)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -171,14 +192,22 @@ class Scheduler:
             budget -= n
             i += 1
 
+        loras = {s.lora_id for s, _ in scheduled if s.lora_id}
         if not preempted:
+            skipped: list[Sequence] = []
             while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
                 seq = self.waiting[0]
+                if self._needs_a_slot(seq, loras):
+                    skipped.append(self.waiting.popleft())
+                    if not seq.slot_waited:
+                        seq.slot_waited = True
+                        self.counters.lora_slot_waits += 1
+                    continue
                 hits = kv.longest_hit(seq.block_hashes, len(seq.tokens))
                 hit_tokens = len(hits) * kv.block_size
                 n = min(len(seq.tokens) - hit_tokens, budget)
                 if not kv.allocate(seq.req_id, hit_tokens + n, seq.block_hashes, hits, owner=seq.tenant,
-                                   token_ids=seq.tokens, cache_salt=seq.cache_salt):
+                                   token_ids=seq.tokens, cache_salt=seq.cache_salt, **seq_lora(seq)):
                     break
                 self.waiting.popleft()
                 if not seq.admitted:
@@ -193,11 +222,30 @@ class Scheduler:
                 seq.num_computed = hit_tokens
                 self.running.append(seq)
                 scheduled.append((seq, n))
+                if seq.lora_id:
+                    loras.add(seq.lora_id)
                 prefill += n
                 budget -= n
+            self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
 
         duration = self.profile.step_time(prefill, decodes) if scheduled else 0.0
-        return StepPlan(scheduled, prefill, decodes, duration, preempted)
+        lora_s = self.load_adapters(s.lora_id for s, _ in scheduled if s.lora_id) if loras else 0.0
+        return StepPlan(scheduled, prefill, decodes, duration + lora_s, preempted, lora_s)
+
+    def _needs_a_slot(self, seq: Sequence, loras: set[int]) -> bool:
+        """vLLM's max_loras rule: the step's adapters are all taken by others."""
+        return (self.adapters is not None and seq.lora_id != 0 and len(loras) >= self.adapters.slots
+                and seq.lora_id not in loras)
+
+    def load_adapters(self, lora_ids: Iterable[int], reload: bool = False) -> float:
+        """Make the adapters resident (a step's batch, or a load request); returns the model seconds
+        it takes and counts the loads. ``reload``: read from disk even if cached (load in place)."""
+        if self.adapters is None:
+            return 0.0
+        cost = self.adapters.apply(lora_ids, reload)
+        self.counters.lora_loads_disk += cost.from_disk
+        self.counters.lora_loads_cpu += cost.from_cpu
+        return cost.seconds
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.req_id)
