@@ -186,6 +186,6 @@ def test_the_lister_reads_each_replicas_models_and_keeps_quiet_about_a_broken_on
     heard: dict[str, list[Served]] = {}
     lister = ModelLister(lambda: [*model_servers, "127.0.0.1:1"], 1.0, lambda a, m: heard.__setitem__(a, list(m)))
     loop = asyncio.get_event_loop()
-    loop.run_until_complete(lister.list_once())
+    loop.run_until_complete(lister.poll_once())
     loop.run_until_complete(lister.stop())
     assert heard == {model_servers[0]: [Served("llama"), Served("sql-lora", "llama")]}

@@ -113,7 +113,7 @@ class Picker(PickCore):
         for watcher in self.watchers:
             await watcher.start()
         if self.load.addresses():
-            await self.scraper.scrape_once()  # first loads and capacities before serving
+            await self.scraper.poll_once()  # first loads and capacities before serving
         self.scraper.start()
         if self.lister is not None:
             self.lister.start()  # its first round now, without holding the start up (a hung replica)

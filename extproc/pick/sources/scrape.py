@@ -7,7 +7,6 @@ per replica per interval would take event-loop time from the requests.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -19,6 +18,7 @@ import aiohttp
 from extproc import metrics
 from extproc.pick.choice.load import LoadTracker
 from extproc.pick.choice.state import Sample
+from extproc.pick.sources.poller import ReplicaPoller
 
 log = logging.getLogger("extproc.pick.sources.scrape")
 
@@ -102,31 +102,21 @@ def _adapters(samples: list[dict[str, str]]) -> tuple[int, frozenset[str], froze
     return max_lora, frozenset(running), frozenset(waiting)
 
 
-class Scraper:
+class Scraper(ReplicaPoller):
     """Every ``interval`` seconds, GET http://ADDRESS/metrics of every replica at once."""
 
     def __init__(self, tracker: LoadTracker, interval: float,
                  on_sample: Callable[[str, Sample | None], None] | None = None) -> None:
+        super().__init__(tracker.addresses, interval)
         self.tracker = tracker
-        self.interval = interval
-        # A loaded vLLM can be slow to answer /metrics; a slow answer is not a dead replica.
-        self.timeout = max(1.0, min(interval, 5.0))
         self.on_sample = on_sample
-        self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
 
-    async def scrape_once(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
-        await asyncio.gather(*(self._one(a) for a in self.tracker.addresses()))
-
-    async def _one(self, address: str) -> None:
+    async def ask(self, session: aiohttp.ClientSession, address: str) -> None:
         own = self.tracker.own(address)
         sample: Sample | None = None
         refused = False
         try:
-            assert self._session is not None
-            async with self._session.get(f"http://{address}/metrics") as resp:
+            async with session.get(f"http://{address}/metrics") as resp:
                 # A server that answers without vLLM metrics is up but its load unknown.
                 text = await resp.text() if resp.status == 200 else ""
                 sample = parse_metrics(text)
@@ -142,21 +132,3 @@ class Scraper:
         self.tracker.scraped(address, sample, min(own, self.tracker.own(address)), refused, time.monotonic())
         if self.on_sample:
             self.on_sample(address, sample)
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.scrape_once()
-            except Exception:  # the loop must outlive any one bad scrape
-                log.exception("scrape round failed")
-            await asyncio.sleep(self.interval)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._session:
-            await self._session.close()

@@ -7,7 +7,6 @@ does not answer keeps what it said last: a slow or restarting replica must not l
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -15,6 +14,7 @@ import aiohttp
 import orjson
 
 from extproc.pick.choice.pools import Served
+from extproc.pick.sources.poller import ReplicaPoller
 
 log = logging.getLogger("extproc.pick.sources.served_models")
 
@@ -39,26 +39,16 @@ def parse_models(body: bytes) -> list[Served]:
     return cards
 
 
-class ModelLister:
+class ModelLister(ReplicaPoller):
     """Every ``interval`` seconds, GET http://ADDRESS/v1/models of every replica ``addresses()`` names."""
 
     def __init__(self, addresses: Callable[[], Sequence[str]], interval: float, on_models: OnModels) -> None:
-        self.addresses = addresses
-        self.interval = interval
+        super().__init__(addresses, interval)
         self.on_models = on_models
-        self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
 
-    async def list_once(self) -> None:
-        if self._session is None:
-            timeout = aiohttp.ClientTimeout(total=max(1.0, min(self.interval, 5.0)))
-            self._session = aiohttp.ClientSession(timeout=timeout)
-        await asyncio.gather(*(self._one(a) for a in self.addresses()))
-
-    async def _one(self, address: str) -> None:
+    async def ask(self, session: aiohttp.ClientSession, address: str) -> None:
         try:
-            assert self._session is not None
-            async with self._session.get(f"http://{address}/v1/models") as resp:
+            async with session.get(f"http://{address}/v1/models") as resp:
                 if resp.status != 200:
                     log.debug("%s/v1/models answered %d", address, resp.status)
                     return
@@ -67,21 +57,3 @@ class ModelLister:
             log.debug("listing the models of %s failed: %r", address, exc)
             return
         self.on_models(address, cards)
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.list_once()
-            except Exception:  # the loop must outlive any one bad round
-                log.exception("listing the replicas' models failed")
-            await asyncio.sleep(self.interval)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._session:
-            await self._session.close()
