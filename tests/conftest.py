@@ -187,6 +187,7 @@ TESTS: dict[str, dict[str, tuple[str, ...]]] = {
                                  "test_two_routers_behind_envoy_hear_every_pick_of_the_other": RUN},
     "test_sim_http.py": {"test_cli_three_replicas_subprocess": ("procs",),
                          "test_cli_bad_settings_exit_cleanly": ("procs",)},
+    "test_sim_lora.py": {"test_cli_serves_two_models_and_adapters": ("procs",)},
 }
 
 # In-process tests over ~3 s on this 2-core machine (--durations=0): out of `make check` (which must

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -15,7 +16,8 @@ from extproc.process.signals import stop_on_signals
 from routerlab.sim.profiles import DEFAULT_PROFILE, PROFILES
 
 if TYPE_CHECKING:  # fleet pulls in aiohttp: imported only when serving
-    from routerlab.sim.fleet import SimConfig
+    from routerlab.sim.fleet import Pool, SimConfig
+    from routerlab.sim.lora import LoraConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +50,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="tokenise with this model directory's tokenizer and chat template "
                              "(Hugging Face layout) instead of the stand-in")
+    parser.add_argument("--pool", dest="pools", action="append", default=[], metavar="MODEL=COUNT[:PROFILE]",
+                        help="COUNT replicas serving base model MODEL (with PROFILE, default --profile); "
+                             "repeat for several models, replicas in the order given (replaces --model)")
+    lora = parser.add_argument_group("LoRA adapters (as vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (default 1)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in CPU memory, LRU (default: --max-loras)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH|JSON",
+                      help='adapters registered at start: name=path, or {"name","path","base_model_name"} '
+                           "(a fleet of several models: only that base model's replicas)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
+                      help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1|true, as vLLM)")
+    lora.add_argument("--lora-load-s", type=float, default=None, metavar="SECONDS",
+                      help="model seconds to read an adapter from disk into CPU memory (default: the profile's)")
+    lora.add_argument("--lora-activate-s", type=float, default=None, metavar="SECONDS",
+                      help="model seconds to copy an adapter from CPU memory into a GPU slot (default: the profile's)")
     parser.add_argument("--control", metavar="URL", default=None,
                         help="instead of serving: send --set values to URL's /sim/control")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -93,12 +114,19 @@ async def _serve(config: SimConfig) -> int:
 
     stop = stop_on_signals()
     fleet = await start_fleet(config)
-    p = config.resolved_profile()
-    print(f"sim: profile={p.name} model={p.model} block_size={p.block_size} "
-          f"num_blocks={p.num_blocks} max_num_seqs={p.max_num_seqs} "
-          f"max_num_batched_tokens={p.max_num_batched_tokens} max_model_len={p.max_model_len} "
-          f"time_scale={config.time_scale}"
-          + (f" tokenizer={config.tokenizer}" if config.tokenizer else ""), flush=True)
+    profiles = config.replica_profiles()
+    for p in dict.fromkeys(profiles):  # one line per pool (one for a fleet of one model)
+        count = f" replicas={profiles.count(p)}" if config.pools else ""
+        print(f"sim: profile={p.name} model={p.model} block_size={p.block_size} "
+              f"num_blocks={p.num_blocks} max_num_seqs={p.max_num_seqs} "
+              f"max_num_batched_tokens={p.max_num_batched_tokens} max_model_len={p.max_model_len} "
+              f"time_scale={config.time_scale}{count}"
+              + (f" tokenizer={config.tokenizer}" if config.tokenizer else ""), flush=True)
+    if config.lora is not None:
+        lora = config.lora
+        print(f"sim: lora max_loras={lora.max_loras} max_cpu_loras={lora.cpu_capacity} "
+              f"modules={','.join(m.name for m in lora.modules) or '-'} "
+              f"runtime_updating={str(lora.runtime_updating).lower()}", flush=True)
     for rep, url in zip(fleet.replicas, fleet.urls):
         print(f"replica {rep.index} ready on {url}", flush=True)
     if config.kv_events_port_offset:
@@ -123,23 +151,22 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print("--replicas must be >= 1", file=sys.stderr)
         return 2
+    if args.lora_modules and not args.enable_lora:
+        print("sim: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
     if args.time_scale <= 0:
         print("--time-scale must be > 0", file=sys.stderr)
         return 2
-    from routerlab.sim.fleet import SimConfig
+    from routerlab.sim.fleet import Pool
+    from routerlab.sim.lora import LoraConfig, LoraModule
 
-    config = SimConfig(
-        replicas=args.replicas, base_port=args.base_port, host=args.host, profile=args.profile,
-        time_scale=args.time_scale, model=args.model, block_size=args.block_size,
-        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        seed=args.seed, kv_events_port_offset=args.kv_events_port_offset,
-        kv_replay_port_offset=args.kv_replay_port_offset, kv_events_encoding=args.kv_events_encoding,
-        kv_events_hashes=args.kv_events_hashes, kv_events_topic=args.kv_events_topic,
-        kv_events_buffer_steps=args.kv_events_buffer_steps, tokenizer=args.tokenizer,
-    )
     try:
-        config.resolved_profile()
+        pools = tuple(Pool.parse(p) for p in args.pools)
+        lora = LoraConfig(args.max_loras, args.max_cpu_loras, tuple(LoraModule.parse(m) for m in args.lora_modules),
+                          args.allow_runtime_lora_updating, args.lora_load_s,
+                          args.lora_activate_s) if args.enable_lora else None
+        config = _config(args, pools, lora)
+        config.replica_profiles()  # every override applies to every pool's profile
         config.kv_events()
         if config.tokenizer:
             from routerlab.sim.hf_tokenizer import HfTokenizer
@@ -153,3 +180,18 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"sim: cannot bind: {e}", file=sys.stderr)
         return 1
+
+
+def _config(args: argparse.Namespace, pools: tuple[Pool, ...], lora: LoraConfig | None) -> SimConfig:
+    from routerlab.sim.fleet import SimConfig
+
+    return SimConfig(
+        replicas=args.replicas, base_port=args.base_port, host=args.host, profile=args.profile,
+        time_scale=args.time_scale, model=args.model, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        seed=args.seed, kv_events_port_offset=args.kv_events_port_offset,
+        kv_replay_port_offset=args.kv_replay_port_offset, kv_events_encoding=args.kv_events_encoding,
+        kv_events_hashes=args.kv_events_hashes, kv_events_topic=args.kv_events_topic,
+        kv_events_buffer_steps=args.kv_events_buffer_steps, tokenizer=args.tokenizer, pools=pools, lora=lora,
+    )

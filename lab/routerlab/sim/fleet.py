@@ -11,10 +11,31 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from routerlab.sim.lora import LoraConfig
 from routerlab.sim.profiles import DEFAULT_PROFILE, Profile, get_profile
 from routerlab.sim.server import KvEventsConfig, Replica
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Replicas of one base model: ``count`` replicas serving ``model`` with ``profile`` (None: the
+    fleet's). CLI form ``MODEL=COUNT[:PROFILE]``."""
+
+    model: str
+    count: int
+    profile: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Pool:
+        model, sep, rest = text.rpartition("=")
+        count, _, profile = rest.partition(":")
+        if not sep or not model or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--pool wants MODEL=COUNT[:PROFILE] with COUNT >= 1, got {text!r}")
+        if profile:
+            get_profile(profile)  # an unknown profile: say so now
+        return cls(model, int(count), profile or None)
 
 
 @dataclass(frozen=True)
@@ -28,6 +49,11 @@ class SimConfig:
     ``P_i + kv_events_port_offset`` (0: off) and serves replay on ``P_i + kv_replay_port_offset``
     (0: none). ``tokenizer``: a model directory (Hugging Face layout) whose tokenizer and chat
     template replace the stand-in tokenizer.
+
+    Several base models: ``pools`` (replicas in pool order, ``Pool.count`` each; ``replicas`` is then
+    their sum, ``model`` must be unset). LoRA: ``lora`` (None: ``--enable-lora`` off); a
+    ``--lora-modules`` entry goes to the replicas of its ``base_model_name`` (to every replica when it
+    names none, or a model no pool serves).
     """
 
     replicas: int = 1
@@ -49,6 +75,34 @@ class SimConfig:
     kv_events_topic: str = "kv"
     kv_events_buffer_steps: int = 10_000  # batches the replay socket keeps (vLLM's buffer_steps)
     tokenizer: str | None = None
+    pools: tuple[Pool, ...] = ()
+    lora: LoraConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            return
+        if self.model is not None:
+            raise ValueError("--model and --pool do not go together: a pool names its model")
+        total = sum(p.count for p in self.pools)
+        if self.replicas not in (1, total):
+            raise ValueError(f"--replicas {self.replicas} but the pools hold {total} replicas")
+        names = [p.model for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a model is in two pools: {names}")
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(p.count for p in self.pools) if self.pools else self.replicas
+
+    def replica_profiles(self) -> list[Profile]:
+        """Each replica's profile, its ``model`` the base model it serves (pool order)."""
+        if not self.pools:
+            return [self.resolved_profile()] * self.replicas
+        out: list[Profile] = []
+        for pool in self.pools:
+            p = self.resolved_profile(pool.profile).with_overrides(model=pool.model)
+            out.extend([p] * pool.count)
+        return out
 
     def kv_events(self) -> KvEventsConfig | None:
         """The publisher settings, None when events are off (raises ValueError on bad values)."""
@@ -60,8 +114,9 @@ class SimConfig:
                               self.kv_events_encoding, self.kv_events_hashes, self.kv_events_topic,
                               self.kv_events_buffer_steps)
 
-    def resolved_profile(self) -> Profile:
-        return get_profile(self.profile).with_overrides(
+    def resolved_profile(self, profile: str | None = None) -> Profile:
+        """The fleet's profile (or ``profile``) with this config's overrides."""
+        return get_profile(profile or self.profile).with_overrides(
             model=self.model,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
@@ -96,9 +151,10 @@ class Fleet:
 
 async def start_fleet(config: SimConfig) -> Fleet:
     """Bind and start every replica in the running event loop."""
-    if config.replicas < 1:
+    if config.num_replicas < 1:
         raise ValueError("replicas must be >= 1")
-    profile = config.resolved_profile()
+    profiles = config.replica_profiles()
+    served = {p.model for p in profiles}
     kv_events = config.kv_events()
     tok = None
     if config.tokenizer:
@@ -108,9 +164,11 @@ async def start_fleet(config: SimConfig) -> Fleet:
     replicas: list[Replica] = []
     runners: list[web.AppRunner] = []
     try:
-        for i in range(config.replicas):
+        for i, profile in enumerate(profiles):
+            lora = config.lora
+            modules = tuple(lora.modules_for(profile.model, served)) if lora is not None else ()
             rep = Replica(i, profile, config.time_scale, seed=config.seed, kv_events=kv_events,
-                          tokenizer=tok, host=config.host)
+                          tokenizer=tok, host=config.host, lora=lora, lora_modules=modules)
             rep.engine.start()
             replicas.append(rep)
             # handler_cancellation: a client that disconnects aborts its request, as in vLLM

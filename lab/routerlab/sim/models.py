@@ -39,11 +39,11 @@ class Adapter:
 
 @dataclass
 class ServedModels:
-    """The base model and the adapters one replica answers to (``lora`` False: the base only)."""
+    """The base model and the adapters one replica answers to (``runtime_updating``: it serves the
+    load and unload endpoints)."""
 
     base: str
     max_model_len: int
-    lora: bool = False
     runtime_updating: bool = False
     adapters: dict[str, Adapter] = field(default_factory=dict)
     last_id: int = 0
@@ -94,9 +94,6 @@ class ServedModels:
         if not inplace and name in self.adapters:
             raise ApiError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                            "adapter in place, set 'load_inplace' to True.", type_="InvalidUserInput")
-        if not self.lora:
-            raise ApiError("LoRA is not enabled. Use --enable-lora to enable LoRA.", status=500,
-                           type_="InternalServerError")
         return name, path, inplace
 
     def unload(self, body: dict[str, Any]) -> str:

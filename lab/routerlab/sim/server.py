@@ -1,4 +1,10 @@
-"""aiohttp application of one simulated replica: vLLM's HTTP surface + /sim/* control."""
+"""aiohttp application of one simulated replica: vLLM's HTTP surface + /sim/* control.
+
+With LoRA (a :class:`~routerlab.sim.lora.LoraConfig`) a request's ``model`` may name one of the
+replica's adapters (:class:`~routerlab.sim.models.ServedModels`); with run-time updating the
+replica also serves ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM registers them
+only when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ from routerlab.sim.control import Control, ControlError
 from routerlab.sim.engine import Engine, Listener
 from routerlab.sim.kv_cache import extra_keys
 from routerlab.sim.kv_events import KvEventPublisher
+from routerlab.sim.lora import AdapterCache, LoraConfig, LoraModule
 from routerlab.sim.metrics import CONTENT_TYPE, ReplicaMetrics
+from routerlab.sim.models import Adapter, ServedModels, loaded_text
 from routerlab.sim.profiles import Profile
 from routerlab.sim.scheduler import Sequence
 
@@ -70,7 +78,10 @@ class Replica:
 
     def __init__(self, index: int, profile: Profile, time_scale: float, seed: int = 0,
                  kv_events: KvEventsConfig | None = None, tokenizer: api.PromptTokenizer | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", lora: LoraConfig | None = None,
+                 lora_modules: tuple[LoraModule, ...] = ()) -> None:
+        """``lora``: LoRA enabled (``--enable-lora``) with these settings; ``lora_modules``: the
+        adapters this replica registers at start (``--lora-modules`` for its base model)."""
         self.index = index
         self.profile = profile
         self.model = profile.model
@@ -82,19 +93,45 @@ class Replica:
         self.restarts = 0
         self.control = Control()
         self.control.apply({"seed": seed * 1000 + index})
-        self.metrics = ReplicaMetrics(self.model, profile)
+        self.lora = lora
+        self.lora_modules = lora_modules
+        self._lora_lock = asyncio.Lock()  # one load or unload at a time (vLLM locks per name)
+        self.served = self._new_served()
+        self.metrics = self._new_metrics()
         self.engine = self._new_engine()
         self.requests = 0
         self.failed = 0
         self.dropped = 0
         self.in_flight = 0
-        self.created = int(time.time())
         self.port: int | None = None
         self.app = self._build_app()
 
+    def _new_served(self) -> ServedModels:
+        """The base model, and the ``--lora-modules`` registered in order (ids 1, 2, ...), as a vLLM
+        start does (``init_static_loras``); run-time loads are lost, as in a vLLM restart."""
+        lora = self.lora
+        served = ServedModels(self.model, self.profile.max_model_len,
+                              runtime_updating=lora is not None and lora.runtime_updating)
+        for m in self.lora_modules:
+            served.register(m.name, m.path)
+        return served
+
+    def _new_metrics(self) -> ReplicaMetrics:
+        return ReplicaMetrics(self.model, self.profile, None if self.lora is None else self.lora.max_loras)
+
     def _new_engine(self) -> Engine:
+        """A fresh engine; with LoRA, the registered adapters preloaded as vLLM's start does (each
+        loaded and activated in order, so the last ones hold the caches; not counted as loads)."""
         out = getattr(self.tok, "output_ids", None)
-        return Engine(self.profile, self.time_scale, self.control, self.metrics, output_ids=out)
+        cache = None
+        lora = self.lora
+        if lora is not None:
+            p = self.profile
+            cache = AdapterCache(lora.max_loras, lora.cpu_capacity,
+                                 p.lora_load_s if lora.load_s is None else lora.load_s,
+                                 p.lora_activate_s if lora.activate_s is None else lora.activate_s)
+            cache.apply(a.lora_id for a in self.served.adapters.values())
+        return Engine(self.profile, self.time_scale, self.control, self.metrics, output_ids=out, adapters=cache)
 
     # ---- KV-cache events and restarts ---------------------------------------------------
     async def open_kv_events(self, retry_s: float = 0.0) -> None:
@@ -131,7 +168,8 @@ class Replica:
         publisher is closed and re-opened, so its seq counts from 0 again."""
         old = self.engine
         # the new engine takes requests at once; it runs them once started below
-        self.metrics = ReplicaMetrics(self.model, self.profile)
+        self.metrics = self._new_metrics()
+        self.served = self._new_served()
         self.engine = self._new_engine()
         await old.stop()
         if self.publisher is not None:
@@ -164,6 +202,9 @@ class Replica:
         r.add_get("/version", self.version)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_post("/tokenize", self.tokenize)
+        if self.served.runtime_updating:
+            r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/sim/control", self.sim_control)
         r.add_get("/sim/state", self.sim_state)
         app.middlewares.append(self._drop_middleware)
@@ -200,8 +241,8 @@ class Replica:
             body = api.parse_json(await request.read())
             if kind is None:
                 kind = api.request_kind(body)
-            req = api.parse(body, kind, self.model, self.profile.max_model_len, self.tok)
-            return await self._run(request, req)
+            adapter, req = self._parse(body, kind)
+            return await self._run(request, req, adapter)
         except api.ApiError as e:
             return error_response(e)
         finally:
@@ -213,19 +254,31 @@ class Replica:
         try:
             body = api.parse_json(await request.read())
             kind = "chat" if "messages" in body else "completion"
-            req = api.parse(body, kind, self.model, self.profile.max_model_len, self.tok)
+            _, req = self._parse(body, kind)
         except api.ApiError as e:
             return error_response(e)
         ids = req.prompts[0]
         return json_response({"count": len(ids), "max_model_len": self.profile.max_model_len, "tokens": ids})
 
-    async def _run(self, request: web.Request, req: api.ParsedRequest) -> web.StreamResponse:
-        keys = extra_keys(self.model, req.cache_salt)
+    def _parse(self, body: dict[str, Any], kind: str) -> tuple[Adapter | None, api.ParsedRequest]:
+        """The adapter the body's ``model`` names (None: the base model; an unknown name is vLLM's
+        404) and the parsed request."""
+        model = body.get("model")
+        adapter = None if model is None else self.served.resolve(model)
+        served = self.model if adapter is None else adapter.name
+        return adapter, api.parse(body, kind, served, self.profile.max_model_len, self.tok)
+
+    async def _run(self, request: web.Request, req: api.ParsedRequest,
+                   adapter: Adapter | None = None) -> web.StreamResponse:
+        # the chain's root: the model the request names (an adapter's blocks are its own) and salt
+        keys = extra_keys(req.model, req.cache_salt, None if adapter is None else adapter.path)
         listener = Listener()
         seqs = [
             Sequence(req_id=f"{req.request_id}-{i}-{j}", prompt_ids=p,
                      max_tokens=req.max_tokens, extra_keys=keys, listener=listener,
-                     tenant=request.headers.get(TENANT_HEADER, ""), cache_salt=req.cache_salt)
+                     tenant=request.headers.get(TENANT_HEADER, ""), cache_salt=req.cache_salt,
+                     lora_id=0 if adapter is None else adapter.lora_id,
+                     lora_name=None if adapter is None else adapter.name)
             for i, p in enumerate(req.prompts) for j in range(req.n)
         ]
         engine = self.engine  # a restart swaps the engine: abort on the one that has them
@@ -295,11 +348,29 @@ class Replica:
 
     # ---- plain endpoints ---------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len,
-            "permission": [],
-        }]})
+        return json_response(self.served.cards())
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's load: check, load into the engine's caches (between steps), then register."""
+        try:
+            body = api.parse_json(await request.read())
+            async with self._lora_lock:
+                name, path, inplace = self.served.check_load(body)
+                old = self.served.adapters.get(name)
+                await self.engine.add_lora(self.served.next_id() if old is None else old.lora_id, reload=inplace)
+                self.served.register(name, path)
+        except api.ApiError as e:
+            return error_response(e)
+        return web.Response(text=loaded_text(name))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = api.parse_json(await request.read())
+            async with self._lora_lock:
+                text = self.served.unload(body)
+        except api.ApiError as e:
+            return error_response(e)
+        return web.Response(text=text)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.control.healthy else 503)
@@ -345,6 +416,8 @@ class Replica:
             "replica": self.index,
             "port": self.port,
             "model": self.model,
+            **({"lora_adapters": {a.name: a.lora_id for a in self.served.adapters.values()}}
+               if self.lora is not None else {}),
             "profile": self.profile.name,
             "time_scale": self.engine.time_scale,
             **self.control.public(),
