@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -636,17 +637,18 @@ def test_cached_prompt_ttft_much_lower_over_http() -> None:
 
 # ---- CLI in a subprocess -------------------------------------------------------------------
 
-def test_cli_three_replicas_subprocess() -> None:
-    base = free_port_run(3)
+@contextlib.contextmanager
+def sim_cli(args: list[str], env: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """``python -m extproc sim ARGS`` in a subprocess; yields its lines up to ``fleet ready`` (at most
+    20 s), then stops it with SIGTERM and checks that it exits 0 cleanly."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "sim", "--replicas", "3", "--base-port", str(base),
-         "--profile", "tiny", "--time-scale", "20", "--num-blocks", "512"],
+        [sys.executable, "-m", "extproc", "sim", *args],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     lines: list[str] = []
+    timer = threading.Timer(20, proc.kill)
     try:
-        timer = threading.Timer(20, proc.kill)
         timer.start()
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -654,6 +656,24 @@ def test_cli_three_replicas_subprocess() -> None:
             if line.startswith("fleet ready"):
                 break
         timer.cancel()
+        yield lines
+    finally:
+        timer.cancel()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest, _ = proc.communicate()
+    assert proc.returncode == 0, rest
+    assert "sim: stopped" in rest
+    assert "Traceback" not in rest
+
+
+def test_cli_three_replicas_subprocess() -> None:
+    base = free_port_run(3)
+    with sim_cli(["--replicas", "3", "--base-port", str(base), "--profile", "tiny", "--time-scale", "20",
+                  "--num-blocks", "512"]) as lines:
         ready = [ln for ln in lines if ln.startswith("replica ")]
         assert ready == [f"replica {i} ready on http://127.0.0.1:{base + i}" for i in range(3)], lines
         for i in range(3):
@@ -670,16 +690,6 @@ def test_cli_three_replicas_subprocess() -> None:
         assert out.returncode == 0 and orjson.loads(out.stdout)["healthy"] is False
         assert Client(f"http://127.0.0.1:{base + 1}").request("GET", "/health")[0] == 503
         assert Client(f"http://127.0.0.1:{base}").request("GET", "/health")[0] == 200
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rest, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rest, _ = proc.communicate()
-    assert proc.returncode == 0, rest
-    assert "sim: stopped" in rest
-    assert "Traceback" not in rest
 
 
 def test_cli_bad_settings_exit_cleanly() -> None:

@@ -7,12 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +18,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from routerlab.harness.procs import free_port_run, free_ports
+from routerlab.realvllm import lora_fidelity
+from routerlab.realvllm.lora_probes import Server, Stream
 from routerlab.sim import cli
 from routerlab.sim.fleet import FleetThread, Pool, SimConfig
 from routerlab.sim.kv_cache import KVCache, extra_keys
@@ -32,7 +28,7 @@ from routerlab.sim.lora import AdapterCache, LoraConfig, LoraModule
 from routerlab.sim.profiles import get_profile
 from routerlab.sim.scheduler import Scheduler, Sequence
 
-from test_sim_http import ROOT, Client, unique_text
+from test_sim_http import Client, sim_cli, unique_text
 
 MODEL = "sim-tiny"
 
@@ -70,38 +66,9 @@ def cached(c: Client, model: str, prompt: str) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-class Stream:
-    """A streamed completion read in a thread: the wall time of each SSE data line."""
-
-    def __init__(self, c: Client, body: dict[str, Any]) -> None:
-        self.times: list[float] = []
-        self.status = 0
-        self.done = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(c, {**body, "stream": True}), daemon=True)
-        self._thread.start()
-
-    def _read(self, c: Client, body: dict[str, Any]) -> None:
-        conn = http.client.HTTPConnection(c.host, c.port, timeout=30)
-        try:
-            conn.request("POST", "/v1/completions", orjson.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            self.status = resp.status
-            while line := resp.readline():
-                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                    self.times.append(time.monotonic())
-        finally:
-            conn.close()
-            self.done.set()
-
-    def started(self) -> Stream:
-        """Once the first token has arrived."""
-        until(lambda: self.times or self.done.is_set(), "the first token")
-        assert self.times, f"the stream ended without a token (status {self.status})"
-        return self
-
-    def join(self, timeout: float = 30.0) -> Stream:
-        assert self.done.wait(timeout), "the stream did not end"
-        return self
+def stream(c: Client, body: dict[str, Any]) -> Stream:
+    """A streamed completion read in a thread (the fidelity probes' reader)."""
+    return Stream(Server(c.url, MODEL, {}), body)
 
 
 # ---- the batch rule (vLLM v1 scheduler) -----------------------------------------------------
@@ -155,9 +122,8 @@ def test_over_http_a_second_adapter_starts_only_after_the_first_adapters_request
     last. With max_loras=2 they overlap. Real time (time scale 1): A runs 60 steps of ~2 ms."""
     for max_loras in (1, 2):
         with serving(LoraConfig(max_loras, modules=modules("a", "b")), time_scale=1.0) as (c,):
-            a = Stream(c, completion("a", unique_text("A", 200), max_tokens=60))
-            a.started()
-            b = Stream(c, completion("b", unique_text("B", 200), max_tokens=3))
+            a = stream(c, completion("a", unique_text("A", 200), max_tokens=60)).first_token()
+            b = stream(c, completion("b", unique_text("B", 200), max_tokens=3))
             a.join(), b.join()
             assert a.status == b.status == 200 and len(a.times) == 60
             waits = c.get_json("/sim/state")["lora_slot_waits"]
@@ -290,8 +256,8 @@ def lora_info(c: Client) -> list[tuple[dict[str, str], float]]:
 def test_lora_requests_info_names_the_adapters_past_their_first_token_with_the_newest_sample_current() -> None:
     with serving(LoraConfig(1, modules=modules("a", "b")), time_scale=1.0) as (c,):
         assert lora_info(c) == []  # no step yet: the family without a sample, as vLLM
-        a = Stream(c, completion("a", unique_text("A", 200), max_tokens=80)).started()
-        b = Stream(c, completion("b", unique_text("B", 200), max_tokens=2))
+        a = stream(c, completion("a", unique_text("A", 200), max_tokens=80)).first_token()
+        b = stream(c, completion("b", unique_text("B", 200), max_tokens=2))
         until(lambda: c.get_json("/sim/state")["lora_slot_waits"] == 1, "B waiting for the slot")
         (labels, value), *_ = lora_info(c)
         # vLLM 0.32 learns of a request with its first token, and both labels list the same adapters
@@ -401,22 +367,10 @@ def test_pools_adapters_and_their_settings_are_checked_up_front() -> None:
 
 def test_cli_serves_two_models_and_adapters() -> None:
     base = free_port_run(2)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "sim", "--pool", "small=1", "--pool", "big=1:tiny", "--base-port",
-         str(base), "--time-scale", "20", "--enable-lora", "--max-loras", "2", "--lora-modules", "a=/a",
-         '{"name": "b", "path": "/b", "base_model_name": "big"}'],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    lines: list[str] = []
-    timer = threading.Timer(20, proc.kill)
-    timer.start()
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("fleet ready"):
-                break
-        timer.cancel()
+    args = ["--pool", "small=1", "--pool", "big=1:tiny", "--base-port", str(base), "--time-scale", "20",
+            "--enable-lora", "--max-loras", "2", "--lora-modules", "a=/a",
+            '{"name": "b", "path": "/b", "base_model_name": "big"}']
+    with sim_cli(args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as lines:
         assert [ln.split(" block_size")[0] for ln in lines[:2]] == ["sim: profile=tiny model=small",
                                                                     "sim: profile=tiny model=big"], lines
         assert lines[2] == "sim: lora max_loras=2 max_cpu_loras=2 modules=a,b runtime_updating=true", lines
@@ -424,12 +378,23 @@ def test_cli_serves_two_models_and_adapters() -> None:
         assert cached(small, "a", "hello") == 0 and cached(big, "b", "hello") == 0
         assert small.post("/v1/completions", completion("b", "hello"))[0] == 404
         assert small.request("POST", "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/c"})[0] == 200
-    finally:
-        timer.cancel()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rest, _ = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rest, _ = proc.communicate()
-    assert proc.returncode == 0 and "sim: stopped" in rest, rest
+
+
+# ---- the real-vLLM comparison tool, on two simulators ------------------------------------------
+
+def test_the_lora_fidelity_probes_find_two_simulators_alike() -> None:
+    """routerlab.realvllm.lora_fidelity compares real vLLM with the simulator (docs/fidelity.md);
+    here both sides are simulators, so every observation must agree and show the batch rule."""
+    paths = {n: f"/adapters/{n}" for n in "abc"}
+    lora = LoraConfig(1, 2, modules("a", "b"), runtime_updating=True)
+    seen = []
+    for _ in range(2):
+        with serving(lora, time_scale=1.0, model="/models/tiny") as (c,):
+            seen.append(lora_fidelity.observe(Server(c.url, "/models/tiny", {"a": paths["a"], "b": paths["b"]}),
+                                              paths["c"], long_tokens=24))
+    table = lora_fidelity.rows(*seen)
+    assert all(r["same"] for r in table), [r for r in table if not r["same"]]
+    batch = seen[0]["batch"]
+    assert batch["b_started_after_a_ended"] and batch["newest_while_a_ran"] == ["running='a' waiting='a'"]
+    assert [r["cached_tokens"] for r in seen[0]["keyed_blocks"]] == [0, 0, 0, 288, 288, 288]  # 300 tokens, blocks of 16
+    assert "| batch: b_started_after_a_ended | true | true | yes |" in lora_fidelity.markdown(table, 1)

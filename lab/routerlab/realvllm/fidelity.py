@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,14 +72,15 @@ class SimProcess:
     def __init__(self, python: str, port: int, block_size: int, num_blocks: int,
                  max_num_batched_tokens: int, time_scale: float, profile: str = "tiny",
                  max_model_len: int = 8192,
-                 logfile: Path | None = None) -> None:
+                 logfile: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+        """``extra_args``: more ``sim`` flags, appended as is (e.g. the LoRA ones)."""
         self.python, self.port = python, port
         self.cmd = [python, "-m", "extproc", "sim", "--replicas", "1", "--base-port", str(port),
                     "--profile", profile, "--block-size", str(block_size),
                     "--num-blocks", str(num_blocks),
                     "--max-num-batched-tokens", str(max_num_batched_tokens),
                     "--max-model-len", str(max_model_len),
-                    "--time-scale", str(time_scale)]
+                    "--time-scale", str(time_scale), *extra_args]
         if logfile is None:
             fd, name = tempfile.mkstemp(prefix="sim-", suffix=".log")
             os.close(fd)  # only the name is needed: start() opens it for the child

@@ -1,8 +1,9 @@
 """Replica profiles: engine limits plus a first-order step-time model.
 
 Step time (model seconds) = base + per_prefill_token * prefill tokens in the step
-+ per_decode * decoding sequences in the step. The llama profile follows the derived
-Llama 3.1 70B / TP8 / 8x H100 first-order model in docs/simulator.md (+-30 %).
++ per_decode * decoding sequences in the step. The llama profiles follow the derived
+first-order models in docs/simulator.md (+-30 %): Llama 3.1 70B on TP8 (8x H100) and
+Llama 3.1 8B on one H100, e.g. the two sizes of a two-model fleet (``--pool``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,20 @@ PROFILES: dict[str, Profile] = {
             per_decode_s=0.05e-3,
             lora_load_s=0.25,
             lora_activate_s=0.003,
+        ),
+        Profile(  # the same first-order derivation for Llama 3.1 8B on one H100 (docs/simulator.md)
+            name="llama-3.1-8b-h100",
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            block_size=16,
+            num_blocks=25000,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            max_model_len=131072,
+            step_base_s=0.006,
+            per_prefill_token_s=35e-6,
+            per_decode_s=0.05e-3,
+            lora_load_s=0.05,
+            lora_activate_s=0.004,
         ),
         Profile(
             name="tiny",
