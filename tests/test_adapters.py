@@ -67,12 +67,22 @@ def test_running_free_slot_and_full_slots_cost_nothing_the_load_and_a_request_ti
     slots.scraped(C, sample(2, frozenset({"chat", "code"})))
     replicas = [ReplicaState(A), ReplicaState(B), ReplicaState(C, request_tokens=30_000)]
     settings = RouteSettings(adapter_load_tokens=500)
-    assert slots.costs("sql", replicas, 2000, settings) == {A: 0, B: 500, C: 30_500}
+    assert slots.costs("sql", replicas, 2000, settings) == {A: 0, B: 1500, C: 30_500}  # B: the load + a slot
     slots.assign(B, "sql")  # one of ours in flight there takes a slot until it ends
     assert slots.costs("sql", replicas, 2000, settings)[B] == 0
-    assert slots.costs("math", replicas, 2000, settings) == {A: 500, B: 2500, C: 30_500}  # B full: its prompt
+    assert slots.costs("math", replicas, 2000, settings) == {A: 1500, B: 2500, C: 30_500}  # B full: its prompt
+    slots.assign(B, "math")  # ours beyond B's slots: it waits, and so would the next of it
+    slots.assign(B, "sql")
+    assert slots.slots(B, 2) == (["chat", "sql"], 3)
+    assert slots.costs("math", replicas, 2000, settings)[B] == 2500
+    slots.release(B, "math")
     slots.release(B, "sql")
-    assert slots.costs("sql", replicas, 2000, settings)[B] == 500
+    slots.release(B, "sql")
+    # ended, but still in one of B's GPU slots (the last two adapters it ran): no load to run it again
+    assert slots.resident(B, 2) == ["math", "sql"]
+    assert slots.costs("sql", replicas, 2000, settings)[B] == 0
+    slots.scraped(B, sample(2, frozenset({"chat", "code"})))  # two others ran since: they took its slot
+    assert slots.resident(B, 2) == ["chat", "code"] and slots.costs("sql", replicas, 2000, settings)[B] == 2500
     slots.left(C)
     assert slots.costs("sql", replicas, 2000, settings)[C] == 0  # nothing known of its LoRA: no term
 

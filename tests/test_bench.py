@@ -122,3 +122,18 @@ def test_shared_prefix_quick_writes_each_request_and_the_tail_analysis_accounts_
     # above it (round robin 0.08-0.10, pick 0.34-0.37, precise 0.34-0.37): the margin is 5x that spread.
     for name in ("prefix-pick", "prefix-precise"):
         assert report.arms[name]["kv_hit_rate"] > rr + 0.1, name
+
+
+def test_multi_lora_quick_reports_adapter_loads_and_each_class_of_adapter(tmp_path: Path) -> None:
+    report = run_bench(BenchConfig(scenario="multi-lora", quick=True, out=tmp_path, plots=False,
+                                   arms=["round-robin", "prefix-pick", "prefix-pick-no-adapter"]))
+    assert report.fleet["lora_adapters"] and report.fleet["max_loras"] == 2
+    for name, arm in report.arms.items():
+        assert arm["success_rate"] == 1.0, (name, arm["errors"])
+        classes = arm["classes"]
+        assert set(classes) == {"shared", "unshared"}
+        assert sum(c["requests"] for c in classes.values()) == arm["ok"]
+        assert arm["adapter_loads_per_min"] > 0 and arm["adapter_slot_waits"] >= 0
+    assert report.load["router_settings"]["max-num-seqs"] == "32"
+    text = (tmp_path / "report.md").read_text()
+    assert "adapter loads / min" in text

@@ -5,27 +5,32 @@ not among those scheduled this step, when they already number ``max_loras``, is 
 (vllm/v1/core/sched/scheduler.py). So, in configured-rate prefill tokens like the rest of the cost
 (extproc.pick.choice.choose), for adapter ``a`` on replica ``r``:
 
-    a is running on r (or a request of ours for it is in flight there)      0
+    a holds one of r's slots (running there, or ours in flight within them),
+      or is still in one (among the last max_loras r ran) and a slot is free 0
     r has a free adapter slot                                               adapter_load_tokens
+                                                                            + request time of r / max_loras
     every slot of r is taken by other adapters                              request time of r + the load
 
-A replica already running the adapter costs nothing extra; a free slot costs the adapter's load;
-a full slot set costs the wait for a slot, until one adapter's requests all end (a request's time
-there, measured, extproc.pick.choice.speed; the prompt's own prefill until measured), then the
-load. The term
-adds to the prefix and load terms, so a hot adapter stays on the replicas running it until their
-queues cost more than loading it on another, and one spread over every replica is not pushed into
-full slot sets. Pure: the scraped ``vllm:lora_requests_info`` and this router's own requests in.
+A replica already running the adapter costs nothing extra; a free slot costs the adapter's load
+and the share of r's adapter slots the request then holds for its time (other adapters' requests
+find one slot fewer); a full slot set costs the wait for a slot, until one adapter's requests all
+end (a request's time there, measured, extproc.pick.choice.speed; the prompt's own prefill until
+measured), then the load. The term adds to the prefix and load terms, so a hot adapter stays on
+the replicas running it until their queues cost more than loading it on another, and one spread
+over every replica is not pushed into full slot sets. Pure: the scraped ``vllm:lora_requests_info``
+and this router's own requests in.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.state import ReplicaState, Sample
+
+_RECENT = 64  # adapters remembered per replica (far above any max_loras)
 
 
 class AdapterSlots:
@@ -35,16 +40,35 @@ class AdapterSlots:
     def __init__(self) -> None:
         self._scraped: dict[str, Sample] = {}
         self._own: dict[str, Counter[str]] = {}
+        # per replica, the adapters it ran, least recently first: vLLM keeps the last max_loras of them
+        # in its GPU slots (an LRU), so one of those runs again without a load
+        self._recent: dict[str, OrderedDict[str, None]] = {}
 
     def scraped(self, address: str, sample: Sample) -> None:
         self._scraped[address] = sample
+        for adapter in sorted(sample.running_adapters):
+            self._touch(address, adapter)
 
     def left(self, address: str) -> None:
         self._scraped.pop(address, None)
         self._own.pop(address, None)
+        self._recent.pop(address, None)
 
     def assign(self, address: str, adapter: str) -> None:
         self._own.setdefault(address, Counter())[adapter] += 1
+        self._touch(address, adapter)
+
+    def _touch(self, address: str, adapter: str) -> None:
+        recent = self._recent.setdefault(address, OrderedDict())
+        recent[adapter] = None
+        recent.move_to_end(adapter)
+        if len(recent) > _RECENT:
+            recent.popitem(last=False)
+
+    def resident(self, address: str, max_lora: int) -> list[str]:
+        """The adapters most likely in ``address``'s GPU slots: the last ``max_lora`` it ran."""
+        recent = self._recent.get(address)
+        return list(recent)[-max_lora:] if recent and max_lora > 0 else []
 
     def release(self, address: str, adapter: str) -> None:
         own = self._own.get(address)
@@ -53,12 +77,16 @@ class AdapterSlots:
             if not own[adapter]:
                 del own[adapter]
 
-    def active(self, address: str) -> set[str]:
-        """The adapters taking ``address``'s slots: running at its last scrape, and ours in flight."""
+    def slots(self, address: str, max_lora: int) -> tuple[list[str], int]:
+        """The adapters holding ``address``'s ``max_lora`` slots, and how many adapters want one:
+        those running at its last scrape first, then ours in flight there, the busiest first (an
+        adapter of ours beyond the slots waits, however many requests it has in flight)."""
         sample = self._scraped.get(address)
-        active = set(sample.running_adapters) if sample is not None else set()
-        active.update(self._own.get(address, ()))
-        return active
+        running = sorted(sample.running_adapters) if sample is not None else []
+        own = self._own.get(address, Counter())
+        ours = [a for a, _ in own.most_common() if a not in running]
+        wanting = running + ours
+        return wanting[:max_lora], len(wanting)
 
     def costs(self, adapter: str, replicas: Sequence[ReplicaState], prompt_tokens: int,
               settings: RouteSettings) -> dict[str, int]:
@@ -67,11 +95,15 @@ class AdapterSlots:
         out: dict[str, int] = {}
         for r in replicas:
             sample = self._scraped.get(r.address)
-            active = self.active(r.address)
-            if adapter in active or sample is None or not sample.max_lora:
+            if sample is None or not sample.max_lora:
                 out[r.address] = 0
-            elif len(active) < sample.max_lora:
-                out[r.address] = settings.adapter_load_tokens
+                continue
+            holding, wanting = self.slots(r.address, sample.max_lora)
+            if adapter in holding or (adapter in self.resident(r.address, sample.max_lora)
+                                      and wanting < sample.max_lora):
+                out[r.address] = 0
+            elif wanting < sample.max_lora:  # the load, and one of its slots taken for a request's time
+                out[r.address] = settings.adapter_load_tokens + (r.request_tokens or prompt_tokens) // sample.max_lora
             else:
                 out[r.address] = (r.request_tokens or prompt_tokens) + settings.adapter_load_tokens
         return out

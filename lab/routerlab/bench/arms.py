@@ -65,6 +65,11 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
             "(priority 1 in the prefix_router cluster): it subscribes and hears the first's requests, Envoy calls it "
             "only when the first fails its health checks", "MAGLEV", prefix=True, bounded=True, base="pick.yaml",
             pick=True, precise=True, routers=2, share=True, standby=True),
+    ArmSpec("prefix-pick-no-adapter", "prefix-pick without adapter affinity (no LoRA slot term in the cost: "
+            "prefix and load alone)", "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True,
+            settings=(("adapter_affinity", "off"),)),
+    ArmSpec("prefix-precise-no-adapter", "prefix-precise without adapter affinity", "MAGLEV", prefix=True,
+            bounded=True, base="pick.yaml", pick=True, precise=True, settings=(("adapter_affinity", "off"),)),
     ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
             "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
     ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",

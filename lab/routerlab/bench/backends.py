@@ -117,6 +117,10 @@ class SimBackend(_ChildFleet):
         if s.kv_events:
             argv += ["--kv-events-port-offset", str(s.replicas), "--kv-replay-port-offset", str(2 * s.replicas),
                      "--kv-events-buffer-steps", str(s.kv_buffer_steps)]
+        if s.lora_adapters:  # vLLM's flags: every replica serves every adapter
+            argv += ["--enable-lora", "--max-loras", str(s.max_loras or 1),
+                     *(("--max-cpu-loras", str(s.max_cpu_loras)) if s.max_cpu_loras else ()),
+                     "--lora-modules", *(f"{name}=/adapters/{name}" for name in s.lora_adapters)]
         return argv
 
 

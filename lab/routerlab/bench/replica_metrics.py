@@ -20,6 +20,8 @@ COUNTERS = {
     "generation_tokens": "vllm:generation_tokens_total",
     "cross_tenant_hits": "sim:cross_tenant_prefix_cache_hits_total",  # the simulator only (0 on vLLM)
     "hits_at_arrival": "sim:prefix_cache_hits_at_arrival_total",  # the simulator only (0 on vLLM)
+    "lora_loads": "sim:lora_adapter_loads_total",  # the simulator only: adapters loaded (from disk or CPU)
+    "lora_slot_waits": "sim:lora_slot_waited_requests_total",  # the simulator only: waited for an adapter slot
 }
 
 
@@ -32,6 +34,8 @@ class ReplicaCounters:
     generation_tokens: float = 0.0
     cross_tenant_hits: float = 0.0
     hits_at_arrival: float = 0.0
+    lora_loads: float = 0.0
+    lora_slot_waits: float = 0.0
 
     def __sub__(self, other: ReplicaCounters) -> ReplicaCounters:
         return ReplicaCounters(*(a - b for a, b in zip(self._values(), other._values())))
@@ -41,7 +45,7 @@ class ReplicaCounters:
 
     def _values(self) -> tuple[float, ...]:
         return (self.queries, self.hits, self.requests, self.prompt_tokens, self.generation_tokens,
-                self.cross_tenant_hits, self.hits_at_arrival)
+                self.cross_tenant_hits, self.hits_at_arrival, self.lora_loads, self.lora_slot_waits)
 
 
 def parse(text: str) -> ReplicaCounters:
@@ -75,6 +79,14 @@ class FleetDelta:
     @property
     def cross_tenant_hits(self) -> int:
         return int(sum(r.cross_tenant_hits for r in self.per_replica))
+
+    @property
+    def lora_loads(self) -> float:
+        return sum(r.lora_loads for r in self.per_replica)
+
+    @property
+    def lora_slot_waits(self) -> float:
+        return sum(r.lora_slot_waits for r in self.per_replica)
 
     @property
     def requests_per_replica(self) -> list[int]:

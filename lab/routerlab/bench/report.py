@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,8 +65,10 @@ def replicas_per_group(results: Sequence[Result]) -> float | None:
 
 
 def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: float, total_requests: int,
-              backend_urls: Sequence[str], cpu: Mapping[str, float], envoy: Mapping[str, Any]) -> dict[str, Any]:
-    """One arm (or one phase of it): client view, replica view, cost view."""
+              backend_urls: Sequence[str], cpu: Mapping[str, float], envoy: Mapping[str, Any],
+              classes: Callable[[str], str | None] | None = None) -> dict[str, Any]:
+    """One arm (or one phase of it): client view, replica view, cost view; with ``classes`` (a request's
+    class from its group, the scenario's), the client view per class too."""
     results = load.results
     ok = [r for r in results if r.ok]
     attempted = len(results) + load.cancelled
@@ -104,7 +106,24 @@ def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: fl
         "cpu_s": dict(cpu),
         "envoy": dict(envoy),
     }
+    if fleet is not None and fleet.lora_loads + fleet.lora_slot_waits:  # the simulator counts them (LoRA fleets)
+        summary["adapter_loads_per_min"] = round(fleet.lora_loads / duration * 60, 1)
+        summary["adapter_slot_waits"] = round(fleet.lora_slot_waits)
+    if classes is not None:
+        summary["classes"] = by_class(ok, classes)
     return summary
+
+
+def by_class(ok: Sequence[Result], classes: Callable[[str], str | None]) -> dict[str, dict[str, Any]]:
+    """The client view of each class of requests (``classes``: a request's class from its group)."""
+    split: dict[str, list[Result]] = {}
+    for r in ok:
+        label = classes(r.group)
+        if label is not None:
+            split.setdefault(label, []).append(r)
+    return {label: {"requests": len(rs), "ttft_ms": _ms([r.ttft for r in rs if r.ttft is not None]),
+                    "replicas_per_group": replicas_per_group(rs)}
+            for label, rs in sorted(split.items())}
 
 
 def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, Any]:
@@ -269,6 +288,27 @@ def markdown_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def classes_table(report: Report) -> str:
+    """Per arm and class of requests (the scenario's), the client view; with LoRA adapters, their loads
+    and the requests that waited for a slot."""
+    rows = [(name, a) for name, a in report.arms.items() if a.get("classes") or "adapter_loads_per_min" in a]
+    if not rows:
+        return ""
+    labels = sorted({label for _, a in rows for label in a.get("classes") or {}})
+    lines = ["| arm | " + " | ".join(f"{label}: requests, TTFT p50 / p90 ms, replicas per group" for label in labels)
+             + " | adapter loads / min | requests that waited for an adapter slot |",
+             "|---|" + "---|" * len(labels) + "---:|---:|"]
+    for name, a in rows:
+        cells = []
+        for label in labels:
+            c = (a.get("classes") or {}).get(label)
+            cells.append(f"{c['requests']}, {_fmt(c['ttft_ms']['p50'])} / {_fmt(c['ttft_ms']['p90'])}, "
+                         f"{_fmt(c['replicas_per_group'], 2)}" if c else "")
+        lines.append(f"| {name} | " + " | ".join(cells)
+                     + f" | {_fmt(a.get('adapter_loads_per_min'))} | {_fmt(a.get('adapter_slot_waits'), 0)} |")
+    return "\n".join(lines)
+
+
 def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
@@ -303,6 +343,9 @@ def to_markdown(report: Report) -> str:
         "",
         markdown_table(report),
     ]
+    classes = classes_table(report)
+    if classes:
+        parts += ["", "## By class of requests", "", classes]
     phases = timeline_table(report)
     if phases:
         parts += ["", "## Per phase (split at the fleet changes)", "", phases]

@@ -297,7 +297,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     snapshots = [s for s in snapshots if "replica_reset" not in s]
     fleet = replica_metrics.delta(before, after, resets) if before and after else None
     summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
-                                   backend_urls=backend.urls, cpu=cpu, envoy=envoy)
+                                   backend_urls=backend.urls, cpu=cpu, envoy=envoy, classes=scenario.classes)
     if predicted and fleet is not None:  # with what each restarted router's old process predicted
         whole = _summed([predicted, *(s["restarted_predicted"] for s in snapshots)])
         summary["prediction"] = report_mod.prediction(whole, fleet)

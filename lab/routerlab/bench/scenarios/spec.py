@@ -37,6 +37,9 @@ class FleetSpec:
     tokenizer: str | None = None  # a model directory: the replicas tokenise with it (else the stand-in)
     kv_events: bool = False  # the replicas publish their KV-cache events (precise arms subscribe)
     kv_buffer_steps: int = 10_000  # event batches each replica's replay socket keeps (vLLM's buffer_steps)
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters every replica serves (vLLM's --lora-modules); none: no LoRA
+    max_loras: int | None = None  # distinct adapters in one batch (vLLM's --max-loras)
+    max_cpu_loras: int | None = None  # adapters kept in CPU memory (vLLM's --max-cpu-loras)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class Scenario:
     arms: tuple[str, ...] = DEFAULT_ARMS
     quick: Mapping[str, Any] = field(default_factory=dict)
     events: Callable[[Params], tuple[FleetEvent, ...]] = lambda p: ()  # fleet changes during the load
+    classes: Callable[[str], str | None] | None = None  # a request's class from its group, reported apart
 
     def resolve(self, overrides: Mapping[str, Any] | None = None, quick: bool = False) -> Params:
         """Defaults, then ``quick`` overrides, then the caller's; unknown names are errors."""
