@@ -16,9 +16,10 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from routerlab.realvllm.promtext import parse_prometheus
+from routerlab.realvllm.promtext import Sample, parse_prometheus
 
 LORA_INFO = "vllm:lora_requests_info"
+BY_REASON = "vllm:num_requests_waiting_by_reason"
 
 
 class Server:
@@ -41,12 +42,15 @@ class Server:
         finally:
             conn.close()
 
-    def lora_info(self) -> list[tuple[dict[str, str], float]]:
-        """Every ``vllm:lora_requests_info`` sample, newest (largest value) first."""
+    def scrape(self) -> list[Sample]:
         status, text = self.call("GET", "/metrics", timeout=10)
         assert status == 200, status
-        samples = [(s.labels, s.value) for s in parse_prometheus(text.decode()) if s.name == LORA_INFO]
-        return sorted(samples, key=lambda s: -s[1])
+        return parse_prometheus(text.decode())
+
+    def lora_info(self, samples: list[Sample] | None = None) -> list[tuple[dict[str, str], float]]:
+        """Every ``vllm:lora_requests_info`` sample, newest (largest value) first."""
+        found = [(s.labels, s.value) for s in (self.scrape() if samples is None else samples) if s.name == LORA_INFO]
+        return sorted(found, key=lambda s: -s[1])
 
     def lora_info_text(self) -> list[str]:
         """The family's lines of the /metrics text, sample values replaced by <time>."""
@@ -115,13 +119,17 @@ def keyed_blocks(server: Server, tokens: int = 300) -> list[dict[str, Any]]:
 
 
 class Stream:
-    """A streamed completion read in a thread: the monotonic time of each SSE data line."""
+    """A streamed completion read in a thread: the monotonic time of each chunk with a choice, and
+    the final usage (real vLLM sends no chunk for a token whose text is still an incomplete UTF-8
+    sequence, so chunks are not tokens)."""
 
     def __init__(self, server: Server, body: dict[str, Any]) -> None:
         self.times: list[float] = []
+        self.usage: dict[str, Any] = {}
         self.status = 0
         self.done = threading.Event()
-        threading.Thread(target=self._read, args=(server, {**body, "stream": True}), daemon=True).start()
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        threading.Thread(target=self._read, args=(server, body), daemon=True).start()
 
     def _read(self, server: Server, body: dict[str, Any]) -> None:
         conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
@@ -130,8 +138,13 @@ class Stream:
             resp = conn.getresponse()
             self.status = resp.status
             while line := resp.readline():
-                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[len(b"data: "):])
+                if chunk.get("choices"):
                     self.times.append(time.monotonic())
+                elif chunk.get("usage"):
+                    self.usage = chunk["usage"]
         finally:
             conn.close()
             self.done.set()
@@ -151,18 +164,27 @@ class Stream:
 
 def batch(server: Server, long_tokens: int = 64) -> dict[str, Any]:
     """A (adapter a, ``long_tokens`` tokens) runs; B (adapter b, half as many) arrives after A's
-    first token. Observed: whether B's first token came after A's last (the two never ran in one
-    batch), the newest ``vllm:lora_requests_info`` labels as they changed while A ran (polled every
-    20 ms), the newest at the end, and every label set."""
+    first token. Observed: whether they ran together (a label set naming both ever existed: the gauge
+    keeps every label set, so this is the server's own record of every step), the newest
+    ``vllm:lora_requests_info`` labels as they changed while A ran (polled every 20 ms) and the most
+    ``vllm:num_requests_waiting_by_reason{reason="deferred"}`` seen then, the newest labels at the end,
+    every label set, and, as seen by this client's threads (milliseconds of noise), the time from A's
+    last chunk to B's first."""
     a = Stream(server, _completion("a", prompt_ids(2, 64), long_tokens))
     a.first_token()
     b = Stream(server, _completion("b", prompt_ids(3, 64), long_tokens // 2))
     seen: list[str] = []
+    deferred = 0.0
     deadline = time.monotonic() + 120
     while not a.done.is_set() and time.monotonic() < deadline:
-        samples = server.lora_info()
+        scraped = server.scrape()
+        deferred = max([deferred, *(s.value for s in scraped
+                                    if s.name == BY_REASON and s.labels["reason"] == "deferred")])
+        samples = server.lora_info(scraped)
         if samples:
             labels = samples[0][0]
+            if seen and not labels["running_lora_adapters"]:
+                break  # A's last step is over: its stream ends now
             view = f"running={labels['running_lora_adapters']!r} waiting={labels['waiting_lora_adapters']!r}"
             if not seen or seen[-1] != view:
                 seen.append(view)
@@ -171,9 +193,12 @@ def batch(server: Server, long_tokens: int = 64) -> dict[str, Any]:
     samples = _settled(server)
     return {
         "status": [a.status, b.status],
-        "tokens": [len(a.times), len(b.times)],
-        "b_started_after_a_ended": bool(a.times and b.times and b.times[0] > a.times[-1]),
+        "tokens": [a.usage.get("completion_tokens"), b.usage.get("completion_tokens")],
+        "ran_together": any("," in s[0]["running_lora_adapters"] for s in samples),
+        "client ms from A's last chunk to B's first": round((b.times[0] - a.times[-1]) * 1000, 1)
+        if a.times and b.times else None,
         "newest_while_a_ran": seen,
+        "most requests deferred while A ran": deferred,
         "newest_at_end": samples[0][0] if samples else None,
         "label_sets": sorted(s[0]["running_lora_adapters"] for s in samples),
         "max_lora": sorted({s[0]["max_lora"] for s in samples}),
@@ -205,8 +230,8 @@ def load_unload(server: Server, c_path: str) -> list[dict[str, Any]]:
         ("unload c again", "/v1/unload_lora_adapter", {"lora_name": "c"}),
         ("unload: empty name", "/v1/unload_lora_adapter", {"lora_name": ""}),
         ("request c after unload", "/v1/completions", _completion("c", prompt_ids(4, 16), 1)),
-        ("load from a path that does not exist", "/v1/load_lora_adapter",
-         {"lora_name": "ghost", "lora_path": "/nonexistent/lora"}),
+        ("load: load_inplace not a boolean", "/v1/load_lora_adapter",
+         {"lora_name": "d", "lora_path": c_path, "load_inplace": "maybe"}),
     ]
     out = []
     for what, path, body in steps:
@@ -215,4 +240,27 @@ def load_unload(server: Server, c_path: str) -> list[dict[str, Any]]:
     status, raw = server.call("GET", "/v1/models")
     out.append({"step": "models after", "ids": [m["id"] if m["id"] != server.model else "<base>"
                                                 for m in json.loads(raw)["data"]]})
+    return out
+
+
+def missing_path(server: Server) -> dict[str, Any]:
+    """Loading from a path that does not exist (the simulator never reads paths: run it last)."""
+    status, raw = server.call("POST", "/v1/load_lora_adapter", {"lora_name": "ghost", "lora_path": "/nonexistent/x"})
+    return _answer(status, raw)
+
+
+def load_times(server: Server) -> dict[str, float]:
+    """Latency (ms, one token, non-streamed) of a request of the base model (median of 5), then of one
+    whose adapter should come from the CPU cache, one whose adapter holds the slot, and one whose
+    adapter should come from disk, given the caches the earlier probes leave with --max-loras 1
+    --max-cpu-loras 2 (CPU: b, c; slot: c). Informational: real vLLM on CPU copies nothing to a GPU,
+    and the simulator prices a GPU's copies."""
+    def ms(model: str) -> float:
+        start = time.monotonic()
+        status, _ = server.call("POST", "/v1/completions", _completion(model, prompt_ids(5, 16), 1))
+        return round((time.monotonic() - start) * 1000, 1) if status == 200 else -status
+
+    out = {"base model (median of 5)": sorted(ms(server.model) for _ in range(5))[2]}
+    for what, model in (("b: from the CPU cache", "b"), ("b: in the slot", "b"), ("a: from disk", "a")):
+        out[what] = ms(model)
     return out

@@ -7,6 +7,7 @@ SSE chunk objects exactly as vLLM's OpenAI server lays them out.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,6 +26,17 @@ MAX_PROMPTS = 1024
 _BAD_SALT_CHARS = ("@", "/", "\\", "\x00")
 
 
+def sanitize_message(message: str) -> str:
+    """vLLM 0.32's ``sanitize_message`` (``vllm/entrypoints/serve/exception_handling/utils.py``), run on
+    every error message: memory addresses, traceback lines and file paths (under /home, /tmp, ...,
+    or ending in a file extension) removed, the paths shown as ``<path>``."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
+
+
 class ApiError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
@@ -37,8 +49,9 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> bytes:
+        """vLLM's ErrorResponse; the message scrubbed of file paths as vLLM 0.32 does."""
         return orjson.dumps(
-            {"error": {"message": self.message, "type": self.type, "param": self.param,
+            {"error": {"message": sanitize_message(self.message), "type": self.type, "param": self.param,
                        "code": self.status}}
         )
 

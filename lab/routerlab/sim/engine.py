@@ -277,6 +277,8 @@ class Engine:
         m = self.metrics
         m.running.set(len(self.sched.running))
         m.waiting.set(len(self.sched.waiting))
+        m.waiting_deferred.set(self.sched.deferred)  # vLLM 0.32: skipped by a scheduling pass (here: for a slot)
+        m.waiting_capacity.set(len(self.sched.waiting) - self.sched.deferred)
         m.kv_usage.set(self.sched.kv.usage())
 
     def state(self) -> dict[str, object]:

@@ -84,6 +84,13 @@ class ReplicaMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+            "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+            "status). Sum of all reasons equals vllm:num_requests_waiting.", names + ["reason"], registry=r)
+        self.waiting_capacity = by_reason.labels(reason="capacity", **lv)
+        self.waiting_deferred = by_reason.labels(reason="deferred", **lv)
 
         info = {
             "block_size": str(profile.block_size),

@@ -25,6 +25,7 @@ from typing import Any
 
 from routerlab.sim.api import ApiError
 from routerlab.sim.lora import LoraModule
+from routerlab.sim.validation import check_body, flag
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,8 @@ class ServedModels:
     # ---- load / unload -------------------------------------------------------------------
     def check_load(self, body: dict[str, Any]) -> tuple[str, str, bool]:
         """Validate a load request as vLLM 0.32 does; returns (name, path, load_inplace)."""
-        name, path, inplace = body.get("lora_name"), body.get("lora_path"), body.get("load_inplace", False)
-        if not isinstance(name, str) or not isinstance(path, str) or not isinstance(inplace, bool):
-            raise ApiError("'lora_name' and 'lora_path' must be strings and 'load_inplace' a boolean.")
+        check_body(body, ("lora_name", "lora_path"), ("load_inplace", "is_3d_lora_weight"))
+        name, path, inplace = body["lora_name"], body["lora_path"], flag(body, "load_inplace")
         if not name or not path:
             raise ApiError("Both 'lora_name' and 'lora_path' must be provided.", type_="InvalidUserInput")
         if name == self.base:
@@ -98,9 +98,8 @@ class ServedModels:
 
     def unload(self, body: dict[str, Any]) -> str:
         """Forget an adapter's name (vLLM 0.32 leaves the engine's caches alone); the answer text."""
-        name = body.get("lora_name")
-        if not isinstance(name, str):
-            raise ApiError("'lora_name' must be a string.")
+        check_body(body, ("lora_name",))
+        name = body["lora_name"]
         if not name:
             raise ApiError("'lora_name' needs to be provided to unload a LoRA adapter.", type_="InvalidUserInput")
         if name not in self.adapters:

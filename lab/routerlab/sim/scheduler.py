@@ -59,6 +59,7 @@ class Sequence:
     lora_id: int = 0  # the adapter's lora_int_id (0: the base model); the hash has its name in extra_keys
     lora_name: str | None = None
     slot_waited: bool = False  # skipped at least once because max_loras other adapters were running
+    deferred: bool = False  # skipped since it last joined the waiting queue (vLLM's deferred_waiting)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -86,7 +87,6 @@ class StepPlan:
     decodes: int
     duration: float
     preempted: list[Sequence]
-    lora_s: float = 0.0  # of the duration: loading the step's adapters
 
 
 @dataclass
@@ -129,6 +129,7 @@ class Scheduler:
         self.kv = kv or KVCache(profile.num_blocks, profile.block_size, listener)
         self.output_ids: tuple[int, ...] = tuple(output_ids) if output_ids else tokenizer.FILLER_IDS
         self.waiting: deque[Sequence] = deque()
+        self.deferred = 0  # waiting sequences skipped by a scheduling pass and not scheduled since
         self.running: list[Sequence] = []
         self.counters = Counters()
 
@@ -151,6 +152,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+            self._undefer(seq)
         self.kv.free(seq.req_id)
         self.counters.aborted += 1
 
@@ -202,6 +204,9 @@ class Scheduler:
                     if not seq.slot_waited:
                         seq.slot_waited = True
                         self.counters.lora_slot_waits += 1
+                    if not seq.deferred:
+                        seq.deferred = True
+                        self.deferred += 1
                     continue
                 hits = kv.longest_hit(seq.block_hashes, len(seq.tokens))
                 hit_tokens = len(hits) * kv.block_size
@@ -210,6 +215,7 @@ class Scheduler:
                                    token_ids=seq.tokens, cache_salt=seq.cache_salt, **seq_lora(seq)):
                     break
                 self.waiting.popleft()
+                self._undefer(seq)
                 if not seq.admitted:
                     seq.admitted = True
                     seq.cached_tokens = hit_tokens
@@ -229,8 +235,14 @@ class Scheduler:
             self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
 
         duration = self.profile.step_time(prefill, decodes) if scheduled else 0.0
-        lora_s = self.load_adapters(s.lora_id for s, _ in scheduled if s.lora_id) if loras else 0.0
-        return StepPlan(scheduled, prefill, decodes, duration + lora_s, preempted, lora_s)
+        if loras:  # the step's adapters are made resident first: a load lengthens the step
+            duration += self.load_adapters(s.lora_id for s, _ in scheduled if s.lora_id)
+        return StepPlan(scheduled, prefill, decodes, duration, preempted)
+
+    def _undefer(self, seq: Sequence) -> None:
+        if seq.deferred:
+            seq.deferred = False
+            self.deferred -= 1
 
     def _needs_a_slot(self, seq: Sequence, loras: set[int]) -> bool:
         """vLLM's max_loras rule: the step's adapters are all taken by others."""
