@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from routerlab.sim.api import ApiError
-from routerlab.sim.lora import LoraModule
 from routerlab.sim.validation import check_body, flag
 
 
@@ -125,7 +124,3 @@ def _card(model_id: str, root: str, parent: str | None, max_model_len: int | Non
         }],
     }
 
-
-def static_adapters(models: ServedModels, modules: list[LoraModule]) -> list[Adapter]:
-    """Register ``--lora-modules`` in order (ids 1, 2, ...), as vLLM's ``init_static_loras``."""
-    return [models.register(m.name, m.path) for m in modules]
