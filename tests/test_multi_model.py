@@ -33,7 +33,9 @@ def chat(model: object | None, i: int) -> bytes:
 
 
 def with_model_routes(cfg: envoy_config.Config) -> None:
-    """envoy-fast.yaml given multi-model.yaml's route table and model clusters."""
+    """envoy-fast.yaml given multi-model.yaml's route table and model clusters, and its ext_authz filter
+    told to match the route again after the answer (as docs/multi-model.md says to)."""
+    envoy_config.http_filter(cfg, "envoy.filters.http.ext_authz")["clear_route_cache"] = True
     multi = envoy_config.load("multi-model.yaml")
     envoy_config.http_manager(cfg)["route_config"] = envoy_config.http_manager(multi)["route_config"]
     clusters = cfg["static_resources"]["clusters"]

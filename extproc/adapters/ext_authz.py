@@ -72,7 +72,7 @@ class PrefixAuthz(pb_grpc.AuthorizationServicer):  # type: ignore[misc]  # xds-p
             ok.headers_to_remove.append(settings.key_header)
         else:
             _set(ok, settings.key_header, key)
-        if settings.model_header:  # Envoy routes again on it (the filter's clear_route_cache)
+        if settings.model_header:  # for a route table that matches it (the filter's clear_route_cache)
             if model is None:
                 ok.headers_to_remove.append(settings.model_header)
             else:

@@ -138,18 +138,18 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
 
     def headers_reply(self, settings: RouteSettings) -> pb.ProcessingResponse:
         """A client-sent key, pick or model header must never choose the host or the cluster:
-        remove them. Envoy chose the route before this filter ran (with the client's headers), so
-        with a model header it must choose it again (``clear_route_cache``).
+        remove them.
 
+        The replies never ask Envoy to choose the route again (``clear_route_cache``): a config that
+        routes on the model header says so itself (``route_cache_action: CLEAR``, multi-model.yaml),
+        and one that splits traffic at random (ab.yaml) must keep the route it drew.
         Built once per set of names and shared by every stream (grpc only serialises it).
         """
         names = (settings.key_header, settings.pick_header, settings.model_header)
         reply = self._headers_replies.get(names)
         if reply is None:
             reply = pb.ProcessingResponse()
-            common = reply.request_headers.response
-            common.header_mutation.remove_headers.extend(name for name in names if name)
-            common.clear_route_cache = bool(settings.model_header)
+            reply.request_headers.response.header_mutation.remove_headers.extend(name for name in names if name)
             self._headers_replies[names] = reply
         return reply
 
@@ -190,12 +190,11 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
         else:
             _set_header(mutation, settings.key_header, decision.key.encode())
             reply.dynamic_metadata.fields[self.namespace].struct_value.fields["prefix_key"].string_value = decision.key
-        if settings.model_header:  # the body's model for Envoy's route table, which then routes again
+        if settings.model_header:  # the body's model, for a route table that matches it
             if decision.model is None:
                 mutation.remove_headers.append(settings.model_header)
             else:
                 _set_header(mutation, settings.model_header, decision.model.encode())
-            response.clear_route_cache = True
         return reply
 
 
