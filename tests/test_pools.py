@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
@@ -155,12 +154,9 @@ def test_parse_models_reads_ids_and_parents_and_refuses_what_is_no_list() -> Non
     assert parse_models(b'{"data": [{"id": 7}, {"id": "x", "parent": 5}, "y"]}') == [Served("x")]
 
 
-@pytest.fixture()
-def model_servers() -> Iterator[list[str]]:
-    """Two real HTTP servers on loopback: one answers /v1/models as vLLM does, one answers 500."""
-    ports = free_ports(2)
-    loop = asyncio.new_event_loop()
-
+async def _list_models(ports: list[int]) -> dict[str, list[Served]]:
+    """Two real HTTP servers on loopback (one answers /v1/models as vLLM does, one answers 500) and a
+    port with nothing on it, listed once; what the lister heard, by address."""
     async def models(_: web.Request) -> web.Response:
         return web.json_response(VLLM_MODELS)
 
@@ -168,24 +164,26 @@ def model_servers() -> Iterator[list[str]]:
         return web.Response(status=500)
 
     runners = []
-    for port, handler in zip(ports, (models, broken), strict=True):
-        app = web.Application()
-        app.router.add_get("/v1/models", handler)
-        runner = web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        runners.append(runner)
-    asyncio.set_event_loop(loop)
-    yield [f"127.0.0.1:{port}" for port in ports]
-    for runner in runners:
-        loop.run_until_complete(runner.cleanup())
-    loop.close()
+    try:
+        for port, handler in zip(ports, (models, broken), strict=True):
+            app = web.Application()
+            app.router.add_get("/v1/models", handler)
+            runner = web.AppRunner(app)
+            runners.append(runner)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        heard: dict[str, list[Served]] = {}
+        addresses = [f"127.0.0.1:{port}" for port in ports]
+        lister = ModelLister(lambda: [*addresses, "127.0.0.1:1"], 1.0, lambda a, m: heard.__setitem__(a, list(m)))
+        await lister.poll_once()
+        await lister.stop()
+        return heard
+    finally:
+        for runner in runners:
+            await runner.cleanup()
 
 
-def test_the_lister_reads_each_replicas_models_and_keeps_quiet_about_a_broken_one(model_servers: list[str]) -> None:
-    heard: dict[str, list[Served]] = {}
-    lister = ModelLister(lambda: [*model_servers, "127.0.0.1:1"], 1.0, lambda a, m: heard.__setitem__(a, list(m)))
-    loop = asyncio.get_event_loop()
-    loop.run_until_complete(lister.poll_once())
-    loop.run_until_complete(lister.stop())
-    assert heard == {model_servers[0]: [Served("llama"), Served("sql-lora", "llama")]}
+def test_the_lister_reads_each_replicas_models_and_keeps_quiet_about_a_broken_one() -> None:
+    ports = free_ports(2)
+    heard = asyncio.run(_list_models(ports))
+    assert heard == {f"127.0.0.1:{ports[0]}": [Served("llama"), Served("sql-lora", "llama")]}

@@ -32,7 +32,7 @@ from typing import Final
 from extproc import metrics
 from extproc.core.decide import Decision, decide
 from extproc.core.model import MODEL_ABSENT
-from extproc.core.settings import METADATA_PREFIX, RouteSettings, with_metadata
+from extproc.core.settings import ENDPOINT_FLAGS, METADATA_PREFIX, RouteSettings, with_metadata
 from extproc.pick.choice.choose import Choice
 from extproc.pick.core import PickCore
 
@@ -114,7 +114,7 @@ class RouterService:
         if settings.mode == "pick" and (limits.cannot_pick or self.picker is None):
             errors.append("x-prefix-router-mode pick: " + (
                 limits.cannot_pick
-                or "the router has no endpoints (--endpoints, --endpoints-file, --endpoints-dns or --pools)")
+                or f"the router has no endpoints ({ENDPOINT_FLAGS})")
                 + "; using hash mode")
             settings = dataclasses.replace(settings, mode="hash")
         if settings.tenant_isolation and (limits.cannot_edit_body or self.secret is None):

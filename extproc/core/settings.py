@@ -26,6 +26,8 @@ ROUTING_MODES: Final = ("hash", "pick")
 # subscribes to them (--kv-events on), else what the router learned from its own picks
 CACHE_VIEWS: Final = ("auto", "learned", "events")
 ENDPOINT_SOURCES: Final = ("endpoints", "endpoints_file", "endpoints_dns")  # ServerSettings fields; one at most
+# where pick mode's replicas come from, as the errors name them
+ENDPOINT_FLAGS: Final = "--endpoints, --endpoints-file, --endpoints-dns or --pools"
 
 ENV_PREFIX: Final = "PREFIX_ROUTER_"
 TENANT_SECRET_ENV: Final = "PREFIX_ROUTER_TENANT_SECRET"
@@ -411,11 +413,11 @@ def server_settings(args: argparse.Namespace | None, env: Mapping[str, str]) -> 
     if len(sources) > 1:
         raise SettingError(f"{' and '.join(sources)} both set: give pick mode one endpoint source")
     if cfg.kv_events and not (has_endpoints(cfg) and cfg.tokenizer):
-        raise SettingError(f"{flag('kv_events')} on needs the replicas' endpoints (--endpoints, "
-                           f"--endpoints-file, --endpoints-dns or --pools) and {flag('tokenizer')}")
+        raise SettingError(f"{flag('kv_events')} on needs the replicas' endpoints ({ENDPOINT_FLAGS}) "
+                           f"and {flag('tokenizer')}")
     if cfg.share_in_flight and not has_endpoints(cfg):
         raise SettingError(f"{flag('share_in_flight')} is for pick mode: it needs the replicas' endpoints "
-                           "(--endpoints, --endpoints-file, --endpoints-dns or --pools)")
+                           f"({ENDPOINT_FLAGS})")
     return cfg
 
 

@@ -166,8 +166,12 @@ class PickCore:
 
     def _adapter(self, decision: Decision, settings: RouteSettings) -> str | None:
         """The LoRA adapter the request runs, when the choice prices adapters (None: a base model)."""
+        return self._lora(decision) if settings.adapter_affinity else None
+
+    def _lora(self, decision: Decision) -> str | None:
+        """The LoRA adapter the request names (None: a base model, or no model)."""
         model = decision.model
-        return model if model and settings.adapter_affinity and self.pools.base_of(model) else None
+        return model if model and self.pools.base_of(model) else None
 
     def _snapshot(self, pool: str) -> Snapshot:
         """The load snapshot now, of ``pool``'s replicas only (every replica without --pools); a
@@ -203,10 +207,10 @@ class PickCore:
             chosen = _chosen(choice)
             prefill = _prefill(choice, chosen)
             self.load.assign(address, prefill, self.clock())
-            model = decision.model
-            if model and self.pools.base_of(model):  # its slot there is taken, whatever the settings
-                self.adapters.assign(address, model)
-                self._adapter_of[id(choice)] = model
+            lora = self._lora(decision)
+            if lora is not None:  # its slot there is taken, whatever the settings
+                self.adapters.assign(address, lora)
+                self._adapter_of[id(choice)] = lora
             if self.share is not None:
                 self.share.picked(id(choice), address, prefill, placed.run)
             if chosen.cached_tokens > placed.taken_off:

@@ -112,9 +112,10 @@ class Picker(PickCore):
             await self.tokenizer_check.start()
         for watcher in self.watchers:
             await watcher.start()
-        if self.load.addresses():
+        polled = bool(self.load.addresses())
+        if polled:
             await self.scraper.poll_once()  # first loads and capacities before serving
-        self.scraper.start()
+        self.scraper.start(first_after=self.scraper.interval if polled else 0.0)
         if self.lister is not None:
             self.lister.start()  # its first round now, without holding the start up (a hung replica)
 

@@ -25,6 +25,7 @@ from extproc.adapters.ext_proc import PrefixRouter
 from extproc.adapters.service import RouterService
 from extproc.core.decide import decide
 from extproc.core.settings import (
+    ENDPOINT_FLAGS,
     ROUTE_FIELDS,
     SERVER_FIELDS,
     RouteSettings,
@@ -187,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
     if route_cfg.mode == "pick" and not has_endpoints(server_cfg):
-        print("prefix-router serve: --mode pick needs the replicas: set --endpoints, --endpoints-file or "
-              "--endpoints-dns", file=sys.stderr)
+        print(f"prefix-router serve: --mode pick needs the replicas: set {ENDPOINT_FLAGS}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

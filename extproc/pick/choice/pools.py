@@ -11,7 +11,7 @@ chooses), nor is a request without a model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Final, NamedTuple
 
 NO_MODEL: Final = "no_model"  # the request names no model: no pool to pick in
@@ -74,10 +74,6 @@ class Pools:
             return None, NO_MODEL
         pool = self._names.get(model)
         return (pool, None) if pool is not None else (None, UNKNOWN_MODEL)
-
-    def names(self) -> Mapping[str, str]:
-        """Every name a request may use -> its pool."""
-        return self._names
 
     def base_of(self, model: str) -> str | None:
         """The base model of the LoRA adapter ``model`` (None: not an adapter any replica lists)."""

@@ -18,7 +18,7 @@ log = logging.getLogger("extproc.pick.sources.poller")
 
 class ReplicaPoller:
     """``poll_once`` asks every replica ``addresses()`` names at once (``ask``); ``start`` repeats
-    it every ``interval`` seconds, the first round at once, until ``stop``."""
+    it every ``interval`` seconds until ``stop``."""
 
     def __init__(self, addresses: Callable[[], Sequence[str]], interval: float) -> None:
         self.addresses = addresses
@@ -37,7 +37,8 @@ class ReplicaPoller:
         session = self._session
         await asyncio.gather(*(self.ask(session, a) for a in self.addresses()))
 
-    async def _loop(self) -> None:
+    async def _loop(self, first_after: float) -> None:
+        await asyncio.sleep(first_after)
         while True:
             try:
                 await self.poll_once()
@@ -45,8 +46,10 @@ class ReplicaPoller:
                 log.exception("%s round failed", type(self).__name__)
             await asyncio.sleep(self.interval)
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+    def start(self, first_after: float = 0.0) -> None:
+        """Poll every ``interval`` seconds, the first round ``first_after`` seconds from now (a caller
+        that has just polled waits an interval)."""
+        self._task = asyncio.get_running_loop().create_task(self._loop(first_after))
 
     async def stop(self) -> None:
         if self._task:
