@@ -137,3 +137,47 @@ def test_multi_lora_quick_reports_adapter_loads_and_each_class_of_adapter(tmp_pa
     assert report.load["router_settings"]["max-num-seqs"] == "32"
     text = (tmp_path / "report.md").read_text()
     assert "adapter loads / min" in text
+
+
+def test_multi_model_quick_sends_every_request_to_its_models_pool(tmp_path: Path) -> None:
+    """Two base models behind multi-model.yaml's shape: a stock arm routing on the client's model header,
+    pick mode on the router's; each response's replica serves the request's model, each pool's hit
+    rate is its own replicas' over its own requests' oracle."""
+    from routerlab.bench.oracle import oracle
+    from routerlab.bench.scenarios import get
+    from routerlab.bench.scenarios.models import BIG, SMALL, model_of
+
+    report = run_bench(BenchConfig(scenario="multi-model", quick=True, out=tmp_path, plots=False,
+                                   arms=["round-robin", "prefix-pick"]))
+    assert [p[0] for p in report.fleet["pools"]] == [BIG, SMALL]
+    for name, arm in report.arms.items():
+        assert arm["success_rate"] == 1.0, (name, arm["errors"])
+        assert arm["misrouted"] == 0, (name, arm["pools"])
+        assert set(arm["pools"]) == {BIG, SMALL} == set(arm["classes"])
+        assert sum(p["ok"] for p in arm["pools"].values()) == arm["ok"]
+        for model, pool in arm["pools"].items():
+            assert pool["ok"] == arm["classes"][model]["requests"] > 0
+        # each model's cluster took exactly its requests
+        assert [arm["envoy"][f"cluster.vllm_{i}.upstream_rq_2xx"] for i in (0, 1)] == [
+            arm["pools"][BIG]["ok"], arm["pools"][SMALL]["ok"]]
+    trace = get("multi-model").trace(report.params, 0, "")
+    small = [r for r in trace.requests if model_of(r.group) == SMALL]
+    assert report.arms["prefix-pick"]["pools"][SMALL]["oracle_hit_rate"] == round(oracle(small).hit_rate, 4)
+    assert "## By model's pool" in (tmp_path / "report.md").read_text()
+
+
+def test_multi_model_alone_keeps_one_models_requests_on_its_pool_at_its_share_of_the_rate() -> None:
+    from routerlab.bench.runner import _fleet, _load, scenario_params
+    from routerlab.bench.scenarios import get
+    from routerlab.bench.scenarios.models import SMALL, model_of
+
+    scenario = get("multi-model")
+    both = scenario_params(scenario, BenchConfig(scenario="multi-model"))
+    alone_cfg = BenchConfig(scenario="multi-model", params={"only": SMALL})
+    alone = scenario_params(scenario, alone_cfg)
+    whole, mine = scenario.trace(both, 3, ""), scenario.trace(alone, 3, "")
+    assert [r.body for r in mine.requests] == [r.body for r in whole.requests if model_of(r.group) == SMALL]
+    assert _fleet(scenario, alone, alone_cfg).pools == ((SMALL, 4, "llama-3.1-8b-h100"),)
+    assert _load(scenario, alone, alone_cfg).rate == both["rate"] * both["small_share"]
+    with pytest.raises(ValueError, match="only="):
+        scenario.trace(scenario_params(scenario, BenchConfig(scenario="multi-model", params={"only": "gpt"})), 0, "")

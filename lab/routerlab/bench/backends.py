@@ -117,6 +117,8 @@ class SimBackend(_ChildFleet):
         if s.kv_events:
             argv += ["--kv-events-port-offset", str(s.replicas), "--kv-replay-port-offset", str(2 * s.replicas),
                      "--kv-events-buffer-steps", str(s.kv_buffer_steps)]
+        for model, count, profile in s.pools:
+            argv += ["--pool", f"{model}={count}:{profile}"]
         if s.lora_adapters:  # vLLM's flags: every replica serves every adapter
             argv += ["--enable-lora", "--max-loras", str(s.max_loras or 1),
                      *(("--max-cpu-loras", str(s.max_cpu_loras)) if s.max_cpu_loras else ()),

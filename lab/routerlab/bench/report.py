@@ -126,6 +126,27 @@ def by_class(ok: Sequence[Result], classes: Callable[[str], str | None]) -> dict
             for label, rs in sorted(split.items())}
 
 
+def by_pool(results: Sequence[Result], fleet: FleetDelta | None, members: Mapping[str, Sequence[int]],
+            backend_urls: Sequence[str], oracle_rates: Mapping[str, float],
+            model_of: Callable[[str], str | None]) -> dict[str, dict[str, Any]]:
+    """Per base model's pool: its requests, those a replica of another model served (``misrouted``,
+    from each response's ``x-upstream-host``), its replicas' hit rate against its requests' oracle."""
+    index = _replica_index(backend_urls)
+    pool_of = {i: model for model, idx in members.items() for i in idx}
+    out: dict[str, dict[str, Any]] = {}
+    for model, idx in members.items():
+        ok = [r for r in results if r.ok and model_of(r.group) == model]
+        replicas = [fleet.per_replica[i] for i in idx] if fleet else []
+        queries = sum(c.queries for c in replicas)
+        kv = sum(c.hits for c in replicas) / queries if queries else None
+        best = oracle_rates.get(model)
+        out[model] = {"ok": len(ok), "misrouted": sum(1 for r in ok if pool_of.get(index.get(r.replica, -1)) != model),
+                      "kv_hit_rate": round(kv, 4) if kv is not None else None,
+                      "oracle_hit_rate": round(best, 4) if best is not None else None,
+                      "hit_rate_of_oracle": round(kv / best, 3) if kv is not None and best else None}
+    return out
+
+
 def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, Any]:
     """How well the routers' cache view predicted what the replicas served from cache: the cached
     tokens they expected at the replicas they chose, over the tokens the replicas report they hit
@@ -309,6 +330,22 @@ def classes_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def pools_table(report: Report) -> str:
+    """Per arm and base model's pool (several models): requests served, those served by another
+    model's replica, the pool's hit rate and its share of the pool's oracle."""
+    rows = [(name, a["pools"]) for name, a in report.arms.items() if a.get("pools")]
+    if not rows:
+        return ""
+    models = list(rows[0][1])
+    lines = ["| arm | " + " | ".join(f"{m}: requests, misrouted, KV hit rate, of oracle" for m in models) + " |",
+             "|---|" + "---|" * len(models)]
+    for name, pools in rows:
+        cells = [f"{p['ok']}, {p['misrouted']}, {_rate(p['kv_hit_rate'])}, {_fmt(p['hit_rate_of_oracle'], 3)}"
+                 for p in (pools.get(m) for m in models) if p]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
@@ -346,6 +383,10 @@ def to_markdown(report: Report) -> str:
     classes = classes_table(report)
     if classes:
         parts += ["", "## By class of requests", "", classes]
+    pools = pools_table(report)
+    if pools:
+        parts += ["", "## By model's pool", "", "misrouted: served by a replica of another model (each response's "
+                  "x-upstream-host); of oracle: the pool's hit rate over its own requests' oracle.", "", pools]
     phases = timeline_table(report)
     if phases:
         parts += ["", "## Per phase (split at the fleet changes)", "", phases]

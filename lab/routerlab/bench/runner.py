@@ -82,8 +82,8 @@ def _fleet(scenario: Scenario, params: Mapping[str, Any], cfg: BenchConfig) -> F
     return dataclasses.replace(spec, **changes)
 
 
-def _load(scenario: Scenario, cfg: BenchConfig) -> LoadSpec:
-    base = scenario.load
+def _load(scenario: Scenario, params: Mapping[str, Any], cfg: BenchConfig) -> LoadSpec:
+    base = scenario.load_for(dict(params)) if scenario.load_for else scenario.load
     return LoadSpec(mode=cfg.load_mode or base.mode, concurrency=cfg.concurrency or base.concurrency,
                     rate=cfg.rate or base.rate, duration_s=cfg.duration_s or base.duration_s)
 
@@ -108,13 +108,16 @@ def _model(spec: FleetSpec, cfg: BenchConfig) -> str:
     return get_profile(spec.profile).model
 
 
-def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None], fleet_changes: bool) -> list[str]:
+def _arm_names(scenario: Scenario, cfg: BenchConfig, note: Callable[[str], None], fleet_changes: bool,
+               several_models: bool = False) -> list[str]:
     names = list(cfg.arms or scenario.arms)
     out = []
     for name in names:
         arm = arms_mod.get(name)
         if arm.peer and fleet_changes:
             note(f"skipping {name}: this scenario changes the fleet mid-run, which only Envoy arms follow here")
+        elif several_models and (arm.peer or arm.base == "envoy-fast.yaml"):
+            note(f"skipping {name}: several models run through envoy/multi-model.yaml (ext_proc) here")
         elif arm.available:
             out.append(name)
         else:
@@ -140,18 +143,20 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     scenario = get_scenario(cfg.scenario)
     params = scenario_params(scenario, cfg)
     spec = _fleet(scenario, params, cfg)
-    load = _load(scenario, cfg)
+    load = _load(scenario, params, cfg)
     prog = cfg.progress or progress_mod.Quiet()
     model = _model(spec, cfg)
     trace = scenario.trace(params, cfg.seed, model)
     prefix_length = cfg.prefix_length or scenario.prefix_length
-    names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)))
+    names = _arm_names(scenario, cfg, prog.note, bool(scenario.events(params)), bool(spec.pools))
     if (spec.tokenizer or any(arms_mod.get(n).precise for n in names)) and not cfg.backend_urls:
         spec = with_real_tokenizer(spec, trace)
     if not cfg.backend_urls:  # what an operator sets from vLLM's --max-num-seqs (docs/pick-mode.md)
         cfg = dataclasses.replace(cfg, router_settings={"max-num-seqs": str(_max_num_seqs(spec)),
                                                         **cfg.router_settings})
     best = oracle(trace.requests, spec.block_size, spec.tokenizer).hit_rate
+    pool_best = {m: oracle([r for r in trace.requests if scenario.classes and scenario.classes(r.group) == m],
+                           spec.block_size, spec.tokenizer).hit_rate for m in spec.members()}
     report = report_mod.Report(
         scenario=scenario.name, summary=scenario.summary, seed=cfg.seed, params=params,
         fleet={**dataclasses.asdict(spec), "backend": "urls" if cfg.backend_urls else "sim", **cfg.backend_info},
@@ -165,7 +170,7 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     try:
         for name in names:
             summary, results = _run_arm(arms_mod.get(name), name, scenario, spec, load, trace, best, prefix_length,
-                                      cfg, prog)
+                                      cfg, prog, pool_best)
             report.arms[name] = summary
             report.ttft_samples[name] = [r.ttft * 1000 for r in results if r.ok and r.ttft is not None]
             report.requests[name] = results
@@ -267,7 +272,8 @@ async def _with_events(load: Coroutine[Any, Any, T], running: arms_mod.RunningAr
 
 def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetSpec, load: LoadSpec,
              trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
-             prog: progress_mod.Progress) -> tuple[dict[str, Any], list[loadgen.Result]]:
+             prog: progress_mod.Progress, pool_oracle: Mapping[str, float] | None = None,
+             ) -> tuple[dict[str, Any], list[loadgen.Result]]:
     backend = _backend(spec, cfg)
     events = sorted(scenario.events(dict(trace.params)), key=lambda e: e.at_s)
     members = [i for i in range(spec.replicas) if i not in {e.replica for e in events if e.action == "join"}]
@@ -278,7 +284,7 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
         with arms_mod.RunningArm(arm, backend.urls, prefix_length=prefix_length, balance_factor=cfg.balance_factor,
                                  router_settings=cfg.router_settings, endpoints=members,
                                  router_flags=cfg.router_flags, event_flags=backend.event_flags(),
-                                 router_metrics=arm.pick) as running:
+                                 router_metrics=arm.pick, model_pools=spec.members()) as running:
             before = scrape_fleet(backend.urls)
             meter = CpuMeter({**backend.pids, **running.pids})
             prog.start(label, len(trace))
@@ -298,6 +304,10 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
     fleet = replica_metrics.delta(before, after, resets) if before and after else None
     summary = report_mod.summarize(result, fleet, oracle_hit_rate=oracle_rate, total_requests=len(trace),
                                    backend_urls=backend.urls, cpu=cpu, envoy=envoy, classes=scenario.classes)
+    if spec.pools and scenario.classes:
+        summary["pools"] = report_mod.by_pool(result.results, fleet, spec.members(), backend.urls, pool_oracle or {},
+                                              scenario.classes)
+        summary["misrouted"] = sum(p["misrouted"] for p in summary["pools"].values())
     if predicted and fleet is not None:  # with what each restarted router's old process predicted
         whole = _summed([predicted, *(s["restarted_predicted"] for s in snapshots)])
         summary["prediction"] = report_mod.prediction(whole, fleet)

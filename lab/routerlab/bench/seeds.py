@@ -25,6 +25,8 @@ from typing import Any, Final
 
 from scipy import stats
 
+from routerlab.bench.scenarios.models import BIG, SMALL
+
 CONFIDENCE: Final = 0.95
 
 
@@ -42,6 +44,11 @@ def _last_phase(arm: Mapping[str, Any]) -> Mapping[str, Any]:
     return phases[-1] if len(phases) > 1 else {}
 
 
+def _pool_hit_of_oracle(model: str) -> Callable[[Mapping[str, Any]], float | None]:
+    """A model's pool's hit rate over its requests' oracle (a fleet of several models)."""
+    return lambda a: ((a.get("pools") or {}).get(model) or {}).get("hit_rate_of_oracle")
+
+
 METRICS: Final = (
     Metric("hit_rate_of_oracle", "hit rate / oracle", lambda a: a.get("hit_rate_of_oracle"), False),
     Metric("ttft_p50", "TTFT p50", lambda a: (a.get("ttft_ms") or {}).get("p50"), True),
@@ -53,6 +60,9 @@ METRICS: Final = (
     Metric("adapter_loads_per_min", "adapter loads / min", lambda a: a.get("adapter_loads_per_min"), True),
     Metric("adapter_slot_waits", "requests that waited for an adapter slot", lambda a: a.get("adapter_slot_waits"),
            True),
+    Metric("misrouted", "requests served by another model's replica", lambda a: a.get("misrouted"), False),
+    *(Metric(f"pool_hit_rate_of_oracle_{model}", f"{model} pool: hit rate / oracle", _pool_hit_of_oracle(model),
+             False) for model in (BIG, SMALL)),
     Metric("last_phase_hit_rate", "hit rate after the fleet change (client)",
            lambda a: _last_phase(a).get("client_cached_rate"), False),
     Metric("last_phase_p50", "TTFT p50 after the fleet change",

@@ -35,6 +35,7 @@ ROUTED_HEADER = "x-bench-routed"
 # Every router an arm starts can salt tenants' caches when the arm asks (a fresh secret per run).
 ROUTER_ENV = {TENANT_SECRET_ENV: secrets.token_hex(16)}
 DEFAULT_BALANCE_FACTOR = 110  # as shipped in envoy/envoy.yaml
+MULTI_MODEL_BASE = "multi-model.yaml"  # every Envoy arm's config on a fleet of several models
 
 
 @dataclass(frozen=True)
@@ -85,29 +86,36 @@ def envoy_config_for(
     balance_factor: int = DEFAULT_BALANCE_FACTOR,
     router_settings: Mapping[str, str] | None = None,
     health_interval: float | None = 0.5,
+    model_pools: Mapping[str, Sequence[int]] | None = None,
 ) -> envoy_config.Config:
     """The arm's shipped config localised to our ports and changed only where the arm differs.
 
     Health checks run every ``health_interval`` seconds (fleet changes register fast), or as
-    shipped when None (the fault drill measures the shipped detection times).
+    shipped when None (the fault drill measures the shipped detection times). ``model_pools``
+    (model -> indexes of ``backends``): envoy/multi-model.yaml's shape instead, a cluster per model
+    chosen by the model header (a stock arm routes on the client's header, a prefix arm on the router's).
     """
-    cfg = envoy_config.localize(envoy_config.load(arm.base), listener_port=listener_port, admin_port=admin_port,
-                                backends=backends, extproc_port=extproc_port, health_interval=health_interval)
-    vllm = envoy_config.cluster(cfg, "vllm")
-    vllm["lb_policy"] = arm.lb_policy
-    common = vllm.setdefault("common_lb_config", {})
+    cfg = envoy_config.localize(envoy_config.load(MULTI_MODEL_BASE if model_pools else arm.base),
+                                listener_port=listener_port, admin_port=admin_port, backends=backends,
+                                extproc_port=extproc_port, health_interval=health_interval)
+    if model_pools:
+        envoy_config.set_model_pools(cfg, {m: [backends[i] for i in idx] for m, idx in model_pools.items()},
+                                     RouteSettings().model_header)
     if arm.prefix:
         envoy_config.set_stream_metadata(cfg, {
             "x-prefix-router-prefix-length": str(prefix_length), "x-prefix-router-normalize": arm.normalize,
             **({"x-prefix-router-mode": "pick"} if arm.pick else {}),
             **{metadata_key(k): str(v) for k, v in (*arm.settings, *(router_settings or {}).items())}})
-        if arm.bounded:
+    else:
+        _strip_prefix_routing(cfg)
+        envoy_config.keep_client_header(cfg, RouteSettings().model_header)
+    for vllm in envoy_config.model_clusters(cfg):
+        vllm["lb_policy"] = arm.lb_policy
+        common = vllm.setdefault("common_lb_config", {})
+        if arm.prefix and arm.bounded:
             common["consistent_hashing_lb_config"] = {"hash_balance_factor": balance_factor}
         else:
             common.pop("consistent_hashing_lb_config", None)
-    else:
-        _strip_prefix_routing(cfg)
-        common.pop("consistent_hashing_lb_config", None)
     vhost = envoy_config.http_manager(cfg)["route_config"]["virtual_hosts"][0]
     vhost["response_headers_to_add"] = [
         {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
@@ -125,7 +133,7 @@ class RunningArm:
                  balance_factor: int = DEFAULT_BALANCE_FACTOR, router_settings: Mapping[str, str] | None = None,
                  endpoints: Sequence[int] | None = None, router_metrics: bool = False,
                  health_interval: float | None = 0.5, router_flags: Sequence[str] = (),
-                 event_flags: Sequence[str] = ()) -> None:
+                 event_flags: Sequence[str] = (), model_pools: Mapping[str, Sequence[int]] | None = None) -> None:
         self.arm = arm
         self.health_interval = health_interval
         self.router_metrics = router_metrics  # serve each router's /metrics (metrics_ports[i])
@@ -138,6 +146,8 @@ class RunningArm:
         self.event_flags = list(event_flags)  # precise arms: where the fleet's events are (SimBackend.event_flags)
         # pick mode: the indexes of backend_urls the router starts with (default all)
         self.endpoints = list(range(len(backend_urls)) if endpoints is None else endpoints)
+        # several models: model -> indexes of backend_urls (multi-model.yaml's shape; pick mode's --pools)
+        self.model_pools = {m: list(idx) for m, idx in (model_pools or {}).items()}
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.endpoints_file: Path | None = None
         self.envoy: Envoy | None = None
@@ -173,6 +183,8 @@ class RunningArm:
     def _start_envoy(self) -> None:
         routers = self.arm.routers if self.arm.prefix else 0  # stock arms start no router
         over_http = envoy_config.router_over_http(envoy_config.load(self.arm.base))  # envoy-fast.yaml
+        if over_http and self.model_pools:
+            raise RuntimeError(f"{self.arm.name}: a fleet of several models runs multi-model.yaml's ext_proc shape")
         # every port in one call, so none of them is handed out twice
         listener, admin, *ports = free_ports(2 + routers * (1 + bool(self.router_metrics) + over_http))
         grpc_ports, ports = ports[:routers], ports[routers:]
@@ -183,7 +195,7 @@ class RunningArm:
             port = free_ports(1)[0]
             self.redis = redis_server(port)
             share = ["--share-in-flight", f"redis://127.0.0.1:{port}/0"]
-        if self.arm.pick:
+        if self.arm.pick and not self.model_pools:
             self._tmp = tempfile.TemporaryDirectory(prefix="pick-")
             self.endpoints_file = Path(self._tmp.name) / "endpoints"
             self.set_endpoints(self.endpoints)
@@ -194,6 +206,8 @@ class RunningArm:
                 argv += ["--http-authz-port", str(http_ports[i])]
             if self.endpoints_file is not None:
                 argv += ["--endpoints-file", str(self.endpoints_file)]
+            elif self.arm.pick:
+                argv += ["--pools", self._pools_flag()]
             if self.arm.precise and not self.event_flags:
                 raise RuntimeError(f"{self.arm.name}: the fleet publishes no KV-cache events")
             argv += [*(self.event_flags if self.arm.precise else ()), *share, *self.router_flags]
@@ -204,16 +218,30 @@ class RunningArm:
         cfg = envoy_config_for(self.arm, self._backends(), listener_port=listener, admin_port=admin,
                                extproc_port=router_ports[0] if self.arm.prefix else None,
                                prefix_length=self.prefix_length, balance_factor=self.balance_factor,
-                               router_settings=self.router_settings, health_interval=self.health_interval)
+                               router_settings=self.router_settings, health_interval=self.health_interval,
+                               model_pools=self.model_pools)
         if self.arm.prefix:
             envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in router_ports],
                                        standby=self.arm.standby)
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
         self.envoy.start()
-        self.envoy.wait_healthy("vllm", len(self.endpoints))
+        for name, members in self._clusters().items():
+            self.envoy.wait_healthy(name, members)
         if self.arm.prefix:
             self.envoy.wait_healthy("prefix_router", len(self.routers))
         self.url = f"http://127.0.0.1:{listener}"
+
+    def _pools_flag(self) -> str:
+        """The router's --pools: each model's replicas."""
+        backends = self._backends()
+        return ";".join(f"{m}=" + ",".join(f"{backends[i][0]}:{backends[i][1]}" for i in idx)
+                        for m, idx in self.model_pools.items())
+
+    def _clusters(self) -> dict[str, int]:
+        """Envoy's replica clusters and how many healthy hosts each starts with."""
+        if not self.model_pools:
+            return {"vllm": len(self.endpoints)}
+        return {envoy_config.pool_cluster(i): len(idx) for i, idx in enumerate(self.model_pools.values())}
 
     def restart_router(self, i: int) -> None:
         """Start router ``i`` again on its port (after a fault drill killed it)."""
@@ -269,7 +297,8 @@ class RunningArm:
         stats = self.envoy.stats(r"ext_proc|upstream_rq_(2xx|5xx|retry)|lb_healthy_panic")
         keep = ("failure_mode_allowed", "streams_started", "message_timeouts", "stream_msgs_sent",
                 "upstream_rq_2xx", "upstream_rq_5xx", "upstream_rq_retry", "lb_healthy_panic")
-        return {k: v for k, v in stats.items() if k.startswith(("http.", "cluster.vllm.")) and k.endswith(keep)}
+        return {k: v for k, v in stats.items()
+                if k.startswith(("http.", *(f"cluster.{c}." for c in self._clusters()))) and k.endswith(keep)}
 
 
 def _get_ok(url: str) -> bool:

@@ -82,6 +82,54 @@ def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, 
         if standby and len(endpoints) > 1 else [{"lb_endpoints": endpoints}])
 
 
+def model_clusters(cfg: Config) -> list[dict[str, Any]]:
+    """The clusters of replicas (every cluster but the router's)."""
+    return [c for c in cfg["static_resources"]["clusters"] if c["name"] != "prefix_router"]
+
+
+def pool_cluster(i: int) -> str:
+    """The name of the cluster of the ``i``-th model's replicas (``set_model_pools``)."""
+    return f"vllm_{i}"
+
+
+def set_model_pools(cfg: Config, pools: Mapping[str, Sequence[tuple[str, int]]], header: str) -> list[str]:
+    """multi-model.yaml's shape for ``pools`` (model -> its replicas): a cluster per model (named
+    ``pool_cluster(i)``, copied from the config's first replica cluster), a route per model matching
+    ``header`` exactly (copied from its first such route), the default route to the first model's
+    cluster. Returns the clusters' names in the pools' order."""
+    template_cluster = model_clusters(cfg)[0]
+    table = routes(cfg)
+    matched = next(r for r in table if r["match"].get("headers"))
+    default = next(r for r in table if not r["match"].get("headers"))
+    names = [pool_cluster(i) for i in range(len(pools))]
+    clusters = []
+    table[:] = []
+    for name, model in zip(names, pools):
+        c = copy.deepcopy(template_cluster)
+        c["name"] = c["load_assignment"]["cluster_name"] = name
+        clusters.append(c)
+        route = copy.deepcopy(matched)
+        route["match"]["headers"] = [{"name": header, "string_match": {"exact": model}}]
+        route["route"]["cluster"] = name
+        table.append(route)
+    default = copy.deepcopy(default)
+    default["route"]["cluster"] = names[0]
+    table.append(default)
+    cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
+                                           if c["name"] == "prefix_router"] + clusters
+    for name, members in zip(names, pools.values()):
+        set_endpoints(cfg, name, members, hash_key_prefix=name)
+    return names
+
+
+def keep_client_header(cfg: Config, header: str) -> None:
+    """Stop the config from dropping a client's ``header`` (a stock arm routes on the client's)."""
+    for f in http_manager(cfg)["http_filters"]:
+        mutations = f["typed_config"].get("mutations", {})
+        if "request_mutations" in mutations:
+            mutations["request_mutations"] = [m for m in mutations["request_mutations"] if m.get("remove") != header]
+
+
 def set_health_interval(cfg: Config, seconds: float) -> None:
     """Faster health checks for tests: a dead host leaves within ~2 intervals."""
     for c in cfg["static_resources"]["clusters"]:

@@ -73,7 +73,7 @@ def context(cfg: ValidateConfig) -> Context:
                                duration_s=cfg.load_s)
     params = runner.scenario_params(scenario, bench)
     spec = runner._fleet(scenario, params, bench)
-    load = runner._load(scenario, bench)
+    load = runner._load(scenario, params, bench)
     trace = scenario.trace(params, cfg.seed, runner._model(spec, bench))
     return Context(bench, params, spec, load, trace, bench.prefix_length or scenario.prefix_length)
 

@@ -40,6 +40,23 @@ class FleetSpec:
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters every replica serves (vLLM's --lora-modules); none: no LoRA
     max_loras: int | None = None  # distinct adapters in one batch (vLLM's --max-loras)
     max_cpu_loras: int | None = None  # adapters kept in CPU memory (vLLM's --max-cpu-loras)
+    # several base models: (model, replicas, profile) in replica order (the simulator's --pool); their
+    # replicas add up to ``replicas``. Arms then route through envoy/multi-model.yaml's shape (a
+    # cluster per model chosen by the model header) and pick arms get the router's --pools.
+    pools: tuple[tuple[str, int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pools and sum(n for _, n, _ in self.pools) != self.replicas:
+            raise ValueError(f"the pools hold {sum(n for _, n, _ in self.pools)} replicas, not {self.replicas}")
+
+    def members(self) -> dict[str, list[int]]:
+        """Each base model's replicas (indexes in replica order); {} for a one-model fleet."""
+        out: dict[str, list[int]] = {}
+        first = 0
+        for model, count, _ in self.pools:
+            out[model] = list(range(first, first + count))
+            first += count
+        return out
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,7 @@ class Scenario:
     quick: Mapping[str, Any] = field(default_factory=dict)
     events: Callable[[Params], tuple[FleetEvent, ...]] = lambda p: ()  # fleet changes during the load
     classes: Callable[[str], str | None] | None = None  # a request's class from its group, reported apart
+    load_for: Callable[[Params], LoadSpec] | None = None  # the load from the parameters (else ``load``)
 
     def resolve(self, overrides: Mapping[str, Any] | None = None, quick: bool = False) -> Params:
         """Defaults, then ``quick`` overrides, then the caller's; unknown names are errors."""
