@@ -316,17 +316,19 @@ def classes_table(report: Report) -> str:
     if not rows:
         return ""
     labels = sorted({label for _, a in rows for label in a.get("classes") or {}})
+    lora = any("adapter_loads_per_min" in a for _, a in rows)
     lines = ["| arm | " + " | ".join(f"{label}: requests, TTFT p50 / p90 ms, replicas per group" for label in labels)
-             + " | adapter loads / min | requests that waited for an adapter slot |",
-             "|---|" + "---|" * len(labels) + "---:|---:|"]
+             + (" | adapter loads / min | requests that waited for an adapter slot |" if lora else " |"),
+             "|---|" + "---|" * len(labels) + ("---:|---:|" if lora else "")]
     for name, a in rows:
         cells = []
         for label in labels:
             c = (a.get("classes") or {}).get(label)
             cells.append(f"{c['requests']}, {_fmt(c['ttft_ms']['p50'])} / {_fmt(c['ttft_ms']['p90'])}, "
                          f"{_fmt(c['replicas_per_group'], 2)}" if c else "")
-        lines.append(f"| {name} | " + " | ".join(cells)
-                     + f" | {_fmt(a.get('adapter_loads_per_min'))} | {_fmt(a.get('adapter_slot_waits'), 0)} |")
+        if lora:
+            cells += [_fmt(a.get("adapter_loads_per_min")), _fmt(a.get("adapter_slot_waits"), 0)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
