@@ -60,6 +60,12 @@ SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 100  # ~
 KV_EVENTS_OFFSET, KV_REPLAY_OFFSET = 3, 6  # replica-N publishes on its port + 3, replays on + 6 (both files)
 PICK, FAST = "pick-mode", "fast"  # the two Envoys: compose/envoy.yaml (ext_proc) and the fast profile's
 ENVOYS = {PICK: ("ENVOY_PORT", "ENVOY_ADMIN_PORT"), FAST: ("ENVOY_FAST_PORT", "ENVOY_FAST_ADMIN_PORT")}
+# the models profile: an Envoy of its own (compose/envoy-multi-model.yaml), its router, two models' replicas
+MODELS = "models"
+MODELS_ENVOY = ("ENVOY_MODELS_PORT", "ENVOY_MODELS_ADMIN_PORT")
+LLAMA, QWEN = "llama-3.1-8b", "qwen2.5-1.5b"
+MODEL_PORTS = {LLAMA: "MODELS_LLAMA_PORT", QWEN: "MODELS_QWEN_PORT"}  # a model's first replica; the second at +1
+MODEL_CLUSTERS = {LLAMA: "vllm_llama", QWEN: "vllm_qwen"}
 
 
 class Router(NamedTuple):
@@ -75,8 +81,8 @@ ROUTERS = [Router("prefix-router", "ROUTER_PORT", "ROUTER_METRICS_PORT", "ROUTER
 SERVICES = [r.service for r in ROUTERS]
 
 
-def chat(system: str, question: str) -> bytes:
-    return json.dumps({"model": "sim-tiny", "max_tokens": 4,
+def chat(system: str, question: str, model: str = "sim-tiny") -> bytes:
+    return json.dumps({"model": model, "max_tokens": 4,
                        "messages": [{"role": "system", "content": system},
                                     {"role": "user", "content": question}]}).encode()
 
@@ -154,7 +160,7 @@ class Stack:
 
     def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
         argv = [docker_compose_bin(), "-p", self.project, "-f", str(LOOPBACK_FILE), "--profile", "cpu",
-                "--profile", "fast", *args]
+                "--profile", "fast", "--profile", MODELS, *args]
         return run(argv, timeout=timeout, env=self.env, check=check)
 
     def logs(self) -> str:
@@ -167,7 +173,8 @@ class Stack:
         return cid
 
     def admin(self, path: str, envoy: str = PICK) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[ENVOYS[envoy][1]]}{path}", timeout=5) as r:
+        port = self.ports[(MODELS_ENVOY if envoy == MODELS else ENVOYS[envoy])[1]]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
             return r.read().decode()
 
     def healthy(self, cluster: str, envoy: str = PICK) -> dict[str, bool]:
@@ -178,10 +185,14 @@ class Stack:
         stats = json.loads(self.admin(f"/stats?format=json&filter={re.escape(name)}$", envoy))["stats"]
         return sum(int(s.get("value", 0)) for s in stats if s.get("name") == name)
 
-    def served(self) -> list[int]:
-        """Inference requests each replica has answered so far."""
+    def model_replicas(self) -> dict[str, list[int]]:
+        """The models profile: each model's replicas' ports."""
+        return {model: [self.ports[var], self.ports[var] + 1] for model, var in MODEL_PORTS.items()}
+
+    def served(self, ports: list[int] | None = None) -> list[int]:
+        """Inference requests each replica (of ``ports``, default the cpu profile's) has answered so far."""
         counts = []
-        for port in self.replica_ports:
+        for port in self.replica_ports if ports is None else ports:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/sim/state", timeout=5) as r:
                 counts.append(json.loads(r.read())["requests"])
         return counts
@@ -198,12 +209,19 @@ class Stack:
 
     def wait_ready(self, timeout: float = 60) -> None:
         replicas = {f"127.0.0.1:{p}" for p in self.replica_ports}
-        for envoy in ENVOYS:
+        clusters = {PICK: {"vllm": replicas}, FAST: {"vllm": replicas},
+                    MODELS: {MODEL_CLUSTERS[m]: {f"127.0.0.1:{p}" for p in ports}
+                             for m, ports in self.model_replicas().items()}}
+        for envoy, expected in clusters.items():
             wait_for(lambda: self.admin("/ready", envoy).strip() == "LIVE", timeout, f"{envoy} Envoy's /ready",
                      self.logs)
-            wait_for(lambda: set(self.healthy("vllm", envoy)) == replicas and all(self.healthy("vllm", envoy).values()),
-                     timeout, f"{envoy} Envoy to see the three replicas healthy", self.logs)
+            for cluster, hosts in expected.items():
+                wait_for(lambda: self.healthy(cluster, envoy) == dict.fromkeys(hosts, True), timeout,
+                         f"{envoy} Envoy to see {cluster}'s replicas healthy", self.logs)
         self.wait_router(healthy=True, timeout=timeout)
+        router = f"127.0.0.1:{self.ports['ROUTER_MODELS_PORT']}"
+        wait_for(lambda: self.healthy("prefix_router", MODELS).get(router) is True, timeout,
+                 "the models Envoy to see its router healthy", self.logs)
 
     def metrics(self, router: int = 0) -> str:
         url = f"http://127.0.0.1:{self.ports[ROUTERS[router].metrics_port]}/metrics"
@@ -246,11 +264,21 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(images: dict[str, float]) -> Iterator[Stack]:
     names = ["ENVOY_PORT", "ENVOY_ADMIN_PORT", "ENVOY_FAST_PORT", "ENVOY_FAST_ADMIN_PORT", "REDIS_PORT",
-             *(port for router in ROUTERS for port in router[1:])]
-    ports = dict(zip(names, free_ports(len(names))))
-    # replica N on base + N - 1, its KV events on base + N + 2 and its replay socket on base + N + 5
-    base = free_port_run(3 + KV_REPLAY_OFFSET)
+             *(port for router in ROUTERS for port in router[1:]), *MODELS_ENVOY, "ROUTER_MODELS_PORT",
+             "ROUTER_MODELS_METRICS_PORT"]
+    # one run of consecutive ports for every replica: replica N on base + N - 1, its KV events on
+    # base + N + 2 and its replay socket on base + N + 5; then each model's two replicas on P and
+    # P + 1, events at + 3, replay at + 6 (P: the next 8 ports after the 9 of the cpu profile's)
+    span = 3 + KV_REPLAY_OFFSET + len(MODEL_PORTS) * (2 + KV_REPLAY_OFFSET)
+    while True:
+        base = free_port_run(span)
+        ports = dict(zip(names, free_ports(len(names))))
+        if not any(base <= p < base + span for p in ports.values()):  # the two were free apart, not together
+            break
     ports.update({f"REPLICA_{i}_PORT": base + i - 1 for i in (1, 2, 3)})
+    for i, var in enumerate(MODEL_PORTS.values()):
+        ports[var] = base + 3 + KV_REPLAY_OFFSET + i * (2 + KV_REPLAY_OFFSET)
+        ports[var.replace("_PORT", "_2_PORT")] = ports[var] + 1
     env = {**IMAGES, **{k: str(v) for k, v in ports.items()}, "SIM_TIME_SCALE": "10"}
     s = Stack(project=f"prefixroutertest{os.getpid()}{uuid.uuid4().hex[:6]}", env=env, ports=ports,
               replica_ports=[ports[f"REPLICA_{i}_PORT"] for i in (1, 2, 3)])
@@ -298,6 +326,32 @@ def test_the_fast_shape_keys_through_the_routers_http_port(stack: Stack) -> None
     assert stack.counter("http.llm.ext_authz.denied", FAST) == 0
     assert stack.counter("http.llm.ext_authz.failure_mode_allowed", FAST) == 0
     assert stack.routers_metric("prefix_router_decisions_total") - router_before >= 36
+
+
+def test_the_models_profile_routes_each_request_to_its_models_replicas(stack: Stack) -> None:
+    """compose/envoy-multi-model.yaml in pick mode: the route follows the body's model (a client's
+    header naming the other model is dropped), the router picks among that model's two replicas
+    (a replica asked for a model it does not serve answers 404), and a prefix stays on one of them."""
+    replicas = stack.model_replicas()
+    ports = [p for m in (LLAMA, QWEN) for p in replicas[m]]
+    metrics_port = stack.ports["ROUTER_MODELS_METRICS_PORT"]
+    picks = {m: metric(metrics_port, "prefix_router_pool_picks_total", pool=m) for m in replicas}
+    served: dict[str, list[int]] = {LLAMA: [], QWEN: []}
+    for i in range(16):
+        model, other = (LLAMA, QWEN) if i % 2 == 0 else (QWEN, LLAMA)
+        before = stack.served(ports)
+        reply = send(stack.ports[MODELS_ENVOY[0]], body=chat("Two models. " + SYSTEM, f"question {i}?", model),
+                     headers={"x-gateway-model-name": other})
+        assert reply.status == 200, (i, model, reply.status, reply.body[:300], stack.logs())
+        after = stack.served(ports)
+        moved = [ports[j] for j, (a, b) in enumerate(zip(before, after)) if b != a]
+        assert len(moved) == 1 and moved[0] in replicas[model], (i, model, moved, replicas)
+        assert reply.json()["model"] == model
+        served[model].append(moved[0])
+    for model, where in served.items():
+        assert len(set(where)) == 1, (model, where)  # one prefix, one replica of its model
+        assert metric(metrics_port, "prefix_router_pool_picks_total", pool=model) - picks[model] == 8, model
+    assert metric(metrics_port, "prefix_router_pool_picks_total", pool="") == 0  # every request named a pool's model
 
 
 def test_both_routers_read_every_replicas_kv_events(stack: Stack) -> None:
@@ -423,7 +477,7 @@ def test_compose_files_pass_the_compose_spec_schema() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fast.yaml"])
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-fast.yaml", "envoy-multi-model.yaml"])
 def test_compose_envoy_config_validates(name: str) -> None:
     ok, output = envoy_proc.validate(COMPOSE / name)
     assert ok, output
@@ -444,10 +498,15 @@ def _without_addresses(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("compose_file", "shipped_file"), [("envoy.yaml", "pick.yaml"),  # pick mode, for precise mode
-                                                            ("envoy-fast.yaml", "envoy-fast.yaml")])
+                                                            ("envoy-fast.yaml", "envoy-fast.yaml"),
+                                                            ("envoy-multi-model.yaml", "multi-model.yaml")])
 def test_compose_envoy_config_is_the_shipped_one_at_other_addresses(compose_file: str, shipped_file: str) -> None:
     shipped = yaml.safe_load((ROOT / "envoy" / shipped_file).read_text())
     compose = yaml.safe_load((COMPOSE / compose_file).read_text())
+    if shipped_file == "multi-model.yaml":  # the one difference: the pick-mode line the shipped file comments out
+        metadata = envoy_config.stream_metadata(compose)
+        assert metadata.pop("x-prefix-router-mode") == "pick"
+        envoy_config.set_stream_metadata(compose, metadata)
     assert _without_addresses(compose) == _without_addresses(shipped)
     assert {c["type"] for c in compose["static_resources"]["clusters"]} == {"STRICT_DNS"}
     if compose_file == "envoy-fast.yaml":  # the router's HTTP port, where the compose files put it
@@ -556,7 +615,7 @@ def test_the_router_serves_ext_authz_over_http_where_the_fast_envoy_asks(file: P
 
 def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
     svc = {k: v for k, v in svc.items() if k not in ("network_mode", "networks", "ports", "extra_hosts")}
-    if name in ("envoy", "envoy-fast"):
+    if name in ("envoy", "envoy-fast", "envoy-models"):
         for k in ("entrypoint", "command", "user"):
             svc.pop(k, None)
     if "command" in svc:  # the bind address (and Redis's port) is the only difference
@@ -572,19 +631,44 @@ def _networking_removed(name: str, svc: dict[str, Any]) -> dict[str, Any]:
         svc["command"] = cmd
     env = {k: v for k, v in svc.get("environment", {}).items()
            if k not in ("PREFIX_ROUTER_HOST", "PREFIX_ROUTER_PORT", "PREFIX_ROUTER_METRICS_PORT",
-                        "PREFIX_ROUTER_HTTP_AUTHZ_PORT", "PREFIX_ROUTER_ENDPOINTS")}
+                        "PREFIX_ROUTER_HTTP_AUTHZ_PORT", "PREFIX_ROUTER_ENDPOINTS", "PREFIX_ROUTER_POOLS")}
     if env:
         svc["environment"] = env
     return svc
 
 
 def test_loopback_file_is_the_base_file_on_host_networking() -> None:
-    base = compose_config(BASE_FILE, "cpu", "gpu", "fast")["services"]
-    loop = compose_config(LOOPBACK_FILE, "cpu", "gpu", "fast")["services"]
-    assert "envoy-fast" in base
+    base = compose_config(BASE_FILE, "cpu", "gpu", "fast", MODELS)["services"]
+    loop = compose_config(LOOPBACK_FILE, "cpu", "gpu", "fast", MODELS)["services"]
+    assert "envoy-fast" in base and "envoy-models" in base
     assert sorted(base) == sorted(loop)
     for name in base:
         assert loop[name]["network_mode"] == "host", name
         assert _networking_removed(name, loop[name]) == _networking_removed(name, base[name]), name
     hosts = {h.split(":")[0] for h in loop["envoy"]["extra_hosts"]}
-    assert hosts == {"redis", "replica-1", "replica-2", "replica-3", *SERVICES}
+    assert hosts == {"redis", "replica-1", "replica-2", "replica-3", *SERVICES, "prefix-router-models",
+                     "replicas-llama", "replicas-qwen"}
+
+
+@pytest.mark.parametrize("file", [BASE_FILE, LOOPBACK_FILE], ids=["bridge", "loopback"])
+def test_the_models_router_knows_each_models_replicas_where_envoy_sends(file: Path) -> None:
+    """The models profile: the router's --pools name, per model, the addresses its simulator serves
+    that model on, and the clusters of compose/envoy-multi-model.yaml route that model there."""
+    cfg = compose_config(file, "cpu", MODELS)["services"]
+    server, route = router_settings(cfg["prefix-router-models"])
+    assert route.mode == "hash" and server.kv_events  # pick mode per stream from the Envoy's metadata
+    envoy = yaml.safe_load((COMPOSE / "envoy-multi-model.yaml").read_text())
+    assert envoy_config.stream_metadata(envoy)["x-prefix-router-mode"] == "pick"
+    pools = {}
+    for model, service in ((LLAMA, "replicas-llama"), (QWEN, "replicas-qwen")):
+        cmd = cfg[service]["command"]
+        assert cmd[cmd.index("--model") + 1] == model and cfg[service]["profiles"] == [MODELS]
+        base, n = int(cmd[cmd.index("--base-port") + 1]), int(cmd[cmd.index("--replicas") + 1])
+        nets = cfg[service].get("networks") or {}
+        ip = nets["default"]["ipv4_address"] if nets else "127.0.0.1"
+        pools[model] = tuple(f"{ip}:{base + i}" for i in range(n))
+        cluster = envoy_config.cluster(envoy, MODEL_CLUSTERS[model])["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert [(e["endpoint"]["address"]["socket_address"]["address"],
+                 e["endpoint"]["address"]["socket_address"]["port_value"]) for e in cluster] == [
+            (service, p) for p in range(8100 if model == LLAMA else 8200, (8100 if model == LLAMA else 8200) + n)]
+    assert {p.model: p.endpoints for p in server.pools} == pools
