@@ -161,6 +161,7 @@ TESTS: dict[str, dict[str, tuple[str, ...]]] = {
         "test_envoy_rejects_what_no_crd_schema_sees": ("envoy", "procs"),
     },
     "test_manifests_fast.py": {"*": ("envoy", "procs")},  # kubectl, envoy --mode validate
+    "test_manifests_models.py": {"*": ("envoy", "procs")},  # kubectl, node, envoy --mode validate
     "test_observability.py": {"test_promtool_accepts_the_rules": ("procs",),
                               "test_promtool_accepts_the_example_config": ("procs",)},
     "test_packaging.py": {

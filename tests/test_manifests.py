@@ -49,6 +49,10 @@ ENVOY_GATEWAY = {"ClientTrafficPolicy", "EnvoyExtensionPolicy", "BackendTrafficP
 # CUSTOM AuthorizationPolicy and Envoy Gateway's SecurityPolicy call the router instead of ext_proc
 ISTIO_FAST = ISTIO | {"AuthorizationPolicy"}
 ENVOY_GATEWAY_FAST = ENVOY_GATEWAY - {"EnvoyExtensionPolicy"} | {"SecurityPolicy"}
+# several models (envoy/multi-model.yaml; tests/test_manifests_models.py): the overlay holds the route
+# table that picks each model's Service, Istio's VirtualService or the Gateway API's HTTPRoute
+ISTIO_MODELS = ISTIO | {"VirtualService"}
+ENVOY_GATEWAY_MODELS = ENVOY_GATEWAY | {"HTTPRoute"}
 # deploy/observability: the dashboard as a ConfigMap (core) and the rules as a PrometheusRule.
 OBSERVABILITY = {"ConfigMap", "PrometheusRule"}
 OBSERVABILITY_CORE = {"ConfigMap"}
@@ -60,6 +64,7 @@ VARIANTS = {
     "envoy-gateway": CORE | ENVOY_GATEWAY, "envoy-gateway-pick": CORE | ENVOY_GATEWAY,
     "istio-precise": CORE | ISTIO | SHARED, "envoy-gateway-precise": CORE | ENVOY_GATEWAY | SHARED,
     "fast": CORE, "istio-fast": CORE | ISTIO_FAST, "envoy-gateway-fast": CORE | ENVOY_GATEWAY_FAST,
+    "istio-models": CORE | ISTIO_MODELS, "envoy-gateway-models": CORE | ENVOY_GATEWAY_MODELS,
     "observability": OBSERVABILITY,
 }
 ROUTER_VARIANTS = sorted(v for v in VARIANTS if v != "observability")  # those that deploy the router
@@ -232,7 +237,7 @@ def test_core_kinds_validate_against_the_kubernetes_schemas() -> None:
 
 def test_custom_resources_validate_against_their_published_schemas() -> None:
     docs = [(w, d) for w, d in all_documents() if not is_core(d)]
-    assert {d["kind"] for _, d in docs} == ISTIO_FAST | ENVOY_GATEWAY | ENVOY_GATEWAY_FAST | (
+    assert {d["kind"] for _, d in docs} == ISTIO_FAST | ISTIO_MODELS | ENVOY_GATEWAY_FAST | ENVOY_GATEWAY_MODELS | (
         OBSERVABILITY - OBSERVABILITY_CORE)
     report = node_validate(docs)
     pins = json.loads((SCHEMAS / "package.json").read_text())["dependencies"]
@@ -278,6 +283,11 @@ BREAKAGES: dict[str, tuple[str, Breakage, str]] = {
                                                                   "severity: warning\n      labels:\n"
                                                                   "        severity: warning"),
                                            "'\"severity\"' does not exist"),
+    "istio: unknown VirtualService field": ("istio-models", _edit("istio-models/istio-models.yaml", "attempts: 2",
+                                                                  "attempt: 2"), "'\"attempt\"' does not exist"),
+    "gateway api: bad enum": ("envoy-gateway-models", _edit("envoy-gateway-models/envoy-gateway-models.yaml",
+                                                            "{type: Exact,", "{type: Exactly,"),
+                              "must be equal to one of the allowed values"),
     "envoy gateway: wrong type": ("envoy-gateway", _edit("envoy-gateway/envoy-gateway.yaml", "numRetries: 2",
                                                          'numRetries: "2"'), "must be integer"),
 }
@@ -441,8 +451,10 @@ def renamed(ref: envoy_config.Config, router_cluster: str) -> envoy_config.Confi
     return cfg
 
 
-def apply_envoy_filter(cfg: envoy_config.Config, envoy_filter: Doc, vllm_host: str) -> None:
-    """Istio's semantics for the patches we use, on a gateway config."""
+def apply_envoy_filter(cfg: envoy_config.Config, envoy_filter: Doc, vllm: str | dict[str, str]) -> None:
+    """Istio's semantics for the patches we use, on a gateway config. ``vllm``: the vLLM Service's
+    host (its cluster named "vllm" here), or each Service's host -> its cluster's name."""
+    clusters = {vllm: "vllm"} if isinstance(vllm, str) else vllm
     listener = cfg["static_resources"]["listeners"][0]
     filters = envoy_config.http_manager(cfg)["http_filters"]
     for patch in envoy_filter["spec"]["configPatches"]:
@@ -463,8 +475,8 @@ def apply_envoy_filter(cfg: envoy_config.Config, envoy_filter: Doc, vllm_host: s
             at = [f["name"] for f in filters].index(ROUTER_FILTER)
             filters.insert(at, copy.deepcopy(value))
         elif patch["applyTo"] == "CLUSTER":
-            assert op == "MERGE" and match["cluster"] == {"service": vllm_host}
-            merge(envoy_config.cluster(cfg, "vllm"), value)
+            assert op == "MERGE" and set(match["cluster"]) == {"service"}
+            merge(envoy_config.cluster(cfg, clusters[match["cluster"]["service"]]), value)
         else:
             pytest.fail(f"unexpected applyTo {patch['applyTo']}")
 
@@ -517,7 +529,7 @@ def test_istio_patches_turn_a_gateway_into_the_reference_config(variant: str, tm
     assert rules and all("connectionPool" not in d["spec"].get("trafficPolicy", {}) for d in rules)
 
 
-@pytest.mark.parametrize("variant", ["istio", "istio-pick", "istio-precise"])
+@pytest.mark.parametrize("variant", ["istio", "istio-pick", "istio-precise", "istio-models"])
 def test_istio_metadata_is_what_the_router_runs_with(variant: str) -> None:
     docs = render(variant)
     server, route = router_settings(docs)
