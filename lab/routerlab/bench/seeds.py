@@ -173,7 +173,7 @@ def markdown(reports: Sequence[Mapping[str, Any]], base: str) -> str:
 def _cell(value: float | None, metric: Metric) -> str:
     if value is None:
         return "n/a"
-    if metric.key in ("hit_rate_of_oracle", "last_phase_hit_rate"):
+    if metric.key in ("hit_rate_of_oracle", "last_phase_hit_rate") or metric.key.startswith("pool_hit_rate"):
         return f"{value:.3f}"
     return f"{value:,.2f}" if metric.key in ("throughput_rps", "replicas_per_group") else f"{value:,.0f}"
 
