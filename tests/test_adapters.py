@@ -9,7 +9,7 @@ import pytest
 
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.adapters import AdapterSlots
+from extproc.pick.choice.adapters import AdapterSlots, home_order
 from extproc.pick.choice.pools import Served
 from extproc.pick.choice.state import ReplicaState, Sample
 from extproc.pick.core import PickCore
@@ -66,7 +66,7 @@ def test_running_free_slot_and_full_slots_cost_nothing_the_load_and_a_request_ti
     slots.scraped(B, sample(2, frozenset({"chat"})))
     slots.scraped(C, sample(2, frozenset({"chat", "code"})))
     replicas = [ReplicaState(A), ReplicaState(B), ReplicaState(C, request_tokens=30_000)]
-    settings = RouteSettings(adapter_load_tokens=500)
+    settings = RouteSettings(adapter_load_tokens=500, adapter_home_tokens=0)  # the home term: the next test
     assert slots.costs("sql", replicas, 2000, settings) == {A: 0, B: 1500, C: 30_500}  # B: the load + a slot
     slots.assign(B, "sql")  # one of ours in flight there takes a slot until it ends
     assert slots.costs("sql", replicas, 2000, settings)[B] == 0
@@ -85,6 +85,24 @@ def test_running_free_slot_and_full_slots_cost_nothing_the_load_and_a_request_ti
     assert slots.resident(B, 2) == ["chat", "code"] and slots.costs("sql", replicas, 2000, settings)[B] == 2500
     slots.left(C)
     assert slots.costs("sql", replicas, 2000, settings)[C] == 0  # nothing known of its LoRA: no term
+
+
+def test_where_an_adapter_must_load_its_home_replicas_come_first_the_same_on_every_router() -> None:
+    replicas = [ReplicaState(f"10.0.1.{i}:8000") for i in range(5)]
+    order = home_order("sql", [r.address for r in replicas])
+    assert sorted(order.values()) == list(range(5))
+    assert home_order("sql", [r.address for r in reversed(replicas)]) == order  # whatever order they come in
+    assert home_order("chat", [r.address for r in replicas]) != order  # each adapter its own order
+    slots = AdapterSlots()
+    for r in replicas:
+        slots.scraped(r.address, sample(2))  # every slot free everywhere
+    settings = RouteSettings(adapter_load_tokens=500, adapter_home_tokens=4000)
+    costs = slots.costs("sql", replicas, 2000, settings)
+    assert costs == {address: 500 + 1000 * place + 1000 for address, place in order.items()}
+    full = replicas[0].address
+    slots.scraped(full, sample(2, frozenset({"a", "b"})))
+    assert slots.costs("sql", replicas, 2000, settings)[full] == 2000 + 500 + 4000  # beyond every free slot
+    assert max(v for a, v in slots.costs("sql", replicas, 2000, settings).items() if a != full) < 2000 + 500 + 4000
 
 
 def lora_core() -> PickCore:
@@ -118,7 +136,7 @@ def test_an_adapters_cold_requests_go_where_it_runs_and_never_into_full_slots() 
 
 def test_a_hot_adapter_spreads_to_a_free_slot_once_its_replica_queues_more_than_the_load() -> None:
     core = lora_core()
-    settings = RouteSettings(mode="pick", adapter_load_tokens=1000)
+    settings = RouteSettings(mode="pick", adapter_load_tokens=1000, adapter_home_tokens=0)  # home: its own test
     seen = [core.pick(decide(body("sql", system=f"system {i} " * 200), {}, settings), settings).address
             for i in range(12)]
     assert seen[0] == A and C in seen and B not in seen  # spilled to C's free slot, never to B's full set

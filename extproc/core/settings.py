@@ -59,6 +59,9 @@ class RouteSettings:
     max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
     adapter_affinity: bool = True  # pick mode: price a LoRA adapter's slot in the choice (extproc.pick.choice.adapters)
     adapter_load_tokens: int = 1024  # pick mode: the cost of loading an adapter into a free slot, in prefill tokens
+    # pick mode: where an adapter must be loaded, this much per place of the replica in the adapter's
+    # rendezvous order (its home first), so each adapter loads on a few replicas, the same on every router
+    adapter_home_tokens: int = 65536
     tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)
     cache_view: str = "auto"  # pick mode: auto (events when the process subscribes), learned, or events
     # the body's model, copied into this header for Envoy's route table (the Gateway API Inference
@@ -315,6 +318,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "max_num_seqs": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (0: no slot limit known)"),
     "adapter_affinity": _Spec(_switch, "on or off"),
     "adapter_load_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),
+    "adapter_home_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),
     "endpoints": _Spec(_address_list, "a comma-separated list of ip:port"),
     "endpoints_file": _Spec(_optional(str.strip), "a file path"),
     "endpoints_dns": _Spec(_optional(_dns_target), "name:port"),

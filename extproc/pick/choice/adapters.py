@@ -9,7 +9,12 @@ not among those scheduled this step, when they already number ``max_loras``, is 
       or is still in one (among the last max_loras r ran) and a slot is free 0
     r has a free adapter slot                                               adapter_load_tokens
                                                                             + request time of r / max_loras
+                                                                            + home(a, r)
     every slot of r is taken by other adapters                              request time of r + the load
+                                                                            + adapter_home_tokens
+
+    home(a, r) = adapter_home_tokens x r's place in a's rendezvous order of the pool's replicas
+                 / (replicas - 1): 0 at the adapter's home, adapter_home_tokens at its last
 
 A replica already running the adapter costs nothing extra; a free slot costs the adapter's load
 and the share of r's adapter slots the request then holds for its time (other adapters' requests
@@ -17,8 +22,12 @@ find one slot fewer); a full slot set costs the wait for a slot, until one adapt
 end (a request's time there, measured, extproc.pick.choice.speed; the prompt's own prefill until
 measured), then the load. The term adds to the prefix and load terms, so a hot adapter stays on
 the replicas running it until their queues cost more than loading it on another, and one spread
-over every replica is not pushed into full slot sets. Pure: the scraped ``vllm:lora_requests_info``
-and this router's own requests in.
+over every replica is not pushed into full slot sets. Where the adapter must be loaded anyway, its
+home term orders the replicas the same way for every request of it and on every router (a
+rendezvous hash of adapter and replica, as KubeAI hashes the adapter): an adapter whose requests
+come and go loads again where it loaded before, whose slot it is likely still in, instead of
+wherever the load is lightest at that moment. Pure: the scraped ``vllm:lora_requests_info`` and
+this router's own requests in.
 """
 
 from __future__ import annotations
@@ -28,9 +37,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from extproc.core.settings import RouteSettings
+from extproc.pick.choice.choose import rendezvous
 from extproc.pick.choice.state import ReplicaState, Sample
 
 _RECENT = 64  # adapters remembered per replica (far above any max_loras)
+
+
+def home_order(adapter: str, addresses: Sequence[str]) -> dict[str, int]:
+    """Each replica's place in ``adapter``'s rendezvous order (0: its home), the same on every router."""
+    ranked = sorted(addresses, key=lambda address: -rendezvous(adapter, address))
+    return {address: place for place, address in enumerate(ranked)}
 
 
 class AdapterSlots:
@@ -93,6 +109,9 @@ class AdapterSlots:
         """Each replica's adapter term for a request of ``adapter`` (the table above); a replica
         that says nothing of LoRA (no ``vllm:lora_requests_info``) costs nothing extra."""
         out: dict[str, int] = {}
+        home = home_order(adapter, [r.address for r in replicas]) if settings.adapter_home_tokens else {}
+        last = max(len(replicas) - 1, 1)
+        load, home_tokens = settings.adapter_load_tokens, settings.adapter_home_tokens
         for r in replicas:
             sample = self._scraped.get(r.address)
             if sample is None or not sample.max_lora:
@@ -103,9 +122,10 @@ class AdapterSlots:
                                       and wanting < sample.max_lora):
                 out[r.address] = 0
             elif wanting < sample.max_lora:  # the load, and one of its slots taken for a request's time
-                out[r.address] = settings.adapter_load_tokens + (r.request_tokens or prompt_tokens) // sample.max_lora
-            else:
-                out[r.address] = (r.request_tokens or prompt_tokens) + settings.adapter_load_tokens
+                out[r.address] = (load + home_tokens * home.get(r.address, 0) // last
+                                  + (r.request_tokens or prompt_tokens) // sample.max_lora)
+            else:  # never cheaper than a free slot anywhere
+                out[r.address] = (r.request_tokens or prompt_tokens) + load + home_tokens
         return out
 
     def state(self, address: str) -> dict[str, Any]:
