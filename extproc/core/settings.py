@@ -59,8 +59,8 @@ class RouteSettings:
     max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
     adapter_affinity: bool = True  # pick mode: price a LoRA adapter's slot in the choice (extproc.pick.choice.adapters)
     adapter_load_tokens: int = 1024  # pick mode: the cost of loading an adapter into a free slot, in prefill tokens
-    # pick mode: where an adapter must be loaded, this much per place of the replica in the adapter's
-    # rendezvous order (its home first), so each adapter loads on a few replicas, the same on every router
+    # pick mode: where an adapter must be loaded, up to this much more the farther the replica is in the
+    # adapter's rendezvous order (its home first), so each adapter loads on a few replicas, the same on every router
     adapter_home_tokens: int = 65536
     tenant_isolation: bool = False  # write a per-tenant vLLM cache_salt into the body (needs a tenant secret)
     cache_view: str = "auto"  # pick mode: auto (events when the process subscribes), learned, or events

@@ -25,8 +25,6 @@ from typing import Any, Final
 
 from scipy import stats
 
-from routerlab.bench.scenarios.models import BIG, SMALL
-
 CONFIDENCE: Final = 0.95
 
 
@@ -61,8 +59,6 @@ METRICS: Final = (
     Metric("adapter_slot_waits", "requests that waited for an adapter slot", lambda a: a.get("adapter_slot_waits"),
            True),
     Metric("misrouted", "requests served by another model's replica", lambda a: a.get("misrouted"), False),
-    *(Metric(f"pool_hit_rate_of_oracle_{model}", f"{model} pool: hit rate / oracle", _pool_hit_of_oracle(model),
-             False) for model in (BIG, SMALL)),
     Metric("last_phase_hit_rate", "hit rate after the fleet change (client)",
            lambda a: _last_phase(a).get("client_cached_rate"), False),
     Metric("last_phase_p50", "TTFT p50 after the fleet change",
@@ -72,9 +68,16 @@ METRICS: Final = (
 )
 
 
+def _metrics(reports: Sequence[Mapping[str, Any]]) -> list[Metric]:
+    """METRICS, and on a fleet of several models each pool's hit rate / oracle (the pools the reports name)."""
+    pools = dict.fromkeys(p for r in reports for a in r["arms"].values() for p in a.get("pools") or {})
+    return [*METRICS, *(Metric(f"pool_hit_rate_of_oracle_{model}", f"{model} pool: hit rate / oracle",
+                               _pool_hit_of_oracle(model), False) for model in pools)]
+
+
 def _shown(reports: Sequence[Mapping[str, Any]]) -> list[Metric]:
     """The metrics some arm of these reports has (the phase ones only where the fleet changed)."""
-    return [m for m in METRICS if any(m.value(a) is not None for r in reports for a in r["arms"].values())]
+    return [m for m in _metrics(reports) if any(m.value(a) is not None for r in reports for a in r["arms"].values())]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -125,7 +128,7 @@ def differences(reports: Sequence[Mapping[str, Any]], base: str) -> dict[str, di
     out: dict[str, dict[str, Difference]] = {}
     arms = list(dict.fromkeys(name for r in reports for name in r["arms"] if name != base))
     for arm in arms:
-        for metric in METRICS:
+        for metric in _metrics(reports):
             per_seed: dict[int, float] = {}
             for r in reports:
                 if base not in r["arms"] or arm not in r["arms"]:

@@ -98,9 +98,10 @@ def envoy_config_for(
     cfg = envoy_config.localize(envoy_config.load(MULTI_MODEL_BASE if model_pools else arm.base),
                                 listener_port=listener_port, admin_port=admin_port, backends=backends,
                                 extproc_port=extproc_port, health_interval=health_interval)
+    model_header = RouteSettings().model_header
     if model_pools:
         envoy_config.set_model_pools(cfg, {m: [backends[i] for i in idx] for m, idx in model_pools.items()},
-                                     RouteSettings().model_header)
+                                     model_header)
     if arm.prefix:
         envoy_config.set_stream_metadata(cfg, {
             "x-prefix-router-prefix-length": str(prefix_length), "x-prefix-router-normalize": arm.normalize,
@@ -108,7 +109,7 @@ def envoy_config_for(
             **{metadata_key(k): str(v) for k, v in (*arm.settings, *(router_settings or {}).items())}})
     else:
         _strip_prefix_routing(cfg)
-        envoy_config.keep_client_header(cfg, RouteSettings().model_header)
+        envoy_config.keep_client_header(cfg, model_header)
     for vllm in envoy_config.model_clusters(cfg):
         vllm["lb_policy"] = arm.lb_policy
         common = vllm.setdefault("common_lb_config", {})
