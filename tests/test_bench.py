@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import orjson
 import pytest
 
 from extproc.cli import main as cli_main
@@ -106,14 +107,22 @@ def test_shared_prefix_quick_writes_each_request_and_the_tail_analysis_accounts_
     report = run_bench(BenchConfig(scenario="shared-prefix", quick=True, out=tmp_path, plots=False,
                                    arms=["round-robin", "prefix-pick", "prefix-precise"]))
     assert report.load["router_settings"]["max-num-seqs"] == "64"  # the fleet's, as an operator sets it
-    summaries = tail.analyse(tmp_path)
+    summaries = tail.analyse(tmp_path, against="round-robin")
     assert set(summaries) == {"round-robin", "prefix-pick", "prefix-precise"}
+    def records_of(name: str) -> list[dict]:
+        return [orjson.loads(r) for r in (tmp_path / "requests" / f"{name}.jsonl").read_text().splitlines()]
+
+    line = tail.percentile([r["ttft"] for r in records_of("round-robin")], 90)  # round robin's p90
     for name, arm in report.arms.items():
         assert arm["success_rate"] == 1.0, (name, arm["errors"])
-        records = (tmp_path / "requests" / f"{name}.jsonl").read_text().splitlines()
+        records = records_of(name)
         assert len(records) == arm["ok"]
+        # every replica said when it took the request: after the send, before the first token
+        assert all(0 < r["to_replica"] < r["ttft"] for r in records), name
         s = summaries[name]
         assert s["requests"] == arm["ok"] and s["slow"] >= arm["ok"] // 10
+        above = sum(1 for r in records if r["ttft"] > line)
+        assert sum(c["above_line"] for c in s["classes"].values()) == above, name
         assert round(sum(c["share"] for c in s["classes"].values()), 2) == 1.0
         assert round(sum(c["share"] for c in s["slow_classes"].values()), 2) == 1.0
         assert (tmp_path / f"tail-{name}.png").stat().st_size > 0

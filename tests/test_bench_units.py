@@ -292,6 +292,24 @@ def test_tail_counts_what_was_ahead_of_each_request_on_its_replica() -> None:
     assert s["classes"]["hit, queued"]["share"] == 0.2 and s["hit_share"] == 0.4
 
 
+def test_tail_counts_each_class_above_a_line_and_the_way_to_the_replica() -> None:
+    from routerlab.bench.tail import Placed, contexts, summary, to_markdown
+
+    reqs = [Placed(0, "a", 0.0, 0.30, 2.0, 5000, 0, 0.001),  # a miss, prefilling until 0.30
+            Placed(1, "a", 0.10, 0.25, 2.0, 5000, 4800, 0.004),  # a hit queued behind it
+            Placed(2, "b", 0.05, 0.24, 2.0, 5000, 0, 0.002),
+            Placed(3, "b", 0.50, 0.26, 2.0, 5000, 0)]  # from a backend that does not say when it took it
+    s = summary(contexts(reqs), line=0.245)
+    assert s["line_ms"] == 245.0
+    assert {k: c["above_line"] for k, c in s["classes"].items()} == {
+        "hit, nothing ahead": 0, "hit, queued": 1, "miss, nothing ahead": 2, "miss, queued": 0}
+    plain = s["classes"]["miss, nothing ahead"]
+    assert (plain["to_replica_p50_ms"], plain["to_replica_p90_ms"]) == (1.0, 2.0)  # the one without it left out
+    assert "to_replica_p50_ms" not in s["classes"]["miss, queued"]  # no member
+    table = to_markdown({"x": s})
+    assert "| above 245.0 ms |" in table and "| x | 300.0 | hit, queued | 25% | 0% | 250.0 | 4.0 / 4.0 | 1 |" in table
+
+
 def test_tail_replays_the_routers_queue_estimate_through_its_load_view() -> None:
     from routerlab.bench.tail import Placed, queue_estimates
 

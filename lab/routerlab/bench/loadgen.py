@@ -26,6 +26,7 @@ import orjson
 
 from routerlab.bench.trace import Request, Session
 from routerlab.harness.arm import ROUTED_HEADER
+from routerlab.sim.api import ARRIVED_HEADER
 
 SATURATED_CPU = 0.85  # fraction of one core
 SATURATED_LAG_MS = 50.0
@@ -49,6 +50,9 @@ class Result:
     replica: str = ""
     arm: str = ""  # the response's x-ab-arm (A/B configs), "" elsewhere
     routed: bool = False  # the router chose its replica (ROUTED_HEADER): not sent on unkeyed by Envoy
+    # send to the simulated replica's server taking the request (its x-sim-arrived, the same machine's
+    # monotonic clock): the way through Envoy and the router; None from other backends
+    to_replica: float | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -116,6 +120,9 @@ async def _send(http: aiohttp.ClientSession, base_url: str, req: Request, t0: fl
             res.replica = resp.headers.get("x-upstream-host") or resp.headers.get("x-sim-replica") or ""
             res.arm = resp.headers.get("x-ab-arm", "")
             res.routed = bool(resp.headers.get(ROUTED_HEADER))
+            arrived = resp.headers.get(ARRIVED_HEADER)
+            if arrived:
+                res.to_replica = float(arrived) - start
             if resp.status != 200:
                 res.error = f"http {resp.status}"
                 await resp.read()

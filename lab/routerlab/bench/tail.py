@@ -46,6 +46,7 @@ class Placed:
     e2e: float
     prompt_tokens: int
     cached_tokens: int
+    to_replica: float | None = None  # send to the replica's server taking it (simulated replicas only)
 
     @property
     def hit(self) -> bool:
@@ -79,7 +80,7 @@ def load(path: Path) -> list[Placed]:
         r = orjson.loads(line)
         if r.get("ok") and r.get("ttft") is not None and r.get("replica"):
             out.append(Placed(r["rid"], r["replica"], r["start"], r["ttft"], r.get("e2e") or r["ttft"],
-                              r.get("prompt_tokens", 0), r.get("cached_tokens", 0)))
+                              r.get("prompt_tokens", 0), r.get("cached_tokens", 0), r.get("to_replica")))
     return out
 
 
@@ -131,8 +132,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def summary(ctx: Sequence[Context]) -> dict[str, Any]:
-    """The slowest tenth against the rest, by hit or miss and by what was ahead."""
+CLASSES: tuple[tuple[str, Any], ...] = (
+    ("hit, nothing ahead", lambda c: c.request.hit and not c.ahead),
+    ("hit, queued", lambda c: c.request.hit and c.ahead),
+    ("miss, nothing ahead", lambda c: not c.request.hit and not c.ahead),
+    ("miss, queued", lambda c: not c.request.hit and c.ahead),
+)
+
+
+def summary(ctx: Sequence[Context], line: float | None = None) -> dict[str, Any]:
+    """The slowest tenth against the rest, by hit or miss and by what was ahead; with ``line``
+    (seconds, say another arm's p90), how many of each class took longer than it."""
     if not ctx:
         return {"requests": 0}
     p90 = percentile([c.request.ttft for c in ctx], 90)
@@ -144,18 +154,22 @@ def summary(ctx: Sequence[Context]) -> dict[str, Any]:
 
     def classes(group: Sequence[Context]) -> dict[str, dict[str, float]]:
         out = {}
-        for name, test in (("hit, nothing ahead", lambda c: c.request.hit and not c.ahead),
-                           ("hit, queued", lambda c: c.request.hit and c.ahead),
-                           ("miss, nothing ahead", lambda c: not c.request.hit and not c.ahead),
-                           ("miss, queued", lambda c: not c.request.hit and c.ahead)):
+        for name, test in CLASSES:
             members = [c for c in group if test(c)]
             out[name] = {"share": round(len(members) / len(group), 3) if group else 0.0,
                          "ttft_p50_ms": round(1000 * percentile([c.request.ttft for c in members], 50), 1)}
+            ways = [c.request.to_replica for c in members if c.request.to_replica is not None]
+            if ways:
+                out[name]["to_replica_p50_ms"] = round(1000 * percentile(ways, 50), 2)
+                out[name]["to_replica_p90_ms"] = round(1000 * percentile(ways, 90), 2)
+            if line is not None:
+                out[name]["above_line"] = sum(1 for c in members if c.request.ttft > line)
         return out
 
     return {
         "requests": len(ctx),
         "ttft_p90_ms": round(1000 * p90, 1),
+        **({"line_ms": round(1000 * line, 1)} if line is not None else {}),
         "slow": len(slow),
         "classes": classes(ctx),
         "slow_classes": classes(slow),
@@ -170,15 +184,31 @@ def summary(ctx: Sequence[Context]) -> dict[str, Any]:
 
 
 def to_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """One row per arm and class: share of all requests, share of the slowest tenth, TTFT p50."""
-    lines = ["| arm | TTFT p90 ms | class | of all | of the slowest 10 % | its TTFT p50 ms |",
-             "|---|---:|---|---:|---:|---:|"]
+    """One row per arm and class: share of all requests, share of the slowest tenth, TTFT p50; the
+    way to the replica and the count above the line where the summaries have them."""
+    ways = any("to_replica_p50_ms" in c for s in summaries.values() for c in s.get("classes", {}).values())
+    line = next((s["line_ms"] for s in summaries.values() if "line_ms" in s), None)
+    head = "| arm | TTFT p90 ms | class | of all | of the slowest 10 % | its TTFT p50 ms |"
+    rule = "|---|---:|---|---:|---:|---:|"
+    if ways:
+        head += " to the replica p50 / p90 ms |"
+        rule += "---:|"
+    if line is not None:
+        head += f" above {line} ms |"
+        rule += "---:|"
+    lines = [head, rule]
     for arm, s in summaries.items():
         if not s.get("requests"):
             continue
         for name, c in s["classes"].items():
-            lines.append(f"| {arm} | {s['ttft_p90_ms']} | {name} | {c['share']:.0%} | "
-                         f"{s['slow_classes'][name]['share']:.0%} | {c['ttft_p50_ms']} |")
+            row = (f"| {arm} | {s['ttft_p90_ms']} | {name} | {c['share']:.0%} | "
+                   f"{s['slow_classes'][name]['share']:.0%} | {c['ttft_p50_ms']} |")
+            if ways:
+                row += (f" {c['to_replica_p50_ms']} / {c['to_replica_p90_ms']} |" if "to_replica_p50_ms" in c
+                        else " |")
+            if line is not None:
+                row += f" {c.get('above_line', '')} |"
+            lines.append(row)
     lines.append("")
     lines.append("| arm | slow and queued: another replica had nothing ahead | slow: prefill tokens ahead (p50) "
                  "| slow: most requests running on the replica |")
@@ -244,14 +274,20 @@ def _draw(ax: Any, ctx: Sequence[Context], lo: float, hi: float, title: str) -> 
     ax.set_title(f"{title}: TTFT p90 {1000 * p90:.0f} ms", fontsize=10)
 
 
-def analyse(out: Path, arms: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """Every (or the named) arm's summary from a bench output directory; draws tail-ARM.png for each."""
+def analyse(out: Path, arms: Sequence[str] = (), against: str = "") -> dict[str, dict[str, Any]]:
+    """Every (or the named) arm's summary from a bench output directory; draws tail-ARM.png for each.
+    ``against``: an arm whose TTFT p90 is the line each class is counted above."""
     paths = sorted((out / "requests").glob("*.jsonl"))
-    found = {p.stem: p for p in paths if not arms or p.stem in arms}
+    found = {p.stem: p for p in paths if not arms or p.stem in arms or p.stem == against}
+    line = None
+    if against:
+        if against not in found:
+            raise ValueError(f"no requests/{against}.jsonl in {out}")
+        line = percentile([r.ttft for r in load(found[against])], 90)
     result = {}
     for arm, path in found.items():
         ctx = contexts(load(path))
-        result[arm] = summary(ctx)
+        result[arm] = summary(ctx, line)
         plot([(arm, ctx)], out / f"tail-{arm}.png")
     return result
 
@@ -260,13 +296,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m routerlab.bench.tail", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="a bench output directory (with requests/ARM.jsonl)")
     parser.add_argument("--arm", action="append", default=[], help="only this arm (repeatable)")
+    parser.add_argument("--against", metavar="ARM", default="",
+                        help="count each class's requests slower than this arm's TTFT p90 (e.g. round-robin)")
     parser.add_argument("--queue-estimate", metavar="SCALE,RATE", default="",
                         help="also replay a router's queued-prefill estimate (its tokens per replica token, "
                              "its drain rate) and print what it said at the slow queued misses' arrivals")
     args = parser.parse_args(argv)
     if not (args.out / "requests").is_dir():
         parser.error(f"{args.out}/requests: no per-request records (run bench with --out)")
-    summaries = analyse(args.out, args.arm)
+    try:
+        summaries = analyse(args.out, args.arm, args.against)
+    except ValueError as exc:
+        parser.error(str(exc))
     print(to_markdown(summaries))
     if args.queue_estimate:
         scale, rate = (float(x) for x in args.queue_estimate.split(","))

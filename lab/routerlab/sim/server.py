@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import zmq
@@ -31,6 +31,7 @@ from routerlab.sim.scheduler import Sequence
 
 log = logging.getLogger(__name__)
 
+ARRIVED: Final = web.RequestKey("arrived", str)  # the request's arrival (api.ARRIVED_HEADER), kept on it
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 TENANT_HEADER = "x-prefix-aware-id"  # read only to attribute cached blocks to tenants (sim:cross_tenant_*)
 
@@ -231,6 +232,7 @@ class Replica:
         return await self._inference(request, None)
 
     async def _inference(self, request: web.Request, kind: str | None) -> web.StreamResponse:
+        request[ARRIVED] = f"{time.monotonic():.6f}"
         self.requests += 1
         self.in_flight += 1
         try:
@@ -294,7 +296,9 @@ class Replica:
                                    status=503, type_="ServiceUnavailableError")
             choices = [(k, api.text_of(len(s.outputs), 0, self.tok), s.finish_reason or "length")
                        for k, s in enumerate(seqs)]
-            return json_response(api.full_response(req, choices, self._usage(req, seqs)))
+            resp = json_response(api.full_response(req, choices, self._usage(req, seqs)))
+            resp.headers[api.ARRIVED_HEADER] = request[ARRIVED]
+            return resp
         finally:
             for s in seqs:
                 if not s.finished:
@@ -309,7 +313,7 @@ class Replica:
 
     async def _stream(self, request: web.Request, req: api.ParsedRequest,
                       seqs: list[Sequence], listener: Listener) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=SSE_HEADERS)
+        resp = web.StreamResponse(headers={**SSE_HEADERS, api.ARRIVED_HEADER: request[ARRIVED]})
         await resp.prepare(request)
         sent = [0] * len(seqs)
         role_sent = req.kind != "chat"
