@@ -50,8 +50,8 @@ class Result:
     replica: str = ""
     arm: str = ""  # the response's x-ab-arm (A/B configs), "" elsewhere
     routed: bool = False  # the router chose its replica (ROUTED_HEADER): not sent on unkeyed by Envoy
-    # send to the simulated replica's server taking the request (its x-sim-arrived, the same machine's
-    # monotonic clock): the way through Envoy and the router; None from other backends
+    # send to the simulated replica's server having the whole request (its x-sim-arrived, the same
+    # machine's monotonic clock): the way through Envoy and the router; None from other backends
     to_replica: float | None = None
 
     @property

@@ -46,7 +46,7 @@ class Placed:
     e2e: float
     prompt_tokens: int
     cached_tokens: int
-    to_replica: float | None = None  # send to the replica's server taking it (simulated replicas only)
+    to_replica: float | None = None  # send to the replica's server having it whole (simulated replicas only)
 
     @property
     def hit(self) -> bool:

@@ -18,8 +18,9 @@ import orjson
 from routerlab.sim import chat_template, tokenizer
 
 DEFAULT_MAX_TOKENS = 16
-# the response header with the monotonic time (seconds, this machine's clock) the server took the
-# request: a client on the same machine tells the way to the replica from the time spent there
+# the response header with the monotonic time (seconds, this machine's clock) the server had the
+# whole request (its body read): a client on the same machine tells the way to the replica, through
+# Envoy and the router, from the time spent there
 ARRIVED_HEADER = "x-sim-arrived"
 MAX_TOKEN_ID = 2**31 - 1
 # vLLM's defaults for VLLM_MAX_N_SEQUENCES and VLLM_MAX_COMPLETION_PROMPTS: they bound

@@ -232,7 +232,6 @@ class Replica:
         return await self._inference(request, None)
 
     async def _inference(self, request: web.Request, kind: str | None) -> web.StreamResponse:
-        request[ARRIVED] = f"{time.monotonic():.6f}"
         self.requests += 1
         self.in_flight += 1
         try:
@@ -240,7 +239,9 @@ class Replica:
                 self.failed += 1
                 return error_response(api.ApiError(
                     "Simulated failure (fail_rate)", status=500, type_="InternalServerError"))
-            body = api.parse_json(await request.read())
+            raw = await request.read()
+            request[ARRIVED] = f"{time.monotonic():.6f}"  # the whole request is here: Envoy's part is done
+            body = api.parse_json(raw)
             if kind is None:
                 kind = api.request_kind(body)
             adapter, req = self._parse(body, kind)
