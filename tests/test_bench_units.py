@@ -319,3 +319,25 @@ def test_tail_replays_the_routers_queue_estimate_through_its_load_view() -> None
     seen = queue_estimates(reqs, token_scale=1.0, rate=1000.0)
     assert seen == {0: 0.0, 1: 900.0, 2: 0.0}
     assert queue_estimates(reqs, token_scale=0.5, rate=1000.0)[1] == 400.0  # half the tokens, same drain
+
+
+def test_free_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range() -> None:
+    import socket
+
+    from routerlab.harness.procs import free_port_run, free_ports, unassigned_ports
+
+    pool = unassigned_ports()
+    assert len(pool) > 1000  # Linux: ip_local_port_range starts far above 10000 (32768 by default)
+    ports = free_ports(40)
+    assert len(set(ports)) == 40 and all(p in pool for p in ports)
+    base = free_port_run(16)
+    assert base in pool and base + 15 in pool
+    for group in (ports, range(base, base + 16)):  # each group can be bound now, all together
+        socks = []
+        try:
+            for port in group:
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+        finally:
+            for s in socks:
+                s.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,11 +22,46 @@ def venv_tool(name: str) -> str | None:
     return str(local) if local.exists() else shutil.which(name)
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so no repeats)."""
-    socks = []
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000  # below: ports services commonly take
+_RANDOM = random.SystemRandom()  # its own: a test that seeds the global generator is not disturbed
+
+
+def unassigned_ports() -> range:
+    """Ports the kernel never hands out by itself: below its ephemeral range (empty where that
+    cannot be read). A port chosen by binding port 0 comes from the ephemeral range, where any
+    process's next outgoing connection may take it as its source port before our server binds it
+    (a compose stack's Envoys connect out while its later containers start: seen in CI)."""
     try:
-        for _ in range(n):
+        first = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(LOWEST_PORT, first) if first - LOWEST_PORT >= 1000 else range(0)
+
+
+def _bind(port: int) -> socket.socket | None:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (bound together, so no repeats), outside the
+    kernel's ephemeral range where it has room, else the kernel's choice."""
+    pool = unassigned_ports()
+    socks: list[socket.socket] = []
+    try:
+        if len(pool) >= 4 * n:
+            for port in _RANDOM.sample(pool, min(len(pool), 50 * n)):
+                if (s := _bind(port)) is not None:
+                    socks.append(s)
+                    if len(socks) == n:
+                        break
+        while len(socks) < n:
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             socks.append(s)
@@ -36,19 +72,22 @@ def free_ports(n: int) -> list[int]:
 
 
 def free_port_run(n: int, attempts: int = 50) -> int:
-    """A port ``p`` with ``p .. p+n-1`` all free on 127.0.0.1, for servers that take a base port."""
+    """A port ``p`` with ``p .. p+n-1`` all free on 127.0.0.1, for servers that take a base port
+    (outside the kernel's ephemeral range where it has room, as ``free_ports``)."""
+    pool = unassigned_ports()
     for _ in range(attempts):
-        base = free_ports(1)[0]
+        base = _RANDOM.randrange(pool.start, pool.stop - n) if len(pool) > 4 * n else free_ports(1)[0]
         if base + n > 65535:
             continue
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
+                s = _bind(port)
+                if s is None:
+                    break
+                socks.append(s)
+            else:
+                return base
         finally:
             for sock in socks:
                 sock.close()
