@@ -127,8 +127,9 @@ def differences(reports: Sequence[Mapping[str, Any]], base: str) -> dict[str, di
     mean's interval. A seed missing either figure is left out of that pair; fewer than two left, no entry."""
     out: dict[str, dict[str, Difference]] = {}
     arms = list(dict.fromkeys(name for r in reports for name in r["arms"] if name != base))
+    metrics = _metrics(reports)
     for arm in arms:
-        for metric in _metrics(reports):
+        for metric in metrics:
             per_seed: dict[int, float] = {}
             for r in reports:
                 if base not in r["arms"] or arm not in r["arms"]:

@@ -1,43 +1,46 @@
-"""Per seed of a shared-prefix seeds run (OUT/seed-N/requests), each arm's requests above round
-robin's TTFT p90 by class, its plain misses' TTFT and its way to the replica; then means with 95 %
-t intervals and the differences from round robin. Usage: .venv/bin/python hop.py OUT"""
-import math
-import statistics
+"""Per seed of a shared-prefix seeds run (OUT/seed-N/requests): each arm's requests above round
+robin's TTFT p90 by class and its way to the replica (routerlab.bench.tail's summary), its plain
+misses' TTFT p90; then means with 95 % t intervals (routerlab.bench.seeds.interval) and the
+differences from round robin. Usage: .venv/bin/python hop.py OUT"""
 import sys
 from pathlib import Path
 
-from routerlab.bench.tail import load, contexts, percentile
-out = Path(sys.argv[1])
-arms = ["round-robin", "round-robin#2", "prefix-pick", "prefix-precise"]
-rows = {a: [] for a in arms}
-for seed in sorted(out.glob("seed-*")):
-    line = percentile([r.ttft for r in load(seed / "requests" / "round-robin.jsonl")], 90)
-    for a in arms:
-        rs = load(seed / "requests" / f"{a}.jsonl")
-        ctx = contexts(rs)
-        plain = [c for c in ctx if not c.request.hit and not c.ahead]
-        qm = [c for c in ctx if not c.request.hit and c.ahead]
-        qh = [c for c in ctx if c.request.hit and c.ahead]
-        above = lambda g: sum(c.request.ttft > line for c in g)
-        w = [r.to_replica for r in rs if r.to_replica is not None]
-        pt = [c.request.ttft for c in plain]
-        d = dict(seed=seed.name, p90=1000*percentile([r.ttft for r in rs], 90), line=1000*line,
-                 above=above(ctx), plain=len(plain), plain_above=above(plain), qmiss_above=above(qm), qhit_above=above(qh),
-                 way50=1000*percentile(w, 50), way90=1000*percentile(w, 90),
-                 plain10=1000*percentile(pt, 10), plain50=1000*percentile(pt, 50), plain90=1000*percentile(pt, 90))
-        rows[a].append(d)
-        print(a, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in d.items()})
-def ci(xs):
-    m = statistics.mean(xs)
-    if len(xs) < 2: return m, float("nan")
-    t = {2: 12.706, 3: 4.303, 4: 3.182}[len(xs)]
-    return m, t * statistics.stdev(xs) / math.sqrt(len(xs))
-print()
-for a in arms:
-    for k in ("above", "plain_above", "qmiss_above", "qhit_above", "way50", "way90", "plain90"):
-        m, h = ci([d[k] for d in rows[a]])
-        print(f"{a:16s} {k:12s} mean {m:8.2f} ± {h:.2f}  per seed {[round(d[k],2) for d in rows[a]]}")
-    for k in ("plain90", "way50", "way90"):
-        diffs = [d[k] - r[k] for d, r in zip(rows[a], rows["round-robin"])]
-        m, h = ci(diffs)
-        print(f"{a:16s} {k}-rr    mean {m:8.2f} ± {h:.2f}  {[round(x,2) for x in diffs]}")
+from routerlab.bench.seeds import interval
+from routerlab.bench.tail import contexts, load, percentile, summary
+
+ARMS = ("round-robin", "round-robin#2", "prefix-pick", "prefix-precise")
+PLAIN, QUEUED_MISS, QUEUED_HIT = "miss, nothing ahead", "miss, queued", "hit, queued"
+
+
+def figures(seed: Path, arm: str, line: float) -> dict[str, float]:
+    requests = load(seed / "requests" / f"{arm}.jsonl")
+    ctx = contexts(requests)
+    classes = summary(ctx, line)["classes"]
+    ways = [r.to_replica for r in requests if r.to_replica is not None]
+    plain = [c.request.ttft for c in ctx if not c.request.hit and not c.ahead]
+    return {"above": sum(c["above_line"] for c in classes.values()), "plain_above": classes[PLAIN]["above_line"],
+            "qmiss_above": classes[QUEUED_MISS]["above_line"], "qhit_above": classes[QUEUED_HIT]["above_line"],
+            "way50": 1000 * percentile(ways, 50), "way90": 1000 * percentile(ways, 90),
+            "plain90": 1000 * percentile(plain, 90)}
+
+
+def main(out: Path) -> None:
+    rows: dict[str, list[dict[str, float]]] = {a: [] for a in ARMS}
+    for seed in sorted(out.glob("seed-*")):
+        line = percentile([r.ttft for r in load(seed / "requests" / "round-robin.jsonl")], 90)
+        for arm in ARMS:
+            rows[arm].append(figures(seed, arm, line))
+            print(seed.name, arm, {k: round(v, 2) for k, v in rows[arm][-1].items()})
+    print()
+    for arm in ARMS:
+        for key in rows[arm][0]:
+            mean, low, high = interval([d[key] for d in rows[arm]])
+            print(f"{arm:16s} {key:12s} mean {mean:8.2f} ({low:.2f} to {high:.2f})  per seed "
+                  f"{[round(d[key], 2) for d in rows[arm]]}")
+        for key in ("plain90", "way50", "way90"):
+            mean, low, high = interval([d[key] - r[key] for d, r in zip(rows[arm], rows["round-robin"])])
+            print(f"{arm:16s} {key} less round robin's: mean {mean:.2f} ({low:.2f} to {high:.2f})")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
