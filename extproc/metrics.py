@@ -134,6 +134,24 @@ PICKS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+PICKS_HELD = Gauge(
+    "prefix_router_picks_held",
+    "Picks made over ext_authz (pick-fast.yaml) still in flight: their end not yet in Envoy's access log",
+    registry=REGISTRY,
+)
+ACCESS_LOG_STREAMS = Gauge(
+    "prefix_router_access_log_streams",
+    "Envoy access-log streams connected (pick-fast.yaml): while 0, checks over HTTP are keyed but not picked",
+    registry=REGISTRY,
+)
+PICK_ENDS = Counter(
+    "prefix_router_pick_ends_total",
+    "Picks made over ext_authz (pick-fast.yaml) released, by how: logged (Envoy's access log reported the "
+    "request's end), expired (no end within --pick-end-timeout), log_closed (the last access-log stream closed), "
+    "id_reused (a second request came with the same x-request-id)",
+    ["how"],
+    registry=REGISTRY,
+)
 POOL_PICKS = Counter(
     "prefix_router_pool_picks_total",
     "Pick-mode choices per model pool (--pools) and reason; pool=\"\" with no_model (the request names none) "

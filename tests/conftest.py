@@ -120,6 +120,7 @@ FIXTURES: dict[str, tuple[str, ...]] = {
     "test_manifests.broken_copies": ("procs",),
     "test_observability.live": RUN,
     "test_pick_envoy.pick_router": ("procs",),
+    "test_pick_fast.fast_router": ("procs",),
     "test_precise_envoy.stack": RUN,
     "test_shared_in_flight.redis_port": ("procs",),
 }
@@ -169,6 +170,8 @@ TESTS: dict[str, dict[str, tuple[str, ...]]] = {
     "test_pick_core.py": {"test_the_picker_records_its_choice_and_explains_from_saved_state": ("procs",),
                           "test_bad_pick_settings_stop_start_up_naming_them": ("procs",)},
     "test_pick_envoy.py": {"*": RUN},
+    "test_pick_fast.py": {
+        "*": RUN, "test_a_held_pick_ends_once_by_its_log_entry_or_its_timeout_or_the_last_stream": ()},
     "test_precise_envoy.py": {"*": RUN},
     "test_profile_hop.py": {"*": ("procs",)},
     "test_realvllm_tiny.py": {"test_launcher_starts_waits_and_stops_by_pid": ("procs",),

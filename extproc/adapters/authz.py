@@ -22,10 +22,14 @@ CONTENT_LENGTH: Final = "content-length"
 # client's declared length comes under this name (envoy-fast.yaml: authorization_request
 # headers_to_add, %REQ(content-length)%).
 DECLARED_LENGTH_HEADER: Final = "x-prefix-declared-length"
-# Envoy never tells ext_authz when the response ends (nothing could count the request in flight),
-# and ext_authz cannot rewrite a body: a setting that asks for either is logged, counted and ignored.
-LIMITS: Final = Limits(cannot_pick="the ext_authz shape cannot pick (it never sees the response end)",
-                       cannot_edit_body="the ext_authz shape cannot rewrite the body (use envoy.yaml)")
+# Envoy never tells ext_authz when the response ends (nothing could count the request in flight)
+# unless its access log streams to the router (pick-fast.yaml, over HTTP), and ext_authz cannot
+# rewrite a body: a setting that asks for either is logged, counted and ignored.
+_NO_BODY_EDIT: Final = "the ext_authz shape cannot rewrite the body (use envoy.yaml)"
+LIMITS: Final = Limits(cannot_pick="the ext_authz shape picks only over HTTP with Envoy's access log streaming to "
+                                   "the router (pick-fast.yaml), and no access-log stream is connected",
+                       cannot_edit_body=_NO_BODY_EDIT)
+LOGGED_LIMITS: Final = Limits(cannot_edit_body=_NO_BODY_EDIT)  # over HTTP, the access log connected
 
 
 def is_whole(body_bytes: int, partial: bool, declared: str | bytes | None) -> bool:

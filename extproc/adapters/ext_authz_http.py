@@ -17,6 +17,13 @@ logged once per distinct set and ignored (``RouterService.settings_for``). The a
 200: a router that denied a request would fail the user; the server (extproc.process.http1)
 answers 400 only to a request it cannot parse, which Envoy never sends.
 
+Pick mode (pick-fast.yaml): while Envoy's access log streams to the router (extproc.adapters.access_log),
+a route whose settings say ``mode: pick`` also gets the replica in the pick header
+(``allowed_upstream_headers``; Envoy's stateful_session filter sends the request there if it is
+healthy), and the pick is held under the request's ``x-request-id`` until the log reports its end
+(extproc.pick.sources.request_ends). Without a connected log stream, or without the id, the request
+is keyed as in hash mode and Envoy's load balancer chooses.
+
 Per request the adapter does only what differs between requests: every check of a route carries
 the same ``x-prefix-router-*`` headers, so what they resolve to (the settings, the headers
 ``decide()`` reads, the answer's constant bytes) is kept per distinct set (``_Route``); headers
@@ -25,15 +32,24 @@ stay the bytes the server parsed until one is read.
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Mapping
 from typing import Final
 
 from extproc import metrics
-from extproc.adapters.authz import DECLARED_LENGTH_HEADER, LIMITS, PARTIAL_BODY_HEADER, decision_for, is_whole
+from extproc.adapters.authz import (
+    DECLARED_LENGTH_HEADER,
+    LIMITS,
+    LOGGED_LIMITS,
+    PARTIAL_BODY_HEADER,
+    decision_for,
+    is_whole,
+)
 from extproc.adapters.service import RouterService
-from extproc.core.decide import CONTENT_ENCODING
+from extproc.core.decide import CONTENT_ENCODING, Decision
 from extproc.core.settings import METADATA_PREFIX, RouteSettings
+from extproc.pick.sources.request_ends import RequestEnds
 
 log = logging.getLogger("extproc.adapters.ext_authz_http")
 
@@ -42,6 +58,7 @@ _PREFIX: Final = METADATA_PREFIX.encode()
 _PARTIAL: Final = PARTIAL_BODY_HEADER.encode()
 _DECLARED: Final = DECLARED_LENGTH_HEADER.encode()
 _TRUE: Final = b"true"
+_REQUEST_ID: Final = b"x-request-id"
 _CRLF: Final = b"\r\n"
 _MAX_ROUTES: Final = 1024  # distinct x-prefix-router-* sets (in the order sent) kept; then forgotten at once
 
@@ -51,7 +68,7 @@ Headers = Mapping[bytes, bytes]  # lower-case names, as extproc.process.http1 pa
 class _Route:
     """What one set of x-prefix-router-* headers resolves to, built once per set."""
 
-    __slots__ = ("settings", "wanted", "keyed", "modeled", "removals")
+    __slots__ = ("settings", "wanted", "keyed", "modeled", "picked", "removals")
 
     def __init__(self, settings: RouteSettings, ours: list[str]) -> None:
         self.settings = settings
@@ -59,6 +76,7 @@ class _Route:
         self.wanted = tuple((name.encode("latin-1"), name) for name in (*settings.tenant_headers, CONTENT_ENCODING))
         self.keyed = f"{settings.key_header}: ".encode("latin-1")  # the key follows, then CRLF
         self.modeled = f"{settings.model_header}: ".encode("latin-1")  # the model follows, then CRLF
+        self.picked = f"{settings.pick_header}: ".encode("latin-1")  # base64(ip:port) follows, then CRLF
         # the removal line, by (keyed, modeled): the route's own headers, and what the answer does not set
         self.removals: dict[tuple[bool, bool], bytes] = {}
         for keyed in (False, True):
@@ -70,11 +88,13 @@ class _Route:
 
 
 class HttpAuthz:
-    """Answers Envoy's HTTP check requests; one instance serves every connection."""
+    """Answers Envoy's HTTP check requests; one instance serves every connection. ``ends``: where
+    picks wait for their request's end (None: the router cannot pick, it has no replicas)."""
 
-    def __init__(self, service: RouterService) -> None:
+    def __init__(self, service: RouterService, ends: RequestEnds | None = None) -> None:
         self.service = service
-        self._routes: dict[tuple[tuple[bytes, bytes], ...], _Route] = {}
+        self.ends = ends
+        self._routes: dict[tuple[bool, tuple[tuple[bytes, bytes], ...]], _Route] = {}
 
     def answer(self, headers: Headers, body: bytes, cut: bool = False) -> bytes:
         """The answer's header lines ("name: value\\r\\n" each) for one check request.
@@ -93,13 +113,16 @@ class HttpAuthz:
 
     def _answer(self, headers: Headers, body: bytes, cut: bool) -> bytes:
         ours = tuple([item for item in headers.items() if item[0].startswith(_PREFIX)])
-        route = self._routes.get(ours) or self._route(ours)
+        can_pick = self.ends is not None and self.ends.live
+        route = self._routes.get((can_pick, ours)) or self._route(ours, can_pick)
         sent = {name: value.decode("latin-1") for raw, name in route.wanted if (value := headers.get(raw)) is not None}
         complete = not cut and is_whole(len(body), headers.get(_PARTIAL) == _TRUE, headers.get(_DECLARED))
         decision = decision_for(self.service, route.settings, sent, body, complete)
         key = decision.key if decision else None
         model = decision.model if decision and route.settings.model_header else None
         lines: list[bytes] = []
+        if decision is not None and route.settings.mode == "pick":
+            lines.append(self._pick(decision, route, headers.get(_REQUEST_ID)))
         if key is not None:
             lines += (route.keyed, key.encode("latin-1"), _CRLF)
         if model is not None:
@@ -107,12 +130,24 @@ class HttpAuthz:
         lines.append(route.removals[key is not None, model is not None])
         return b"".join(lines)
 
-    def _route(self, ours: tuple[tuple[bytes, bytes], ...]) -> _Route:
+    def _pick(self, decision: Decision, route: _Route, request_id: bytes | None) -> bytes:
+        """The pick header's line, the pick held until the request's end; b"" when not picked."""
+        assert self.ends is not None  # a route resolves to pick mode only while the log is live
+        if request_id is None:  # nothing would name its end: Envoy's load balancer chooses
+            return b""
+        choice = self.service.pick(decision, route.settings)
+        if choice is None or choice.address is None:
+            return b""
+        self.ends.hold(request_id.decode("latin-1"), choice)
+        return route.picked + base64.b64encode(choice.address.encode()) + _CRLF
+
+    def _route(self, ours: tuple[tuple[bytes, bytes], ...], can_pick: bool) -> _Route:
         # sorted: one set of settings is one entry (and one log line) in settings_for whatever order
         # Envoy sends it in (Envoy 1.36 and 1.38 change the order between requests of one route)
         pairs = sorted((name.decode("latin-1"), value.decode("latin-1")) for name, value in ours)
-        route = _Route(self.service.settings_for(pairs, LIMITS), [name for name, _ in pairs])
+        route = _Route(self.service.settings_for(pairs, LOGGED_LIMITS if can_pick else LIMITS),
+                       [name for name, _ in pairs])
         if len(self._routes) >= _MAX_ROUTES:
             self._routes.clear()
-        self._routes[ours] = route
+        self._routes[can_pick, ours] = route
         return route

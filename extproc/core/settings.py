@@ -91,6 +91,9 @@ class ServerSettings:
     # router for envoy.yaml or pick.yaml opens no port it does not use (envoy-fast.yaml: 50052).
     http_authz_port: int = 0
     drain_seconds: float = 10.0
+    # Pick mode over ext_authz (pick-fast.yaml): a pick whose end Envoy's access log never reports is
+    # released after this long (the configs' route timeout)
+    pick_end_timeout: float = 600.0
     log_level: str = "INFO"
     metadata_namespace: str = "prefix_router"
     # Pick mode: where the replicas are (the same ip:port hosts as Envoy's cluster) and how
@@ -304,6 +307,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "http_authz_port": _Spec(_number_in(int, 0, 65535),
                              "a TCP port in 1..65535 for ext_authz over HTTP (envoy-fast.yaml), or 0 for off"),
     "drain_seconds": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),
+    "pick_end_timeout": _Spec(_number_in(float, 1.0, 86400.0), "seconds in 1..86400"),
     "log_level": _Spec(_choice("debug", "info", "warning", "error"), "one of debug, info, warning, error"),
     "metadata_namespace": _Spec(_non_empty, "a non-empty dynamic metadata namespace"),
     "mode": _Spec(_choice(*ROUTING_MODES), "one of " + ", ".join(ROUTING_MODES)),

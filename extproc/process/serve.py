@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import metrics
-from extproc.adapters import ext_authz
+from extproc.adapters import access_log, ext_authz
 from extproc.adapters.ext_authz_http import HttpAuthz
 from extproc.adapters.ext_proc import PrefixRouter
 from extproc.adapters.service import RouterService
@@ -40,6 +40,7 @@ from extproc.core.settings import (
 )
 from extproc.pick.collectors import PreciseCollector, SharingCollector
 from extproc.pick.picker import Picker, load_tokenizers
+from extproc.pick.sources.request_ends import RequestEnds
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from extproc.process.health import SERVICE
@@ -103,10 +104,12 @@ async def start_http(server_cfg: ServerSettings, picker: Picker | None,
 HTTP_HEALTH_PATH = "/health"  # envoy-fast.yaml's checks come under path_prefix /check, never here
 
 
-async def start_http_authz(service: RouterService, server_cfg: ServerSettings, serving: dict[str, bool]) -> Http1Server:
-    """ext_authz over HTTP (envoy-fast.yaml) on its own port, on this event loop; ``GET /health``
-    answers 200 while ``serving["ok"]``, 503 once draining (Envoy's health check on the port)."""
-    authz = HttpAuthz(service)
+async def start_http_authz(service: RouterService, server_cfg: ServerSettings, serving: dict[str, bool],
+                           ends: RequestEnds | None = None) -> Http1Server:
+    """ext_authz over HTTP (envoy-fast.yaml, pick-fast.yaml with ``ends``) on its own port, on this
+    event loop; ``GET /health`` answers 200 while ``serving["ok"]``, 503 once draining (Envoy's
+    health check on the port)."""
+    authz = HttpAuthz(service, ends)
 
     def handle(request: Request) -> Answer:
         if request.path == HTTP_HEALTH_PATH:
@@ -137,6 +140,12 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
     metrics.STREAMS_ACTIVE.set_function(lambda: router.open_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(router, server)
     ext_authz.add_to_server(service, server)  # the ext_authz shape (envoy-fast.yaml)
+    # pick mode over HTTP ext_authz (pick-fast.yaml): Envoy's access log tells each request's end
+    ends = RequestEnds(service.release, server_cfg.pick_end_timeout) if picker is not None else None
+    if ends is not None:
+        access_log.add_to_server(ends, server)
+        metrics.PICKS_HELD.set_function(lambda: len(ends))
+        metrics.ACCESS_LOG_STREAMS.set_function(lambda: ends.streams)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{server_cfg.host}:{server_cfg.port}"
@@ -145,7 +154,7 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         raise OSError(f"cannot bind the gRPC port {address}")
     http = await start_http(server_cfg, picker, route_cfg) if server_cfg.metrics_port else None
     serving = {"ok": True}
-    http_authz = await start_http_authz(service, server_cfg, serving) if server_cfg.http_authz_port else None
+    http_authz = await start_http_authz(service, server_cfg, serving, ends) if server_cfg.http_authz_port else None
     await server.start()
     for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -9,7 +9,8 @@ benchmark measures exactly what the README ships:
   or RING_HASH; ``raw-bytes`` asks the router to key on raw body bytes (SageMaker's
   native-API behaviour) through the listener's stream metadata;
 * ``prefix-pick`` runs envoy/pick.yaml with the router in pick mode, its endpoints in a
-  file (so a scenario can add and remove replicas mid-run).
+  file (so a scenario can add and remove replicas mid-run); ``prefix-pick-fast`` the same over
+  envoy/pick-fast.yaml (ext_authz over HTTP, the requests' ends from Envoy's access log).
 
 All arms add a response header naming the upstream replica, so the client can tell how a
 prefix group was spread, and prefix arms one echoing the router's routing header (the pick or
@@ -46,6 +47,10 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
             "MAGLEV", prefix=True, bounded=True, base="envoy-fast.yaml"),
     ArmSpec("prefix-pick", "pick.yaml: the router picks by cached prefix and load, Envoy gates health",
             "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True),
+    ArmSpec("prefix-pick-fast", "pick-fast.yaml: pick mode over one ext_authz HTTP check per request, the ends of "
+            "requests from Envoy's access log", "MAGLEV", prefix=True, bounded=True, base="pick-fast.yaml", pick=True),
+    ArmSpec("prefix-precise-fast", "pick-fast.yaml in precise mode", "MAGLEV", prefix=True, bounded=True,
+            base="pick-fast.yaml", pick=True, precise=True),
     ArmSpec("prefix-pick-2routers", "prefix-pick with two independent router processes (each learns from "
             "half the picks; they share only what they scrape)", "MAGLEV", prefix=True, bounded=True,
             base="pick.yaml", pick=True, routers=2),

@@ -186,6 +186,9 @@ class RunningArm:
         over_http = envoy_config.router_over_http(envoy_config.load(self.arm.base))  # envoy-fast.yaml
         if over_http and self.model_pools:
             raise RuntimeError(f"{self.arm.name}: a fleet of several models runs multi-model.yaml's ext_proc shape")
+        logs_ends = envoy_config.logs_ends(envoy_config.load(self.arm.base))  # pick-fast.yaml
+        if logs_ends and self.arm.routers > 1:
+            raise RuntimeError(f"{self.arm.name}: pick-fast.yaml's access log reaches one router copy")
         # every port in one call, so none of them is handed out twice
         listener, admin, *ports = free_ports(2 + routers * (1 + bool(self.router_metrics) + over_http))
         grpc_ports, ports = ports[:routers], ports[routers:]
@@ -224,6 +227,8 @@ class RunningArm:
         if self.arm.prefix:
             envoy_config.set_endpoints(cfg, "prefix_router", [("127.0.0.1", p) for p in router_ports],
                                        standby=self.arm.standby)
+            if logs_ends:  # the access log streams to the router's gRPC port
+                envoy_config.set_endpoints(cfg, envoy_config.LOG_CLUSTER, [("127.0.0.1", grpc_ports[0])])
         self.envoy = Envoy(cfg, concurrency=1)  # kept before start(), so stop() reaches it
         self.envoy.start()
         for name, members in self._clusters().items():

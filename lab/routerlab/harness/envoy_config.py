@@ -20,6 +20,9 @@ EXT_PROC = "envoy.filters.http.ext_proc"
 EXT_AUTHZ = "envoy.filters.http.ext_authz"  # envoy-fast.yaml's shape (extproc.adapters.ext_authz)
 ROUTER_FILTERS = (EXT_PROC, EXT_AUTHZ)  # the filters that call the prefix router
 SETTINGS_FILTER = "prefix_router.settings"  # envoy-fast.yaml: the header_mutation that sets x-prefix-router-*
+ROUTER_CLUSTER = "prefix_router"  # what the router filter calls (gRPC, or HTTP in envoy-fast.yaml and pick-fast.yaml)
+LOG_CLUSTER = "prefix_router_log"  # pick-fast.yaml: the router's gRPC port, for the access log (requests' ends)
+ROUTER_CLUSTERS = (ROUTER_CLUSTER, LOG_CLUSTER)
 Config = dict[str, Any]
 
 
@@ -84,7 +87,7 @@ def set_endpoints(cfg: Config, cluster_name: str, backends: Iterable[tuple[str, 
 
 def model_clusters(cfg: Config) -> list[dict[str, Any]]:
     """The clusters of replicas (every cluster but the router's)."""
-    return [c for c in cfg["static_resources"]["clusters"] if c["name"] != "prefix_router"]
+    return [c for c in cfg["static_resources"]["clusters"] if c["name"] not in ROUTER_CLUSTERS]
 
 
 def pool_cluster(i: int) -> str:
@@ -116,7 +119,7 @@ def set_model_pools(cfg: Config, pools: Mapping[str, Sequence[tuple[str, int]]],
     default["route"]["cluster"] = names[0]
     table.append(default)
     cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
-                                           if c["name"] == "prefix_router"] + clusters
+                                           if c["name"] in ROUTER_CLUSTERS] + clusters
     for name, members in zip(names, pools.values()):
         set_endpoints(cfg, name, members, hash_key_prefix=name)
     return names
@@ -156,13 +159,20 @@ def router_over_http(cfg: Config) -> bool:
     return name == EXT_AUTHZ and "http_service" in filter_config
 
 
+def logs_ends(cfg: Config) -> bool:
+    """Does the config stream its access log to the router (pick-fast.yaml: the ends of picks)?"""
+    return any(c["name"] == LOG_CLUSTER for c in cfg["static_resources"]["clusters"])
+
+
 def drop_prefix_router(cfg: Config) -> Config:
-    """``cfg`` without the filter that calls the router (and the one setting its headers) and its cluster."""
+    """``cfg`` without the filter that calls the router (and the one setting its headers), the
+    access log to it and its clusters."""
     manager = http_manager(cfg)
     manager["http_filters"] = [f for f in manager["http_filters"]
                                if f["name"] not in (*ROUTER_FILTERS, SETTINGS_FILTER)]
+    manager.pop("access_log", None)
     cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
-                                           if c["name"] != "prefix_router"]
+                                           if c["name"] not in ROUTER_CLUSTERS]
     return cfg
 
 
@@ -221,16 +231,21 @@ def localize(
     backends: Sequence[tuple[str, int]],
     extproc_port: int | None = None,
     health_interval: float | None = None,
+    log_port: int | None = None,
 ) -> Config:
-    """A copy of ``cfg`` with every address and port pointing at this machine's test setup."""
+    """A copy of ``cfg`` with every address and port pointing at this machine's test setup
+    (``log_port``: the router's gRPC port, for pick-fast.yaml's access log)."""
     cfg = copy.deepcopy(cfg)
     cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
     listener = cfg["static_resources"]["listeners"][0]
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listener_port}
     for c in cfg["static_resources"]["clusters"]:
-        if c["name"] == "prefix_router":
+        if c["name"] == ROUTER_CLUSTER:
             if extproc_port is not None:  # the gRPC port, or the HTTP one for a config that calls it over HTTP
-                set_endpoints(cfg, "prefix_router", [("127.0.0.1", extproc_port)])
+                set_endpoints(cfg, ROUTER_CLUSTER, [("127.0.0.1", extproc_port)])
+        elif c["name"] == LOG_CLUSTER:
+            if log_port is not None:
+                set_endpoints(cfg, LOG_CLUSTER, [("127.0.0.1", log_port)])
         else:
             set_endpoints(cfg, c["name"], backends, hash_key_prefix="vllm")
     if health_interval is not None:
