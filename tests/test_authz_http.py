@@ -288,3 +288,46 @@ def test_a_request_left_half_sent_loses_its_connection(monkeypatch: pytest.Monke
         idle_writer.close()
 
     in_process(body)
+
+
+def test_answers_awaited_by_the_handler_go_out_in_arrival_order() -> None:
+    """A check whose pick awaits tokenising off the loop answers later; pipelined answers behind it
+    wait for it, a handler's awaitable that fails still answers 200, and a lone one answers alone."""
+    release = asyncio.Event()
+
+    async def later(tag: bytes) -> http1.Answer:
+        await release.wait()
+        return 200, b"x-tag: " + tag + b"\r\n"
+
+    async def broken() -> http1.Answer:
+        raise RuntimeError("a bug")
+
+    def handle(request: http1.Request) -> http1.Answer | asyncio.Future[http1.Answer]:
+        tag = request.path.rsplit("/", 1)[1].encode()
+        if tag == b"slow":
+            return asyncio.ensure_future(later(tag))
+        if tag == b"broken":
+            return asyncio.ensure_future(broken())
+        return 200, b"x-tag: " + tag + b"\r\n"
+
+    async def main() -> None:
+        server = http1.Http1Server(handle)
+        port = await server.start("127.0.0.1", 0)
+        errors = metrics.ERRORS.labels("http")._value.get()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(check(path="/check/slow") + check(path="/check/quick") + check(path="/check/broken"))
+            with pytest.raises(asyncio.TimeoutError):  # nothing overtakes the awaited answer
+                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.3)
+            release.set()
+            heads = [await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) for _ in range(3)]
+            assert [h.split(b"\r\n")[0] for h in heads] == [b"HTTP/1.1 200 OK"] * 3
+            assert b"x-tag: slow" in heads[0] and b"x-tag: quick" in heads[1] and b"x-tag" not in heads[2]
+            assert metrics.ERRORS.labels("http")._value.get() == errors + 1
+            writer.write(check(path="/check/quick"))  # and the connection goes on, answering at once
+            assert b"x-tag: quick" in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            writer.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())

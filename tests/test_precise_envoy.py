@@ -57,20 +57,25 @@ class Stack:
             return json.loads(resp.read())
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["prefix-precise", "prefix-precise-fast"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """pick.yaml's ext_proc hop, or pick-fast.yaml's ext_authz over HTTP (the ends from Envoy's access log)."""
     # 2 replicas of 48 blocks of 16 tokens: a few conversations evict each other's blocks
     spec = FleetSpec(replicas=2, profile="tiny", time_scale=0.05, block_size=16, num_blocks=48,
                      tokenizer=str(TINY_BYTELEVEL), kv_events=True)
     fleet = SimBackend(spec).start()
     try:
         # new text longer than 300 characters is tokenised on the router's worker thread, not in the pick
-        with RunningArm(ARMS["prefix-precise"], fleet.urls, router_metrics=True, event_flags=fleet.event_flags(),
+        with RunningArm(ARMS[request.param], fleet.urls, router_metrics=True, event_flags=fleet.event_flags(),
                         router_flags=("--tokenize-inline-chars", str(INLINE_CHARS))) as arm:
             stack = Stack(fleet, arm)
             wait_until(lambda: metric(stack.metrics_port, "prefix_router_kv_view_origin", origin="none") == 0
                        and metric(stack.metrics_port, "prefix_router_kv_view_origin") == 2, 15,
                        "the router to hear from both replicas")
+            if request.param.endswith("-fast"):  # Envoy opens its access-log stream with its first entry
+                assert send(stack.port, body=chat_body("hello")).status == 200
+                wait_until(lambda: metric(stack.metrics_port, "prefix_router_access_log_streams") == 1, 10,
+                           "Envoy's access-log stream to the router")
             yield stack
     finally:
         fleet.stop()

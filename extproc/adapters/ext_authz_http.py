@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Final
 
 from extproc import metrics
@@ -96,8 +96,9 @@ class HttpAuthz:
         self.ends = ends
         self._routes: dict[tuple[bool, tuple[tuple[bytes, bytes], ...]], _Route] = {}
 
-    def answer(self, headers: Headers, body: bytes, cut: bool = False) -> bytes:
-        """The answer's header lines ("name: value\\r\\n" each) for one check request.
+    def answer(self, headers: Headers, body: bytes, cut: bool = False) -> bytes | Awaitable[bytes]:
+        """The answer's header lines ("name: value\\r\\n" each) for one check request; awaitable
+        when a pick must first await precise mode's tokenising off the loop (``RouterService.prepare``).
 
         ``headers``: the check request's, lower-case names, bytes as sent. ``cut``: the server
         kept only the body's start. Never raises: on a bug the request goes on without a key.
@@ -111,7 +112,7 @@ class HttpAuthz:
             names = ",".join(name for name in (settings.key_header, settings.model_header) if name)
             return f"{REMOVE_HEADER}: {names}\r\n".encode()
 
-    def _answer(self, headers: Headers, body: bytes, cut: bool) -> bytes:
+    def _answer(self, headers: Headers, body: bytes, cut: bool) -> bytes | Awaitable[bytes]:
         ours = tuple([item for item in headers.items() if item[0].startswith(_PREFIX)])
         can_pick = self.ends is not None and self.ends.live
         route = self._routes.get((can_pick, ours)) or self._route(ours, can_pick)
@@ -121,21 +122,34 @@ class HttpAuthz:
         key = decision.key if decision else None
         model = decision.model if decision and route.settings.model_header else None
         lines: list[bytes] = []
-        if decision is not None and route.settings.mode == "pick":
-            lines.append(self._pick(decision, route, headers.get(_REQUEST_ID)))
         if key is not None:
             lines += (route.keyed, key.encode("latin-1"), _CRLF)
         if model is not None:
             lines += (route.modeled, model.encode("latin-1"), _CRLF)
         lines.append(route.removals[key is not None, model is not None])
+        request_id = headers.get(_REQUEST_ID)
+        if decision is None or route.settings.mode != "pick" or request_id is None:
+            return b"".join(lines)  # no pick (without the id nothing would name its end): Envoy's LB chooses
+        if self.service.prepares(decision, route.settings):
+            return self._pick_later(decision, route, request_id, lines)
+        lines.append(self._pick(decision, route, request_id))
         return b"".join(lines)
 
-    def _pick(self, decision: Decision, route: _Route, request_id: bytes | None) -> bytes:
+    async def _pick_later(self, decision: Decision, route: _Route, request_id: bytes, lines: list[bytes]) -> bytes:
+        """The answer once precise mode's long new text is tokenised off the loop, then picked."""
+        try:
+            max_new_chars = await self.service.prepare(decision, route.settings)  # never raises
+            lines.append(self._pick(decision, route, request_id, max_new_chars))
+        except Exception:  # never let the router fail a request: the key alone, Envoy's LB chooses
+            log.exception("picking for an HTTP check failed; the request goes on keyed")
+            metrics.ERRORS.labels("authz_http").inc()
+        return b"".join(lines)
+
+    def _pick(self, decision: Decision, route: _Route, request_id: bytes, max_new_chars: int = 0) -> bytes:
         """The pick header's line, the pick held until the request's end; b"" when not picked."""
-        assert self.ends is not None  # a route resolves to pick mode only while the log is live
-        if request_id is None:  # nothing would name its end: Envoy's load balancer chooses
+        if self.ends is None or not self.ends.live:  # the log closed meanwhile: nothing would tell the end
             return b""
-        choice = self.service.pick(decision, route.settings)
+        choice = self.service.pick(decision, route.settings, max_new_chars)
         if choice is None or choice.address is None:
             return b""
         self.ends.hold(request_id.decode("latin-1"), choice)

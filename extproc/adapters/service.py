@@ -163,6 +163,10 @@ class RouterService:
             metrics.MODEL_HEADER.labels(decision.model_outcome).inc()
         return decision
 
+    def prepares(self, decision: Decision, settings: RouteSettings) -> bool:
+        """Whether ``prepare`` may have work to do (else a caller can pick without awaiting it)."""
+        return self.picker is not None and self.picker.prepares(decision, settings)
+
     async def prepare(self, decision: Decision | None, settings: RouteSettings) -> int:
         """What the picker does off the event loop before ``pick`` (precise mode's long new text
         tokenised on its worker); returns the pick's ``max_new_chars``. Never raises."""

@@ -186,6 +186,11 @@ class PickCore:
                 r for r in snapshot.replicas if r.address in members)))
         return kept[1]
 
+    def prepares(self, decision: Decision, settings: RouteSettings) -> bool:
+        """Whether ``prepare`` may have work to do for this request (else it returns 0 at once, and a
+        caller may pick without awaiting it)."""
+        return False
+
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``, on the event loop: what must happen off it first; returns ``pick``'s
         ``max_new_chars``. Nothing here (``Picker`` tokenises precise mode's long new text ahead)."""

@@ -91,6 +91,9 @@ class Picker(PickCore):
         self.lister = ModelLister(self.load.addresses, cfg.models_interval, self.on_models) \
             if cfg.models_interval else None
 
+    def prepares(self, decision: Decision, settings: RouteSettings) -> bool:
+        return self.ahead is not None and settings.cache_view != "learned" and self.ahead.may_prepare(decision)
+
     async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
         """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
         pick's ``max_new_chars`` (extproc.pick.sources.tokenize_ahead)."""

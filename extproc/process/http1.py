@@ -2,9 +2,11 @@
 
 Why not aiohttp: its per-request machinery (request objects, handler tasks, streams) is what
 a do-nothing HTTP hop would cost, and the hop is the price of routing (docs/overhead.md).
-Here a request is parsed by httptools (llhttp, Node's parser) and answered synchronously in
-its ``on_message_complete``, in arrival order, so keep-alive and pipelining need nothing more.
-Every answer has an empty body.
+Here a request is parsed by httptools (llhttp, Node's parser) and answered in its
+``on_message_complete``: at once when the handler returns the answer (the usual case), else when
+the awaitable it returns is done (a pick that first tokenises off the loop), answers always
+written in arrival order, so keep-alive and pipelining need nothing more. Every answer has an
+empty body.
 
 What a client cannot do to the process: a request httptools refuses gets a 400 (counted,
 ``prefix_router_http_malformed_total``) and its connection closes; a body above ``max_body``
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Final
 
@@ -64,7 +67,8 @@ def header_dict(pairs: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
 # (status, extra header lines, each "name: value\r\n"); the server adds the status line,
 # content-length: 0 and, when it will close, connection: close.
 Answer = tuple[int, bytes]
-Handler = Callable[[Request], Answer]
+Handler = Callable[[Request], Answer | Awaitable[Answer]]
+_FAILED: Final[Answer] = (200, b"")  # a handler that raised: the request still goes on
 
 
 def _status_line(status: int) -> bytes:
@@ -97,6 +101,7 @@ class Http1Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.started: float | None = None  # loop time the request being read began; None between requests
         self.closing = False
+        self.pending: deque[tuple[Answer | asyncio.Future[Answer], bool]] = deque()  # answers not yet written
         self._reset()
 
     def _reset(self) -> None:
@@ -168,14 +173,43 @@ class Http1Protocol(asyncio.Protocol):
         self.started = None
         keep_alive = parser.should_keep_alive()
         try:
-            status, extra = self.handler(request)
+            answer = self.handler(request)
         except Exception:  # the handler promises not to raise; if it does, the request still goes on
             log.exception("answering an HTTP request failed")
             metrics.ERRORS.labels("http").inc()
-            status, extra = 200, b""
+            answer = _FAILED
+        if isinstance(answer, tuple):
+            if not self.pending:  # the usual case: answered at once, nothing before it to wait for
+                self._write(answer, keep_alive)
+                return
+            self.pending.append((answer, keep_alive))
+            return
+        later = asyncio.ensure_future(answer)
+        self.pending.append((later, keep_alive))
+        later.add_done_callback(self._flush)
+
+    def _flush(self, _: object = None) -> None:
+        """Write the answers that are ready, in arrival order (up to the first still awaited)."""
+        while self.pending:
+            head, keep_alive = self.pending[0]
+            if isinstance(head, asyncio.Future):
+                if not head.done():
+                    return
+                error = None if head.cancelled() else head.exception()
+                if error is not None:
+                    log.error("answering an HTTP request failed", exc_info=error)
+                    metrics.ERRORS.labels("http").inc()
+                answer = _FAILED if head.cancelled() or error is not None else head.result()
+            else:
+                answer = head
+            self.pending.popleft()
+            self._write(answer, keep_alive)
+
+    def _write(self, answer: Answer, keep_alive: bool) -> None:
         transport = self.transport
         if transport is None:
             return
+        status, extra = answer
         if keep_alive:
             transport.write(STATUS_LINES[status] + extra + b"\r\n")
         else:

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Awaitable
 
 import grpc
 import orjson
@@ -104,6 +105,10 @@ async def start_http(server_cfg: ServerSettings, picker: Picker | None,
 HTTP_HEALTH_PATH = "/health"  # envoy-fast.yaml's checks come under path_prefix /check, never here
 
 
+async def _ok_later(lines: Awaitable[bytes]) -> Answer:
+    return 200, await lines
+
+
 async def start_http_authz(service: RouterService, server_cfg: ServerSettings, serving: dict[str, bool],
                            ends: RequestEnds | None = None) -> Http1Server:
     """ext_authz over HTTP (envoy-fast.yaml, pick-fast.yaml with ``ends``) on its own port, on this
@@ -111,10 +116,11 @@ async def start_http_authz(service: RouterService, server_cfg: ServerSettings, s
     health check on the port)."""
     authz = HttpAuthz(service, ends)
 
-    def handle(request: Request) -> Answer:
+    def handle(request: Request) -> Answer | Awaitable[Answer]:
         if request.path == HTTP_HEALTH_PATH:
             return (200 if serving["ok"] else 503), b""
-        return 200, authz.answer(request.headers, request.body, request.cut)
+        lines = authz.answer(request.headers, request.body, request.cut)
+        return (200, lines) if isinstance(lines, bytes) else _ok_later(lines)
 
     server = Http1Server(handle)
     await server.start(server_cfg.host, server_cfg.http_authz_port)

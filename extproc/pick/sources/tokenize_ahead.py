@@ -51,13 +51,17 @@ class TokenizeAhead:
         self.on_loop = 0  # long texts the word cache is tokenising on the loop, in parts (at most one)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
 
+    def may_prepare(self, decision: Decision) -> bool:
+        """Is the request's whole text long enough that ``prepare`` may have to tokenise it ahead?"""
+        return bool(self.inline_chars) and decision.normalized_bytes > self.inline_chars
+
     async def prepare(self, decision: Decision, checking: bool = False) -> int:
         """Tokenise the request's long new text before the pick (by the word cache on the loop where
         that is cheaper, else on the worker); returns the pick's ``max_new_chars``:
         0 (no limit) or, when the worker is too busy to take it, ``inline_chars``. ``checking``: for
         the run-time tokenizer check (extproc.pick.sources.tokenizer_check), which tokenises a distrusted
         model's requests too."""
-        if not self.inline_chars or decision.normalized_bytes <= self.inline_chars:
+        if not self.may_prepare(decision):
             return 0  # its whole text is short: the pick tokenises what is new
         try:
             tokenizer, segments = self.precise.missing(decision, checking)
