@@ -130,15 +130,17 @@ class HttpAuthz:
         request_id = headers.get(_REQUEST_ID)
         if decision is None or route.settings.mode != "pick" or request_id is None:
             return b"".join(lines)  # no pick (without the id nothing would name its end): Envoy's LB chooses
-        if self.service.prepares(decision, route.settings):
-            return self._pick_later(decision, route, request_id, lines)
+        work = self.service.ahead_work(decision, route.settings)
+        if work is not None:
+            return self._pick_later(decision, route, request_id, lines, work)
         lines.append(self._pick(decision, route, request_id))
         return b"".join(lines)
 
-    async def _pick_later(self, decision: Decision, route: _Route, request_id: bytes, lines: list[bytes]) -> bytes:
+    async def _pick_later(self, decision: Decision, route: _Route, request_id: bytes, lines: list[bytes],
+                          work: object) -> bytes:
         """The answer once precise mode's long new text is tokenised off the loop, then picked."""
         try:
-            max_new_chars = await self.service.prepare(decision, route.settings)  # never raises
+            max_new_chars = await self.service.run_ahead(work)  # never raises
             lines.append(self._pick(decision, route, request_id, max_new_chars))
         except Exception:  # never let the router fail a request: the key alone, Envoy's LB chooses
             log.exception("picking for an HTTP check failed; the request goes on keyed")

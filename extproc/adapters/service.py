@@ -163,21 +163,32 @@ class RouterService:
             metrics.MODEL_HEADER.labels(decision.model_outcome).inc()
         return decision
 
-    def prepares(self, decision: Decision, settings: RouteSettings) -> bool:
-        """Whether ``prepare`` may have work to do (else a caller can pick without awaiting it)."""
-        return self.picker is not None and self.picker.prepares(decision, settings)
-
-    async def prepare(self, decision: Decision | None, settings: RouteSettings) -> int:
-        """What the picker does off the event loop before ``pick`` (precise mode's long new text
-        tokenised on its worker); returns the pick's ``max_new_chars``. Never raises."""
+    def ahead_work(self, decision: Decision | None, settings: RouteSettings) -> object | None:
+        """What the picker must do off the event loop before ``pick`` (precise mode's long new text,
+        tokenised on its worker: ``run_ahead``), or None: pick at once. Never raises."""
         if decision is None or self.picker is None:
-            return 0
+            return None
         try:
-            return await self.picker.prepare(decision, settings)
+            return self.picker.ahead_work(decision, settings)
+        except Exception:
+            log.exception("tokenizing ahead failed; the pick tokenises on the loop")
+            metrics.ERRORS.labels("tokenize_ahead").inc()
+            return None
+
+    async def run_ahead(self, work: object) -> int:
+        """Do ``ahead_work``'s ``work``; returns the pick's ``max_new_chars``. Never raises."""
+        assert self.picker is not None  # ahead_work found work
+        try:
+            return await self.picker.run_ahead(work)
         except Exception:
             log.exception("tokenizing ahead failed; the pick tokenises on the loop")
             metrics.ERRORS.labels("tokenize_ahead").inc()
             return 0
+
+    async def prepare(self, decision: Decision | None, settings: RouteSettings) -> int:
+        """``ahead_work`` then ``run_ahead``: the pick's ``max_new_chars``. Never raises."""
+        work = self.ahead_work(decision, settings)
+        return 0 if work is None else await self.run_ahead(work)
 
     def pick(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0) -> Choice | None:
         """The replica for the request, counted in flight until ``release``; None when there is

@@ -186,14 +186,13 @@ class PickCore:
                 r for r in snapshot.replicas if r.address in members)))
         return kept[1]
 
-    def prepares(self, decision: Decision, settings: RouteSettings) -> bool:
-        """Whether ``prepare`` may have work to do for this request (else it returns 0 at once, and a
-        caller may pick without awaiting it)."""
-        return False
+    def ahead_work(self, decision: Decision, settings: RouteSettings) -> object | None:
+        """Before ``pick``, on the event loop: what must happen off it first (``run_ahead``), or None.
+        Nothing here (``Picker`` tokenises precise mode's long new text ahead)."""
+        return None
 
-    async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
-        """Before ``pick``, on the event loop: what must happen off it first; returns ``pick``'s
-        ``max_new_chars``. Nothing here (``Picker`` tokenises precise mode's long new text ahead)."""
+    async def run_ahead(self, work: object) -> int:
+        """Do ``ahead_work``'s ``work``; returns ``pick``'s ``max_new_chars``."""
         return 0
 
     def pick(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0) -> Choice:

@@ -28,7 +28,7 @@ from extproc.pick.sources.kv_subscriber import KvEventSubscriber
 from extproc.pick.sources.scrape import Scraper
 from extproc.pick.sources.served_models import ModelLister
 from extproc.pick.sources.shared_in_flight import RemoteInFlight
-from extproc.pick.sources.tokenize_ahead import TokenizeAhead
+from extproc.pick.sources.tokenize_ahead import AheadWork, TokenizeAhead
 from extproc.pick.sources.tokenizer_check import TokenizerCheck
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer, TokenizerError
 from extproc.pick.views.base import CacheView
@@ -91,15 +91,16 @@ class Picker(PickCore):
         self.lister = ModelLister(self.load.addresses, cfg.models_interval, self.on_models) \
             if cfg.models_interval else None
 
-    def prepares(self, decision: Decision, settings: RouteSettings) -> bool:
-        return self.ahead is not None and settings.cache_view != "learned" and self.ahead.may_prepare(decision)
-
-    async def prepare(self, decision: Decision, settings: RouteSettings) -> int:
-        """Before ``pick``: precise mode's long new text tokenised off the event loop; returns the
-        pick's ``max_new_chars`` (extproc.pick.sources.tokenize_ahead)."""
+    def ahead_work(self, decision: Decision, settings: RouteSettings) -> AheadWork | None:
+        """Precise mode's long new text to tokenise off the event loop before ``pick``
+        (extproc.pick.sources.tokenize_ahead), or None."""
         if self.ahead is None or settings.cache_view == "learned":
-            return 0
-        return await self.ahead.prepare(decision)
+            return None
+        return self.ahead.work(decision)
+
+    async def run_ahead(self, work: object) -> int:
+        assert self.ahead is not None and isinstance(work, AheadWork)  # from ahead_work
+        return await self.ahead.run(work)
 
     def set_endpoints(self, addresses: Sequence[str]) -> None:
         super().set_endpoints(addresses)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final
+from typing import Final, NamedTuple
 
 from extproc import metrics
 from extproc.core.decide import Decision
@@ -39,6 +39,14 @@ WORD_CHAR_RATIO: Final = 4
 NEW_WORD_CHARS: Final = 20
 
 
+class AheadWork(NamedTuple):
+    """A request's long new text, found on the loop, to tokenise before its pick."""
+
+    tokenizer: ModelTokenizer
+    segments: list[tuple[bool, str]]
+    chars: int
+
+
 class TokenizeAhead:
     """One worker thread for the tokenizer, and the bound on its queue."""
 
@@ -51,25 +59,30 @@ class TokenizeAhead:
         self.on_loop = 0  # long texts the word cache is tokenising on the loop, in parts (at most one)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
 
-    def may_prepare(self, decision: Decision) -> bool:
-        """Is the request's whole text long enough that ``prepare`` may have to tokenise it ahead?"""
-        return bool(self.inline_chars) and decision.normalized_bytes > self.inline_chars
-
-    async def prepare(self, decision: Decision, checking: bool = False) -> int:
-        """Tokenise the request's long new text before the pick (by the word cache on the loop where
-        that is cheaper, else on the worker); returns the pick's ``max_new_chars``:
-        0 (no limit) or, when the worker is too busy to take it, ``inline_chars``. ``checking``: for
-        the run-time tokenizer check (extproc.pick.sources.tokenizer_check), which tokenises a distrusted
-        model's requests too."""
-        if not self.may_prepare(decision):
-            return 0  # its whole text is short: the pick tokenises what is new
+    def work(self, decision: Decision, checking: bool = False) -> AheadWork | None:
+        """The request's new text to tokenise before its pick, or None: the pick tokenises what is new
+        itself (short text, or none that can be tokenised). On the loop, without awaiting, so a caller
+        with nothing to await answers at once (an HTTP check). ``checking``: for the run-time tokenizer
+        check (extproc.pick.sources.tokenizer_check), which tokenises a distrusted model's requests too."""
+        if not self.inline_chars or decision.normalized_bytes <= self.inline_chars:
+            return None  # its whole text is short: the pick tokenises what is new
         try:
             tokenizer, segments = self.precise.missing(decision, checking)
         except NotTokenizable:
-            return 0  # the pick finds the same reason, and counts it
+            return None  # the pick finds the same reason, and counts it
         chars = sum(len(seg) for _, seg in segments)
-        if chars <= self.inline_chars:
-            return 0
+        return None if chars <= self.inline_chars else AheadWork(tokenizer, segments, chars)
+
+    async def prepare(self, decision: Decision, checking: bool = False) -> int:
+        """``work`` then ``run``: the pick's ``max_new_chars``."""
+        work = self.work(decision, checking)
+        return 0 if work is None else await self.run(work)
+
+    async def run(self, work: AheadWork) -> int:
+        """Tokenise the request's long new text before the pick (by the word cache on the loop where
+        that is cheaper, else on the worker); returns the pick's ``max_new_chars``:
+        0 (no limit) or, when the worker is too busy to take it, ``inline_chars``."""
+        tokenizer, segments, chars = work
         if await self._by_words(tokenizer, segments, chars):
             return 0
         if not self._admits(chars):
