@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from extproc.pick.choice.choose import Choice
-from extproc.pick.sources.request_ends import RequestEnds
+from extproc.pick.request_ends import RequestEnds
 from routerlab.harness import envoy_config
 from routerlab.harness.procs import wait_until
 

@@ -2,7 +2,7 @@
 
 pick-fast.yaml logs every finished request to the router's gRPC port (``envoy.access_loggers.http_grpc``,
 ``buffer_size_bytes: 0``: each entry sent at once). Each entry's ``request_id`` (x-request-id) ends
-the pick the HTTP check made for it (extproc.pick.sources.request_ends). Only translation here: the
+the pick the HTTP check made for it (extproc.pick.request_ends). Only translation here: the
 stream's open and close and each entry's id.
 """
 
@@ -16,7 +16,7 @@ from envoy.service.accesslog.v3 import als_pb2 as pb
 from envoy.service.accesslog.v3 import als_pb2_grpc as pb_grpc
 
 from extproc import metrics
-from extproc.pick.sources.request_ends import RequestEnds
+from extproc.pick.request_ends import RequestEnds
 
 log = logging.getLogger("extproc.adapters.access_log")
 

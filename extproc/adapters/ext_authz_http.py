@@ -21,7 +21,7 @@ Pick mode (pick-fast.yaml): while Envoy's access log streams to the router (extp
 a route whose settings say ``mode: pick`` also gets the replica in the pick header
 (``allowed_upstream_headers``; Envoy's stateful_session filter sends the request there if it is
 healthy), and the pick is held under the request's ``x-request-id`` until the log reports its end
-(extproc.pick.sources.request_ends). Without a connected log stream, or without the id, the request
+(extproc.pick.request_ends). Without a connected log stream, or without the id, the request
 is keyed as in hash mode and Envoy's load balancer chooses.
 
 Per request the adapter does only what differs between requests: every check of a route carries
@@ -49,7 +49,7 @@ from extproc.adapters.authz import (
 from extproc.adapters.service import RouterService
 from extproc.core.decide import CONTENT_ENCODING, Decision
 from extproc.core.settings import METADATA_PREFIX, RouteSettings
-from extproc.pick.sources.request_ends import RequestEnds
+from extproc.pick.request_ends import RequestEnds
 
 log = logging.getLogger("extproc.adapters.ext_authz_http")
 
@@ -98,7 +98,7 @@ class HttpAuthz:
 
     def answer(self, headers: Headers, body: bytes, cut: bool = False) -> bytes | Awaitable[bytes]:
         """The answer's header lines ("name: value\\r\\n" each) for one check request; awaitable
-        when a pick must first await precise mode's tokenising off the loop (``RouterService.prepare``).
+        when a pick must first await precise mode's tokenising off the loop (``RouterService.run_ahead``).
 
         ``headers``: the check request's, lower-case names, bytes as sent. ``cut``: the server
         kept only the body's start. Never raises: on a bug the request goes on without a key.

@@ -207,7 +207,7 @@ class Http1Protocol(asyncio.Protocol):
 
     def _write(self, answer: Answer, keep_alive: bool) -> None:
         transport = self.transport
-        if transport is None:
+        if transport is None or self.closing:  # gone, or closed after an earlier answer
             return
         status, extra = answer
         if keep_alive:

@@ -41,7 +41,7 @@ from extproc.core.settings import (
 )
 from extproc.pick.collectors import PreciseCollector, SharingCollector
 from extproc.pick.picker import Picker, load_tokenizers
-from extproc.pick.sources.request_ends import RequestEnds
+from extproc.pick.request_ends import RequestEnds
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
 from extproc.process import event_loop
 from extproc.process.health import SERVICE

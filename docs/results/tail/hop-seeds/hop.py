@@ -1,7 +1,7 @@
 """Per seed of a shared-prefix seeds run (OUT/seed-N/requests): each arm's requests above round
 robin's TTFT p90 by class and its way to the replica (routerlab.bench.tail's summary), its plain
 misses' TTFT p90; then means with 95 % t intervals (routerlab.bench.seeds.interval) and the
-differences from round robin. Usage: .venv/bin/python hop.py OUT"""
+differences from round robin. Usage: .venv/bin/python hop.py OUT [ARM,ARM,...] (default: ARMS)"""
 import sys
 from pathlib import Path
 
@@ -24,15 +24,15 @@ def figures(seed: Path, arm: str, line: float) -> dict[str, float]:
             "plain90": 1000 * percentile(plain, 90)}
 
 
-def main(out: Path) -> None:
-    rows: dict[str, list[dict[str, float]]] = {a: [] for a in ARMS}
+def main(out: Path, arms: tuple[str, ...] = ARMS) -> None:
+    rows: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
     for seed in sorted(out.glob("seed-*")):
         line = percentile([r.ttft for r in load(seed / "requests" / "round-robin.jsonl")], 90)
-        for arm in ARMS:
+        for arm in arms:
             rows[arm].append(figures(seed, arm, line))
             print(seed.name, arm, {k: round(v, 2) for k, v in rows[arm][-1].items()})
     print()
-    for arm in ARMS:
+    for arm in arms:
         for key in rows[arm][0]:
             mean, low, high = interval([d[key] for d in rows[arm]])
             print(f"{arm:16s} {key:12s} mean {mean:8.2f} ({low:.2f} to {high:.2f})  per seed "
@@ -43,4 +43,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ARMS)

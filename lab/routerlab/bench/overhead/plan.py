@@ -20,7 +20,7 @@ ARM_SUMMARY = {
     "router": "Envoy + prefix-router serve, the config as shipped",
 }
 BASELINE = "alone"
-CONFIGS = ("envoy.yaml", "envoy-fast.yaml", "pick.yaml")
+CONFIGS = ("envoy.yaml", "envoy-fast.yaml", "pick.yaml", "pick-fast.yaml")
 LATENCY_CONNECTIONS = 1
 
 
@@ -43,12 +43,11 @@ class Config(drill.Common):
 
 
 def is_pick(cfg: envoy_config.Config) -> bool:
-    """Does the config's ext_proc filter ask the router for pick mode (stream metadata)?"""
+    """Does the config ask the router for pick mode (stream metadata, or pick-fast.yaml's settings headers)?"""
     try:
-        service = envoy_config.http_filter(cfg, envoy_config.EXT_PROC)["grpc_service"]
-    except KeyError:  # no ext_proc filter (envoy-fast.yaml's ext_authz cannot pick)
+        return envoy_config.stream_metadata(cfg).get(metadata_key("mode")) == "pick"
+    except KeyError:  # no filter calls the router
         return False
-    return any(m["key"] == metadata_key("mode") and m["value"] == "pick" for m in service.get("initial_metadata", ()))
 
 
 def connection_levels(cfg: Config) -> tuple[int, ...]:

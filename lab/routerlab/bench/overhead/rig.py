@@ -102,6 +102,7 @@ class Rig:
         with_server = [p for p in pairs if p[1] != "alone"]
         ports = iter(free_ports(2 * len(pairs) + 3 * cfg.processes * len(with_server)))
         servers: dict[tuple[str, str], list[tuple[Process, int, int]]] = {}
+        log_ports: dict[tuple[str, str], int] = {}  # pick-fast.yaml: the gRPC port its access log streams to
         for config, arm in with_server:
             over_http = envoy_config.router_over_http(loaded[config])  # envoy-fast.yaml: Envoy calls the HTTP port
             for i in range(cfg.processes):
@@ -113,6 +114,7 @@ class Rig:
                                name=f"{arm} ext_proc {i} for {config}", env=arms_mod.ROUTER_ENV)
                 self._stop.callback(proc.stop)
                 servers.setdefault((config, arm), []).append((proc, http_port if over_http else port, metrics_port))
+                log_ports.setdefault((config, arm), port)
         _parallel(lambda s: s[0].wait_for_line("ready on", timeout=60),
                   [s for group in servers.values() for s in group])
         for config, arm in pairs:
@@ -121,6 +123,9 @@ class Rig:
             shaped = envoy_config.localize(loaded[config], listener_port=listener, admin_port=admin, backends=hosts)
             if group:
                 envoy_config.set_endpoints(shaped, "prefix_router", [("127.0.0.1", port) for _, port, _ in group])
+                if envoy_config.logs_ends(shaped):
+                    envoy_config.set_endpoints(shaped, envoy_config.LOG_CLUSTER,
+                                               [("127.0.0.1", log_ports[config, arm])])
             envoy = Envoy(envoy_config.drop_prefix_router(shaped) if arm == "alone" else shaped,
                           concurrency=cfg.envoy_concurrency)
             self._stop.callback(envoy.stop)
