@@ -36,7 +36,7 @@ from routerlab.harness.procs import Process, free_ports, python_module
 from routerlab.realvllm.promtext import fetch_metrics, metric_sum
 
 RUN = dict(rounds=1, phase_s=1, sizes=(32,), connections=(16,), warmup_s=0)
-MESSAGES_PER_STREAM = {"envoy.yaml": 2, "envoy-fast.yaml": 1, "pick.yaml": 2}  # headers + body, or one Check
+MESSAGES_PER_STREAM = {"envoy.yaml": 2, "envoy-fast.yaml": 1, "pick.yaml": 2, "pick-fast.yaml": 1}  # or one check
 
 
 def test_the_load_generator_is_installed() -> None:
@@ -214,7 +214,7 @@ def test_envoy_alone_is_the_shipped_config_without_the_router_filter() -> None:
         assert filters == [f["name"] for f in envoy_config.http_manager(cfg)["http_filters"]
                            if f["name"] not in (envoy_config.router_filter(cfg)[0], envoy_config.SETTINGS_FILTER)]
         assert [c["name"] for c in alone["static_resources"]["clusters"]] == ["vllm"]
-    assert [overhead.is_pick(envoy_config.load(n)) for n in overhead.CONFIGS] == [False, False, True]
+    assert [overhead.is_pick(envoy_config.load(n)) for n in overhead.CONFIGS] == [False, False, True, True]
 
 
 def test_bad_parameters_exit_2_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -122,9 +122,11 @@ def test_arm_configs_are_envoy_yaml_changed_only_where_the_arm_differs(tmp_path)
         balance = cluster.get("common_lb_config", {}).get("consistent_hashing_lb_config")
         assert bool(balance) == spec.bounded
         if spec.prefix:
-            shape = envoy_config.EXT_AUTHZ if spec.base == "envoy-fast.yaml" else envoy_config.EXT_PROC
+            over_http = envoy_config.router_over_http(envoy_config.load(spec.base))  # envoy-fast, pick-fast
+            shape = envoy_config.EXT_AUTHZ if over_http else envoy_config.EXT_PROC
             assert shape in names and not (set(envoy_config.ROUTER_FILTERS) - {shape}) & set(names)
             assert "prefix_router" in clusters
+            assert (envoy_config.LOG_CLUSTER in clusters) == (spec.base == "pick-fast.yaml")
             assert all(r["hash_policy"] == [{"header": {"header_name": "x-prefix-key"}}] for r in routes)
             meta = envoy_config.stream_metadata(cfg)
             assert meta == {"x-prefix-router-prefix-length": "2048", "x-prefix-router-normalize": spec.normalize,
