@@ -231,10 +231,9 @@ def localize(
     backends: Sequence[tuple[str, int]],
     extproc_port: int | None = None,
     health_interval: float | None = None,
-    log_port: int | None = None,
 ) -> Config:
-    """A copy of ``cfg`` with every address and port pointing at this machine's test setup
-    (``log_port``: the router's gRPC port, for pick-fast.yaml's access log)."""
+    """A copy of ``cfg`` with every address and port pointing at this machine's test setup (pick-fast.yaml's
+    log cluster, the router's gRPC port, is left for the caller: ``set_endpoints(cfg, LOG_CLUSTER, ...)``)."""
     cfg = copy.deepcopy(cfg)
     cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
     listener = cfg["static_resources"]["listeners"][0]
@@ -243,10 +242,7 @@ def localize(
         if c["name"] == ROUTER_CLUSTER:
             if extproc_port is not None:  # the gRPC port, or the HTTP one for a config that calls it over HTTP
                 set_endpoints(cfg, ROUTER_CLUSTER, [("127.0.0.1", extproc_port)])
-        elif c["name"] == LOG_CLUSTER:
-            if log_port is not None:
-                set_endpoints(cfg, LOG_CLUSTER, [("127.0.0.1", log_port)])
-        else:
+        elif c["name"] != LOG_CLUSTER:
             set_endpoints(cfg, c["name"], backends, hash_key_prefix="vllm")
     if health_interval is not None:
         set_health_interval(cfg, health_interval)
