@@ -8,7 +8,7 @@ import subprocess
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from routerlab.harness.procs import python_module, wait_until
 
 from backends import BackendFleet
 from conftest import EnvoyFactory
-from support import send, start_router
+from support import metric, send, start_router, start_router_http
 
 SYSTEM = "You are the on-call assistant of the ACME platform team; answer with runbook steps. " * 200  # 17 KB
 
@@ -53,10 +53,23 @@ def write_endpoints(path: Path, fleet: BackendFleet, indexes: list[int]) -> None
 
 
 class PickRouter:
-    def __init__(self, path: Path, *flags: str) -> None:
+    """A pick-mode router on an endpoints file; ``over_http``: it also answers checks over HTTP
+    (pick-fast.yaml, the requests' ends from Envoy's access log on its gRPC port)."""
+
+    def __init__(self, path: Path, *flags: str, over_http: bool = False) -> None:
         self.path = path
-        self.proc, self.grpc_port, self.metrics_port = start_router(
-            "--mode", "pick", "--endpoints-file", str(path), "--scrape-interval", "0.2", *flags)
+        args = ("--mode", "pick", "--endpoints-file", str(path), "--scrape-interval", "0.2", *flags)
+        self.http_port = 0
+        if over_http:
+            self.proc, self.grpc_port, self.metrics_port, self.http_port = start_router_http(*args)
+        else:
+            self.proc, self.grpc_port, self.metrics_port = start_router(*args)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(self.metrics_port, name, **labels)
+
+    def own_in_flight(self) -> int:
+        return sum(r["own_in_flight"] for r in state(self.metrics_port)["replicas"])
 
     def wait_endpoints(self, count: int) -> None:
         wait_until(lambda: len(state(self.metrics_port)["replicas"]) == count, 10, f"{count} endpoints")
@@ -64,8 +77,7 @@ class PickRouter:
     def wait_idle(self) -> None:
         """Until Envoy has closed every stream of this router's requests (their responses ended)."""
         try:
-            wait_until(lambda: not any(r["own_in_flight"] for r in state(self.metrics_port)["replicas"]), 10,
-                       "no request of ours in flight")
+            wait_until(lambda: self.own_in_flight() == 0, 10, "no request of ours in flight")
         except TimeoutError as exc:
             seen = [{k: v for k, v in r.items() if k != "chunks"} for r in state(self.metrics_port)["replicas"]]
             raise TimeoutError(f"{exc}; the router sees {seen}") from None
@@ -95,21 +107,30 @@ def test_pick_yaml_validates() -> None:
     assert ok, out
 
 
-def test_overflow_exactly_at_the_threshold_and_back_home(
-        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
-    _, port = pick_envoy(make_envoy, backends, pick_router, **{"x-prefix-router-concurrency-threshold": "2"})
+def overflow_at_the_threshold_and_back_home(port: int, backends: BackendFleet, router: PickRouter,
+                                            while_held: Callable[[], None] = lambda: None) -> None:
+    """Behind a route with concurrency threshold 2: a prompt's home takes two held requests, a third
+    spills, and once their responses end (and the router has heard so) the prompt goes home again."""
     home = served_by(port, chat("where do I start?"))
     assert served_by(port, chat("where do I start?")) == home  # cached there, nothing in flight
+    router.wait_idle()  # the ends of those two have reached the router
     backends.close_gate()
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(2) as pool:
         held = [pool.submit(served_by, port, chat("where do I start?", hold=True)) for _ in range(2)]
         wait_until(lambda: backends.backends[home].held == 2, 10, "two requests held at home")
+        while_held()
         spilled = served_by(port, chat("where do I start?"))  # home is at the threshold (2 in flight)
         assert spilled != home
         backends.open_gate()
         assert [f.result(10) for f in held] == [home, home]  # below the threshold it stayed home
-    pick_router.wait_idle()  # Envoy closed the streams when the responses ended
+    router.wait_idle()  # the router heard every response end
     assert served_by(port, chat("where do I start?")) == home
+
+
+def test_overflow_exactly_at_the_threshold_and_back_home(
+        backends: BackendFleet, make_envoy: EnvoyFactory, pick_router: PickRouter) -> None:
+    _, port = pick_envoy(make_envoy, backends, pick_router, **{"x-prefix-router-concurrency-threshold": "2"})
+    overflow_at_the_threshold_and_back_home(port, backends, pick_router)
 
 
 def test_a_replica_failing_health_checks_gets_nothing_until_it_recovers(

@@ -18,8 +18,7 @@ from routerlab.harness.procs import wait_until
 
 from backends import BackendFleet
 from conftest import EnvoyFactory
-from support import metric, start_router_http
-from test_pick_envoy import chat, served_by, state, write_endpoints
+from test_pick_envoy import PickRouter, chat, overflow_at_the_threshold_and_back_home, served_by, write_endpoints
 
 # --- the held picks, alone ------------------------------------------------------------------------
 
@@ -61,31 +60,17 @@ def test_a_held_pick_ends_once_by_its_log_entry_or_its_timeout_or_the_last_strea
 
 # --- end to end -----------------------------------------------------------------------------------
 
-class FastRouter:
-    """A pick-mode router answering checks over HTTP, its access-log service on the gRPC port."""
-
-    def __init__(self, path: Path, *flags: str) -> None:
-        self.proc, self.grpc_port, self.metrics_port, self.http_port = start_router_http(
-            "--mode", "pick", "--endpoints-file", str(path), "--scrape-interval", "0.2", *flags)
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric(self.metrics_port, name, **labels)
-
-    def own_in_flight(self) -> int:
-        return sum(r["own_in_flight"] for r in state(self.metrics_port)["replicas"])
-
-
 @pytest.fixture()
-def fast_router(backends: BackendFleet, tmp_path: Path) -> Iterator[FastRouter]:
+def fast_router(backends: BackendFleet, tmp_path: Path) -> Iterator[PickRouter]:
     path = tmp_path / "endpoints"
     write_endpoints(path, backends, [0, 1, 2, 3])
-    router = FastRouter(path)
-    wait_until(lambda: len(state(router.metrics_port)["replicas"]) == 4, 10, "4 endpoints")
+    router = PickRouter(path, over_http=True)
+    router.wait_endpoints(4)
     yield router
     router.proc.stop()
 
 
-def fast_envoy(make_envoy: EnvoyFactory, backends: BackendFleet, router: FastRouter, log: bool = True,
+def fast_envoy(make_envoy: EnvoyFactory, backends: BackendFleet, router: PickRouter, log: bool = True,
                **settings: str) -> tuple[object, int]:
     def edit(cfg: envoy_config.Config) -> None:
         envoy_config.set_stream_metadata(cfg, {**envoy_config.stream_metadata(cfg), **settings})
@@ -96,38 +81,29 @@ def fast_envoy(make_envoy: EnvoyFactory, backends: BackendFleet, router: FastRou
     return make_envoy(backends, "pick-fast.yaml", http_port=router.http_port, edit=edit)
 
 
-def connect_log(port: int, router: FastRouter) -> None:
+def connect_log(port: int, router: PickRouter) -> None:
     """Envoy opens its access-log stream with the first entry: one request, then the stream."""
     served_by(port, chat("hello"))
     wait_until(lambda: router.metric("prefix_router_access_log_streams") == 1, 10, "Envoy's access-log stream")
 
 
 def test_requests_count_in_flight_until_the_access_log_reports_their_end(
-        backends: BackendFleet, make_envoy: EnvoyFactory, fast_router: FastRouter) -> None:
+        backends: BackendFleet, make_envoy: EnvoyFactory, fast_router: PickRouter) -> None:
     """The concurrency threshold spills only while the held requests are in flight: so the router
     counted them from the check until their log entries, and picked each time."""
     _, port = fast_envoy(make_envoy, backends, fast_router, **{"x-prefix-router-concurrency-threshold": "2"})
     connect_log(port, fast_router)
-    home = served_by(port, chat("where do I start?"))
-    assert served_by(port, chat("where do I start?")) == home  # cached there, nothing in flight
-    backends.close_gate()
-    with ThreadPoolExecutor(2) as pool:
-        held = [pool.submit(served_by, port, chat("where do I start?", hold=True)) for _ in range(2)]
-        wait_until(lambda: backends.backends[home].held == 2, 10, "two requests held at home")
+
+    def two_held() -> None:
         assert fast_router.metric("prefix_router_picks_held") == 2
-        spilled = served_by(port, chat("where do I start?"))  # home is at the threshold (2 in flight)
-        assert spilled != home
-        backends.open_gate()
-        assert [f.result(10) for f in held] == [home, home]
-    wait_until(lambda: fast_router.own_in_flight() == 0, 10, "the log to end every request")
-    assert served_by(port, chat("where do I start?")) == home
+    overflow_at_the_threshold_and_back_home(port, backends, fast_router, while_held=two_held)
     assert fast_router.metric("prefix_router_pick_ends_total", how="logged") >= 5
     assert fast_router.metric("prefix_router_pick_ends_total", how="expired") == 0
     assert fast_router.metric("prefix_router_pick_decisions_total") >= 5
 
 
 def test_without_the_access_log_requests_are_keyed_not_picked(
-        backends: BackendFleet, make_envoy: EnvoyFactory, fast_router: FastRouter) -> None:
+        backends: BackendFleet, make_envoy: EnvoyFactory, fast_router: PickRouter) -> None:
     _, port = fast_envoy(make_envoy, backends, fast_router, log=False)
     served = {served_by(port, chat("same prompt")) for _ in range(6)}
     assert len(served) == 1  # the key still keeps the prefix on one replica (Envoy's Maglev)
@@ -137,7 +113,7 @@ def test_without_the_access_log_requests_are_keyed_not_picked(
 
 
 def test_picks_still_held_when_the_log_stream_closes_are_released(
-        backends: BackendFleet, make_envoy: EnvoyFactory, fast_router: FastRouter) -> None:
+        backends: BackendFleet, make_envoy: EnvoyFactory, fast_router: PickRouter) -> None:
     envoy, port = fast_envoy(make_envoy, backends, fast_router)
     connect_log(port, fast_router)
     backends.close_gate()

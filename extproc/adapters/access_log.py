@@ -20,8 +20,6 @@ from extproc.pick.request_ends import RequestEnds
 
 log = logging.getLogger("extproc.adapters.access_log")
 
-SERVICE = "envoy.service.accesslog.v3.AccessLogService"
-
 
 class AccessLogEnds(pb_grpc.AccessLogServiceServicer):  # type: ignore[misc]  # xds-protos ship no types
     """StreamAccessLogs: every HTTP entry's request id ends its held pick, if any."""

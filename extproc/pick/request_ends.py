@@ -9,7 +9,8 @@ id releases it (extproc.adapters.access_log).
 Nothing may stay counted for ever: while no log stream is connected nothing could release a pick,
 so the HTTP adapter does not pick (``live``); when the last stream closes, every pick still held is
 released, as its end will never be reported; and a pick whose end never comes (Envoy drops entries
-its stream cannot take) is released ``timeout`` seconds after it was made.
+its stream cannot take) is released by the first pick made ``timeout`` seconds or more after it (the
+count matters only to picks, so no timer runs).
 """
 
 from __future__ import annotations

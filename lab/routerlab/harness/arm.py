@@ -183,10 +183,11 @@ class RunningArm:
 
     def _start_envoy(self) -> None:
         routers = self.arm.routers if self.arm.prefix else 0  # stock arms start no router
-        over_http = envoy_config.router_over_http(envoy_config.load(self.arm.base))  # envoy-fast.yaml
+        base = envoy_config.load(self.arm.base)
+        over_http = envoy_config.router_over_http(base)  # envoy-fast.yaml, pick-fast.yaml
         if over_http and self.model_pools:
             raise RuntimeError(f"{self.arm.name}: a fleet of several models runs multi-model.yaml's ext_proc shape")
-        logs_ends = envoy_config.logs_ends(envoy_config.load(self.arm.base))  # pick-fast.yaml
+        logs_ends = envoy_config.logs_ends(base)  # pick-fast.yaml
         if logs_ends and self.arm.routers > 1:
             raise RuntimeError(f"{self.arm.name}: pick-fast.yaml's access log reaches one router copy")
         # every port in one call, so none of them is handed out twice
