@@ -288,3 +288,48 @@ TOKENIZE_AHEAD_SECONDS = Histogram(
     buckets=(5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5),
     registry=REGISTRY,
 )
+
+# --- flow control (extproc.pick.flow) -----------------------------------------------------------
+FLOW_HELD = Gauge(
+    "prefix_router_flow_held",
+    "Requests held by flow control now (their pool saturated), per model pool, tenant (the first 100 seen; then "
+    "\"other\") and priority class",
+    ["pool", "tenant", "priority"],
+    registry=REGISTRY,
+)
+FLOW_WAIT = Histogram(
+    "prefix_router_flow_wait_seconds",
+    "How long each held request was held (let out or shed), per tenant (as flow_held) and priority class",
+    ["tenant", "priority"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    registry=REGISTRY,
+)
+FLOW_LET_OUT = Counter(
+    "prefix_router_flow_let_out_total",
+    "Requests flow control let on to a replica: at_once (their pool had room) or held (after waiting)",
+    ["how"],
+    registry=REGISTRY,
+)
+FLOW_SHED = Counter(
+    "prefix_router_flow_shed_total",
+    "Requests answered 429 by flow control, per tenant (the first 100 seen; then \"other\"), priority class "
+    "and reason: waited (held past flow_max_wait) or queue_full (flow_max_queue held, and it was of the worst class)",
+    ["tenant", "priority", "reason"],
+    registry=REGISTRY,
+)
+for _how in ("at_once", "held"):
+    FLOW_LET_OUT.labels(_how)
+_TENANT_LABELS: set[str] = set()
+MAX_TENANT_LABELS = 100
+NO_TENANT = "-"  # a request without a tenant id
+
+
+def tenant_label(tenant: str) -> str:
+    """The tenant as a label value: the first ``MAX_TENANT_LABELS`` tenants by name, the rest ``other``
+    (tenant ids come from clients: the series must stay bounded)."""
+    if tenant in _TENANT_LABELS:
+        return tenant
+    if len(_TENANT_LABELS) < MAX_TENANT_LABELS:
+        _TENANT_LABELS.add(tenant)
+        return tenant
+    return "other"

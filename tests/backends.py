@@ -154,6 +154,16 @@ class BackendFleet:
                 b.gate = gate
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
 
+    def release_held(self) -> None:
+        """Let the requests held so far go on; later `"hold": true` requests wait for the next release."""
+        async def release() -> None:
+            old, gate = self.backends[0].gate, asyncio.Event()
+            for b in self.backends:
+                b.gate = gate
+            if old is not None:
+                old.set()
+        asyncio.run_coroutine_threadsafe(release(), self.loop).result(5)
+
     def open_gate(self) -> None:
         async def release() -> None:
             for b in self.backends:

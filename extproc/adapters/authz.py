@@ -26,10 +26,11 @@ DECLARED_LENGTH_HEADER: Final = "x-prefix-declared-length"
 # unless its access log streams to the router (pick-fast.yaml, over HTTP), and ext_authz cannot
 # rewrite a body: a setting that asks for either is logged, counted and ignored.
 _NO_BODY_EDIT: Final = "the ext_authz shape cannot rewrite the body (use envoy.yaml)"
+_NO_HOLD: Final = "the ext_authz shape cannot hold a request past its fixed timeout (flow control needs pick.yaml)"
 LIMITS: Final = Limits(cannot_pick="the ext_authz shape picks only over HTTP with Envoy's access log streaming to "
                                    "the router (pick-fast.yaml), and no access-log stream is connected",
-                       cannot_edit_body=_NO_BODY_EDIT)
-LOGGED_LIMITS: Final = Limits(cannot_edit_body=_NO_BODY_EDIT)  # over HTTP, the access log connected
+                       cannot_edit_body=_NO_BODY_EDIT, cannot_hold=_NO_HOLD)
+LOGGED_LIMITS: Final = Limits(cannot_edit_body=_NO_BODY_EDIT, cannot_hold=_NO_HOLD)  # over HTTP, the log connected
 
 
 def is_whole(body_bytes: int, partial: bool, declared: str | bytes | None) -> bool:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Final
 
 import grpc
+import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -30,6 +32,7 @@ from extproc.adapters.service import RouterService
 from extproc.core.decide import CONTENT_ENCODING, Decision
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import Choice
+from extproc.pick.flow.gate import Ticket
 
 log = logging.getLogger("extproc.adapters.ext_proc")
 
@@ -37,6 +40,7 @@ _OVERWRITE: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _ATTR_HEADER_PREFIX: Final = "request.headers['"
 LB_NAMESPACE: Final = "envoy.lb"
 DESTINATION_ENDPOINT: Final = "x-gateway-destination-endpoint"  # Gateway API Inference Extension
+SHED_HEADER: Final = "x-prefix-router-shed"  # on a 429 of flow control's: why (waited, queue_full)
 __all__ = ["DESTINATION_ENDPOINT", "LB_NAMESPACE", "PrefixRouter", "read_attribute_headers", "read_headers"]
 
 
@@ -87,7 +91,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
             log.exception("reading stream metadata failed")
             metrics.ERRORS.labels("metadata").inc()
             settings = service.settings
-        wanted = (*settings.tenant_headers, CONTENT_ENCODING)
+        wanted = (*settings.tenant_headers, CONTENT_ENCODING, *((settings.priority_header,) if settings.flow_control
+                                                                and settings.priority_header else ()))
         headers: dict[str, str] = {}
         try:
             async for request in request_iterator:
@@ -108,7 +113,22 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
                         yield self.body_reply(body.body, headers, settings, complete=body.end_of_stream)
                         return
                     decision = service.decide(body.body, headers, settings, body.end_of_stream)
-                    reply, picked = self.pick_reply(decision, settings, await service.prepare(decision, settings))
+                    # Flow control: while the pool is saturated the request waits here (Envoy told to wait
+                    # longer for this answer), then is picked, or answered 429.
+                    ticket = service.hold(decision, settings, headers)
+                    try:
+                        if ticket is not None:
+                            if ticket.held:
+                                yield _wait_longer(settings.flow_max_wait)
+                                await service.wait(ticket)
+                            if ticket.shed:
+                                yield self.shed_reply(ticket)
+                                return
+                        reply, picked = self.pick_reply(decision, settings,
+                                                        await service.prepare(decision, settings))
+                    finally:
+                        if ticket is not None:
+                            service.done(ticket)
                     if picked is None:
                         yield reply
                         return
@@ -179,6 +199,21 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
         fields[LB_NAMESPACE].struct_value.fields[DESTINATION_ENDPOINT].string_value = choice.address
         return reply, choice
 
+    def shed_reply(self, ticket: Ticket) -> pb.ProcessingResponse:
+        """429 with ``retry-after``, answered by Envoy without an upstream (OpenAI's error shape)."""
+        reply = pb.ProcessingResponse()
+        answer = reply.immediate_response
+        answer.status.code = 429
+        retry_after = self.service.retry_after(ticket)
+        _set_header(answer.headers, "retry-after", str(retry_after).encode())
+        _set_header(answer.headers, "content-type", b"application/json")
+        _set_header(answer.headers, SHED_HEADER, ticket.state.encode())
+        answer.body = orjson.dumps({"error": {
+            "message": f"the model's replicas are saturated ({ticket.state}); retry after {retry_after} s",
+            "type": "overloaded", "code": 429}})
+        answer.details = "prefix_router_shed_" + ticket.state
+        return reply
+
     def decision_reply(self, decision: Decision, settings: RouteSettings) -> pb.ProcessingResponse:
         reply = pb.ProcessingResponse()
         response = reply.request_body.response
@@ -203,6 +238,16 @@ def _set_header(mutation: pb.HeaderMutation, name: str, value: bytes) -> None:
     option.header.key = name
     option.header.raw_value = value
     option.append_action = _OVERWRITE
+
+
+def _wait_longer(seconds: float) -> pb.ProcessingResponse:
+    """Ask Envoy to wait for the body's answer up to ``seconds`` and one more (within the filter's
+    ``max_message_timeout``; beyond it Envoy ignores this, and at ``message_timeout`` sends the
+    request on unpicked)."""
+    reply = pb.ProcessingResponse()
+    whole = math.ceil(seconds) + 1
+    reply.override_message_timeout.seconds = whole
+    return reply
 
 
 def _empty_body_reply() -> pb.ProcessingResponse:

@@ -35,6 +35,8 @@ from extproc.core.model import MODEL_ABSENT
 from extproc.core.settings import ENDPOINT_FLAGS, METADATA_PREFIX, RouteSettings, with_metadata
 from extproc.pick.choice.choose import Choice
 from extproc.pick.core import PickCore
+from extproc.pick.flow.gate import FlowGate, Ticket
+from extproc.pick.flow.request import priority_of, tenant_of, tokens_of
 
 log = logging.getLogger("extproc.adapters.service")
 
@@ -50,6 +52,7 @@ class Limits:
 
     cannot_pick: str | None = None  # pick mode needs the request's end (to count it in flight)
     cannot_edit_body: str | None = None  # tenant isolation rewrites the body
+    cannot_hold: str | None = None  # flow control holds a request and may answer it 429
 
 
 NO_LIMITS: Final = Limits()  # a transport that can do all the router does (ext_proc)
@@ -84,6 +87,7 @@ class RouterService:
         self.settings = settings
         self.picker = picker
         self.secret = secret
+        self.gate = FlowGate(picker.room) if picker is not None else None
         self._by_metadata: dict[tuple[Limits | tuple[str, str], ...], RouteSettings] = {}
 
     def settings_for(self, metadata: Metadata | None, limits: Limits = NO_LIMITS) -> RouteSettings:
@@ -117,6 +121,10 @@ class RouterService:
                 or f"the router has no endpoints ({ENDPOINT_FLAGS})")
                 + "; using hash mode")
             settings = dataclasses.replace(settings, mode="hash")
+        if settings.flow_control and (limits.cannot_hold or settings.mode != "pick"):
+            errors.append("x-prefix-router-flow-control on: " + (
+                limits.cannot_hold or "flow control holds requests in pick mode only") + "; flow control stays off")
+            settings = dataclasses.replace(settings, flow_control=False)
         if settings.tenant_isolation and (limits.cannot_edit_body or self.secret is None):
             errors.append("x-prefix-router-tenant-isolation on: " + (
                 limits.cannot_edit_body
@@ -205,7 +213,47 @@ class RouterService:
         return None if choice.address is None else choice
 
     def release(self, choice: Choice) -> None:
-        """The request ``pick`` chose ``choice`` for has ended (its response is over)."""
-        assert self.picker is not None  # pick named a replica, so there is a picker
+        """The request ``pick`` chose ``choice`` for has ended (its response is over): flow control may
+        let a held request out into the room it leaves."""
+        assert self.picker is not None and self.gate is not None  # pick named a replica, so there is a picker
         self.picker.release(choice)
+        if self.gate.queues:
+            self.gate.kick()
+
+    # --- flow control (extproc.pick.flow): hold while the pool is saturated, then pick --------------
+    def hold(self, decision: Decision | None, settings: RouteSettings, headers: Mapping[str, str]) -> Ticket | None:
+        """The request's ticket through flow control (held while its pool is saturated, or let out at
+        once), or None: no flow control for it (off, not picked, or the gate failed: logged and counted).
+        The caller ends every ticket with ``done``. Never raises."""
+        if not settings.flow_control or decision is None or self.picker is None or self.gate is None:
+            return None
+        try:
+            pool = self.picker.pool_of(decision)
+            if pool is None:
+                return None
+            return self.gate.enter(pool, tenant_of(decision), priority_of(settings, headers), tokens_of(decision),
+                                   settings)
+        except Exception:
+            log.exception("flow control failed; the request goes on at once")
+            metrics.ERRORS.labels("flow").inc()
+            return None
+
+    async def wait(self, ticket: Ticket) -> str:
+        """Until a held ``ticket`` is let out or shed: its state (extproc.pick.flow.gate)."""
+        assert self.gate is not None  # hold made the ticket
+        return await self.gate.wait(ticket)
+
+    def retry_after(self, ticket: Ticket) -> int:
+        """Seconds a shed request's client should wait before it retries."""
+        assert self.gate is not None  # hold made the ticket
+        return self.gate.retry_after(ticket)
+
+    def done(self, ticket: Ticket) -> None:
+        """The request through ``ticket`` is picked, or gone. Never raises."""
+        assert self.gate is not None  # hold made the ticket
+        try:
+            self.gate.done(ticket)
+        except Exception:
+            log.exception("ending a flow-control ticket failed")
+            metrics.ERRORS.labels("flow").inc()
 

@@ -67,6 +67,16 @@ class RouteSettings:
     # the body's model, copied into this header for Envoy's route table (the Gateway API Inference
     # Extension's name); "": no header
     model_header: str = "x-gateway-model-name"
+    # Flow control (pick mode over ext_proc, extproc.pick.flow): while every replica of the request's
+    # pool is saturated, hold requests in the router, release them fairly, shed them with 429 past a bound
+    flow_control: bool = False
+    flow_queue_tokens: int = 8192  # a replica is saturated with more prefill queued than this (prefill tokens) ...
+    flow_in_flight: int = 0  # ... or this many requests in flight (0: max_num_seqs)
+    flow_max_wait: float = 10.0  # seconds a request may be held; then 429 (keep under Envoy's max_message_timeout)
+    flow_max_queue: int = 1024  # requests held per pool at most; beyond it the lowest priority is shed
+    priority: int = 0  # the route's priority class: lower is served first (vLLM's convention)
+    priority_header: str = ""  # a header the mesh sets that overrides ``priority`` per request; "": none trusted
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # flow control's share per tenant (default weight 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +272,19 @@ def _pools(raw: str) -> tuple[PoolSpec, ...]:
     return tuple(pools.values())
 
 
+def _tenant_weights(raw: str) -> tuple[tuple[str, float], ...]:
+    """``TENANT=WEIGHT`` pairs separated by commas, each weight in 0.01..100; empty: every tenant 1."""
+    pairs: dict[str, float] = {}
+    for part in raw.split(","):
+        if not part.strip():
+            continue
+        tenant, sep, weight = part.strip().rpartition("=")
+        if not sep or not tenant.strip() or tenant.strip() in pairs:
+            raise ValueError
+        pairs[tenant.strip()] = _number_in(float, 0.01, 100.0)(weight)
+    return tuple(pairs.items())
+
+
 def _nonempty(raw: str) -> str:
     if not raw.strip():
         raise ValueError
@@ -339,6 +362,15 @@ SPECS: Final[dict[str, _Spec]] = {
     "tenant_isolation": _Spec(_switch, "on or off"),
     "cache_view": _Spec(_choice(*CACHE_VIEWS), "one of " + ", ".join(CACHE_VIEWS)),
     "model_header": _Spec(_optional(_header_name), "a lower-case HTTP header name, or empty for none"),
+    "flow_control": _Spec(_switch, "on or off"),
+    "flow_queue_tokens": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (prefill tokens)"),
+    "flow_in_flight": _Spec(_number_in(int, 0, 1_000_000),
+                            "an integer in 1..1000000 (requests in flight per replica), or 0 for max_num_seqs"),
+    "flow_max_wait": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),
+    "flow_max_queue": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (requests held per pool)"),
+    "priority": _Spec(_number_in(int, -1000, 1000), "an integer in -1000..1000 (lower is served first)"),
+    "priority_header": _Spec(_optional(_header_name), "a lower-case HTTP header name, or empty for none"),
+    "tenant_weights": _Spec(_tenant_weights, "TENANT=WEIGHT pairs separated by commas, weights in 0.01..100"),
     "kv_events": _Spec(_switch, "on or off"),
     "tokenizer": _Spec(_optional(_tokenizer_dirs), "a model directory (tokenizer.json, tokenizer_config.json), "
                        "or NAME=DIR,... per served model name"),

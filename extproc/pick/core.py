@@ -23,6 +23,7 @@ from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefi
 from extproc.pick.choice.load import LoadTracker
 from extproc.pick.choice.pools import EVERY_MODEL, NO_MODEL, UNKNOWN_MODEL, Pools, Served
 from extproc.pick.choice.state import ReplicaState, Sample, Snapshot
+from extproc.pick.flow import saturation
 from extproc.pick.views.base import NOTHING, CacheView, Match, Placed
 from extproc.pick.views.learned import BYTES_PER_TOKEN, LearnedView
 
@@ -185,6 +186,14 @@ class PickCore:
             kept = self._pool_snapshots[pool] = (snapshot, Snapshot(tuple(
                 r for r in snapshot.replicas if r.address in members)))
         return kept[1]
+
+    def pool_of(self, decision: Decision) -> str | None:
+        """The pool the request is picked in (None: it is not picked: no model, or one no pool serves)."""
+        return self.pools.resolve(decision.model)[0]
+
+    def room(self, pool: str, settings: RouteSettings) -> int:
+        """Requests ``pool`` can start soon (extproc.pick.flow.saturation): flow control holds the rest."""
+        return saturation.room(self._snapshot(pool), settings)
 
     def ahead_work(self, decision: Decision, settings: RouteSettings) -> object | None:
         """Before ``pick``, on the event loop: what must happen off it first (``run_ahead``), or None.

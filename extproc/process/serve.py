@@ -180,6 +180,8 @@ async def serve(server_cfg: ServerSettings, route_cfg: RouteSettings, stop: asyn
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     serving["ok"] = False
     await server.stop(grace=server_cfg.drain_seconds)
+    if service.gate is not None:
+        await service.gate.close()
     if http_authz is not None:
         await http_authz.stop()
     if picker is not None:
@@ -204,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if route_cfg.mode == "pick" and not has_endpoints(server_cfg):
         print(f"prefix-router serve: --mode pick needs the replicas: set {ENDPOINT_FLAGS}", file=sys.stderr)
+        return 2
+    if route_cfg.flow_control and not has_endpoints(server_cfg):
+        print(f"prefix-router serve: --flow-control on needs pick mode's replicas: set {ENDPOINT_FLAGS}",
+              file=sys.stderr)
         return 2
     logging.basicConfig(
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,0 +1,195 @@
+"""Flow control's gate: holds requests while their pool is saturated and lets them out fairly.
+
+Each pool has a ``FairQueue``. A request enters; if nothing of its pool is held and the pool has
+room (``room``: extproc.pick.flow.saturation, minus the requests let out and not yet picked), it
+goes at once; else it is held until the gate lets it out (``kick``: a request ended, or the ticker
+every ``tick`` seconds while anything is held, as queued prefill drains), until it has waited its
+bound, or until a full queue sheds it. The adapter picks a replica for a request let out and then
+says so (``done``), which turns the room it reserved into the pick's own load.
+
+Asyncio state around the pure parts (the queue, the room), kept out of the pick core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+from extproc import metrics
+from extproc.core.settings import RouteSettings
+from extproc.pick.flow.fair_queue import FairQueue, Held
+
+HELD: Final = "held"
+LET_OUT: Final = "let_out"
+GONE: Final = "gone"  # its client left while held
+# why a request is shed (answered 429)
+WAITED: Final = "waited"  # held past flow_max_wait
+QUEUE_FULL: Final = "queue_full"  # flow_max_queue held; it was of the worst class
+SHED_REASONS: Final = (WAITED, QUEUE_FULL)
+_RATE_WINDOW: Final = 256  # the last let-outs that say how fast the queue drains (retry-after)
+
+
+class Ticket:
+    """One request through the gate."""
+
+    __slots__ = ("pool", "tenant", "priority", "settings", "state", "future", "entered", "reserved", "entry",
+                 "labels")
+
+    def __init__(self, pool: str, tenant: str, priority: int, settings: RouteSettings, entered: float) -> None:
+        self.pool = pool
+        self.tenant = tenant
+        self.priority = priority
+        self.settings = settings
+        self.state = HELD
+        self.future: asyncio.Future[None] | None = None
+        self.entered = entered
+        self.reserved = False  # let out and counted in its pool's room until done()
+        self.entry: Held[Ticket] | None = None  # its place in the queue, while held
+        self.labels = (metrics.tenant_label(tenant), str(priority))  # its metrics' tenant and priority
+
+    @property
+    def held(self) -> bool:
+        return self.state == HELD
+
+    @property
+    def shed(self) -> bool:
+        return self.state in SHED_REASONS
+
+
+class FlowGate:
+    """``room(pool, settings)``: requests the pool can start soon; ``tick``: how often held requests
+    are reconsidered besides each request's end."""
+
+    def __init__(self, room: Callable[[str, RouteSettings], int], *, tick: float = 0.01,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.room = room
+        self.tick = tick
+        self.clock = clock
+        self.queues: dict[str, FairQueue[Ticket]] = {}
+        self._reserved: dict[str, int] = {}
+        self._let_out: deque[float] = deque(maxlen=_RATE_WINDOW)
+        self._ticker: asyncio.Task[None] | None = None
+
+    def _queue(self, pool: str, settings: RouteSettings) -> FairQueue[Ticket]:
+        queue = self.queues.get(pool)
+        if queue is None:
+            queue = self.queues[pool] = FairQueue(settings.flow_max_queue, dict(settings.tenant_weights))
+        else:
+            queue.limit = settings.flow_max_queue
+            if settings.tenant_weights and len(queue.weights) != len(settings.tenant_weights):
+                queue.weights = dict(settings.tenant_weights)
+        return queue
+
+    def enter(self, pool: str, tenant: str, priority: int, tokens: float, settings: RouteSettings) -> Ticket:
+        """A request of ``tenant`` (charged ``tokens`` when let out) wants a replica of ``pool``."""
+        ticket = Ticket(pool, tenant, priority, settings, self.clock())
+        queue = self._queue(pool, settings)
+        if not queue and self.room(pool, settings) > self._reserved.get(pool, 0):
+            queue.charge(tenant, tokens)
+            self._reserve(ticket)
+            metrics.FLOW_LET_OUT.labels("at_once").inc()
+            return ticket
+        held = Held(tenant, priority, tokens, ticket)
+        shed = queue.push(held)
+        if shed is held:
+            self._shed(ticket, QUEUE_FULL)
+            return ticket
+        if shed is not None:  # already out of the queue
+            self._forget(shed.value)
+            self._shed(shed.value, QUEUE_FULL)
+            shed.value.future.set_result(None)  # type: ignore[union-attr]  # a held ticket has one
+        ticket.future = asyncio.get_running_loop().create_future()
+        ticket.entry = held
+        metrics.FLOW_HELD.labels(pool, *ticket.labels).inc()
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> str:
+        """Until ``ticket`` is let out or shed (at its bound: ``flow_max_wait``); its state then."""
+        if ticket.held and ticket.future is not None:
+            bound = max(0.0, ticket.entered + ticket.settings.flow_max_wait - self.clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(ticket.future), bound)
+            if ticket.held:
+                self._unhold(ticket)
+                self._shed(ticket, WAITED)
+        return ticket.state
+
+    def done(self, ticket: Ticket) -> None:
+        """The adapter is through with ``ticket``: picked (its room now counted as the pick's load) or
+        gone (its client left while it was held)."""
+        if ticket.reserved:
+            ticket.reserved = False
+            self._reserved[ticket.pool] -= 1
+        elif ticket.held:
+            self._unhold(ticket)
+            ticket.state = GONE
+
+    def retry_after(self, ticket: Ticket) -> int:
+        """Seconds a shed client should wait: the held requests ahead at the recent rate out, 1..60."""
+        queue = self.queues.get(ticket.pool)
+        held = len(queue) if queue is not None else 0
+        now = self.clock()
+        recent = [t for t in self._let_out if now - t <= 10.0]
+        rate = len(recent) / max(now - recent[0], 0.1) if len(recent) >= 2 else 0.0
+        return 60 if rate <= 0 else min(60, max(1, math.ceil(held / rate)))
+
+    def kick(self) -> None:
+        """Let out what each pool has room for (a request ended, queued prefill drained)."""
+        for pool, queue in self.queues.items():
+            while queue:
+                head = queue.peek()
+                assert head is not None  # the queue is not empty
+                if self.room(pool, head.value.settings) <= self._reserved.get(pool, 0):
+                    break
+                queue.pop()
+                ticket = head.value
+                self._forget(ticket)
+                self._reserve(ticket)
+                self._let_out.append(self.clock())
+                metrics.FLOW_LET_OUT.labels("held").inc()
+                metrics.FLOW_WAIT.labels(*ticket.labels).observe(self.clock() - ticket.entered)
+                assert ticket.future is not None  # held tickets have one
+                ticket.future.set_result(None)
+
+    def held(self) -> int:
+        return sum(map(len, self.queues.values()))
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    async def _tick(self) -> None:
+        while any(self.queues.values()):
+            await asyncio.sleep(self.tick)
+            self.kick()
+
+    def _reserve(self, ticket: Ticket) -> None:
+        ticket.state = LET_OUT
+        ticket.reserved = True
+        self._reserved[ticket.pool] = self._reserved.get(ticket.pool, 0) + 1
+
+    def _unhold(self, ticket: Ticket) -> None:
+        """Take a held ticket out of its queue, unserved."""
+        assert ticket.entry is not None  # held
+        self.queues[ticket.pool].remove(ticket.entry)
+        self._forget(ticket)
+
+    def _forget(self, ticket: Ticket) -> None:
+        """``ticket`` is no longer in its queue."""
+        ticket.entry = None
+        metrics.FLOW_HELD.labels(ticket.pool, *ticket.labels).dec()
+
+    def _shed(self, ticket: Ticket, reason: str) -> None:
+        if ticket.future is not None:  # it was held
+            metrics.FLOW_WAIT.labels(*ticket.labels).observe(self.clock() - ticket.entered)
+        ticket.state = reason
+        metrics.FLOW_SHED.labels(*ticket.labels, reason).inc()

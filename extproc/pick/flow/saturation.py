@@ -1,0 +1,34 @@
+"""How many more requests a pool can start soon (pure: a load snapshot and the settings in).
+
+A replica can start a request soon while it has a sequence slot free and little prefill queued:
+vLLM admits a request into its running batch only under ``max_num_seqs``, and its FCFS chunked
+prefill makes a new request wait for every prefill queued before it. So a replica is saturated
+when its requests in flight reach ``flow_in_flight`` (default ``max_num_seqs``), or the prefill
+queued on it (in prefill tokens at the configured rate, as the choice's cost counts it) is over
+``flow_queue_tokens``. The pool is saturated when every healthy replica is; its room is the slots
+left on the replicas that are not. A pool with no healthy replica known has unbounded room: Envoy's
+load balancer decides, as without flow control.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from extproc.core.settings import RouteSettings
+from extproc.pick.choice.state import Snapshot
+
+UNBOUNDED: Final = 1 << 30
+
+
+def room(snapshot: Snapshot, settings: RouteSettings) -> int:
+    """Requests the pool in ``snapshot`` can start soon, summed over its replicas."""
+    limit = settings.flow_in_flight or settings.max_num_seqs or UNBOUNDED
+    queue = settings.flow_queue_tokens
+    total, healthy = 0, False
+    for r in snapshot.replicas:
+        if not r.healthy:
+            continue
+        healthy = True
+        if r.in_flight < limit and r.token_cost * r.backlog_tokens <= queue:
+            total += limit - r.in_flight
+    return total if healthy else UNBOUNDED
