@@ -69,10 +69,12 @@ class FairQueue(Generic[T]):
         if self._waiting.get(tenant):
             return
         floor = min((self.counters[t] for t, n in self._waiting.items() if n), default=self._last_served)
-        if self.counters.get(tenant, floor) < floor or tenant not in self.counters:
+        if tenant not in self.counters:
+            if len(self.counters) >= _PRUNE_AT:
+                self._prune()  # before this tenant has a counter: never its own
             self.counters[tenant] = floor
-            if len(self.counters) > _PRUNE_AT:
-                self._prune()
+        elif self.counters[tenant] < floor:
+            self.counters[tenant] = floor
 
     def charge(self, tenant: str, tokens: float) -> None:
         """``tenant`` is served ``tokens`` (a request let out, or one never held)."""
@@ -138,7 +140,8 @@ class FairQueue(Generic[T]):
         return True
 
     def _prune(self) -> None:
-        """Forget the counters of tenants not waiting, the smallest first (a returning one is lifted)."""
+        """Forget the counters of tenants not waiting, the smallest first (a returning one is lifted);
+        tenants waiting keep theirs, however many they are."""
         idle = sorted((c, t) for t, c in self.counters.items() if t not in self._waiting)
         for _, tenant in idle[: len(self.counters) - _PRUNE_AT // 2]:
             del self.counters[tenant]

@@ -72,17 +72,18 @@ class FlowGate:
         self.clock = clock
         self.queues: dict[str, FairQueue[Ticket]] = {}
         self._reserved: dict[str, int] = {}
+        self._weights: dict[str, tuple[tuple[str, float], ...]] = {}
         self._let_out: deque[float] = deque(maxlen=_RATE_WINDOW)
         self._ticker: asyncio.Task[None] | None = None
 
     def _queue(self, pool: str, settings: RouteSettings) -> FairQueue[Ticket]:
         queue = self.queues.get(pool)
         if queue is None:
-            queue = self.queues[pool] = FairQueue(settings.flow_max_queue, dict(settings.tenant_weights))
-        else:
-            queue.limit = settings.flow_max_queue
-            if settings.tenant_weights and len(queue.weights) != len(settings.tenant_weights):
-                queue.weights = dict(settings.tenant_weights)
+            queue = self.queues[pool] = FairQueue(settings.flow_max_queue)
+        queue.limit = settings.flow_max_queue
+        if self._weights.get(pool) != settings.tenant_weights:  # the last request's route's weights
+            self._weights[pool] = settings.tenant_weights
+            queue.weights = dict(settings.tenant_weights)
         return queue
 
     def enter(self, pool: str, tenant: str, priority: int, tokens: float, settings: RouteSettings) -> Ticket:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Final
 
@@ -15,6 +16,7 @@ from extproc.pick.views.learned import BYTES_PER_TOKEN
 INPUT_WEIGHT: Final = 1.0
 OUTPUT_WEIGHT: Final = 2.0
 _OUTPUT_FIELDS: Final = ("max_completion_tokens", "max_tokens")
+_PRIORITY: Final = re.compile(r"-?[0-9]{1,6}")  # ASCII digits only (str.isdigit takes superscripts)
 
 
 def tenant_of(decision: Decision) -> str:
@@ -26,7 +28,7 @@ def priority_of(settings: RouteSettings, headers: Mapping[str, str]) -> int:
     integer in -1000..1000; anything else in it is ignored (the route's class stands)."""
     if settings.priority_header:
         raw = headers.get(settings.priority_header, "").strip()
-        if raw.lstrip("-").isdigit() and len(raw) <= 5 and -1000 <= int(raw) <= 1000:
+        if _PRIORITY.fullmatch(raw) and -1000 <= int(raw) <= 1000:
             return int(raw)
     return settings.priority
 

@@ -1,0 +1,672 @@
+"""extproc.pick.flow's parts alone: the fair queue (priority classes, the per-tenant virtual token
+counter, shedding), the pool's room, what a request says of itself, and the asyncio gate driven by
+a fake room, a fake clock and kick() (no ticker: its tick is an hour)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc import metrics
+from extproc.core.decide import Decision, decide
+from extproc.core.settings import RouteSettings
+from extproc.pick.choice.state import ReplicaState, Snapshot
+from extproc.pick.flow import fair_queue
+from extproc.pick.flow.fair_queue import FairQueue, Held
+from extproc.pick.flow.gate import GONE, HELD, LET_OUT, QUEUE_FULL, WAITED, FlowGate, Ticket
+from extproc.pick.flow.request import OUTPUT_WEIGHT, priority_of, tenant_of, tokens_of
+from extproc.pick.flow.saturation import UNBOUNDED, room
+
+# --- FairQueue ----------------------------------------------------------------------------------
+
+
+def held(tenant: str, priority: int = 0, tokens: float = 10.0, value: str = "") -> Held[str]:
+    return Held(tenant, priority, tokens, value or tenant)
+
+
+def drain(queue: FairQueue[str]) -> list[str]:
+    out = []
+    while (h := queue.pop()) is not None:
+        out.append(h.value)
+    return out
+
+
+def test_a_better_class_always_goes_first_lower_number_first() -> None:
+    q: FairQueue[str] = FairQueue(100)
+    for value, priority in [("p2", 2), ("p0", 0), ("pm5", -5), ("p1", 1), ("p0b", 0)]:
+        assert q.push(held("t", priority, value=value)) is None
+    assert q.lengths() == {2: 1, 0: 2, -5: 1, 1: 1}
+    assert drain(q) == ["pm5", "p0", "p0b", "p1", "p2"]
+    assert len(q) == 0 and q.lengths() == {} and q.pop() is None and q.peek() is None
+
+
+def test_within_a_class_the_tenant_with_the_smallest_counter_goes_first() -> None:
+    q: FairQueue[str] = FairQueue(100)
+    q.push(held("a", value="a1"))
+    q.push(held("b", value="b1"))
+    q.charge("a", 50)  # a is waiting: no lift, its counter just grows
+    assert q.counters["a"] == 50 and q.counters["b"] == 0
+    assert q.peek() is not None and q.peek().value == "b1"  # type: ignore[union-attr]
+    assert q.pop().value == "b1"  # type: ignore[union-attr]
+    # b was served its last request: lifted to the waiting a's 50, then charged 10
+    assert q.counters["b"] == 60
+    assert q.pop().value == "a1"  # type: ignore[union-attr]
+
+
+def test_fifo_within_a_tenant_and_a_better_class_beats_a_lower_counter() -> None:
+    q: FairQueue[str] = FairQueue(100)
+    for i in range(4):
+        q.push(held("a", value=f"a{i}", tokens=0))
+    q.push(held("rich", priority=-1, value="rich"))
+    q.charge("rich", 10_000)  # far more served than a, but of a better class
+    assert drain(q) == ["rich", "a0", "a1", "a2", "a3"]
+
+
+def test_a_tenant_of_weight_two_is_let_out_twice_as_often() -> None:
+    q: FairQueue[str] = FairQueue(1000, {"a": 2.0})
+    for i in range(60):  # both stay backlogged through the 30 pops
+        q.push(held("a", value=f"a{i}"))
+        q.push(held("b", value=f"b{i}"))
+    out = [q.pop().tenant for _ in range(30)]  # type: ignore[union-attr]
+    assert out.count("a") == 20 and out.count("b") == 10
+    for start in range(0, 30, 3):  # and interleaved so, not in bursts: every 3 pops, a twice and b once
+        assert sorted(out[start:start + 3]) == ["a", "a", "b"]
+    assert q.counters["a"] == q.counters["b"] == 100  # 20 x 10 / 2 and 10 x 10 / 1
+
+
+def test_a_tenant_idle_for_long_gets_no_burst_of_credit() -> None:
+    q: FairQueue[str] = FairQueue(100)
+    q.charge("idle", 10)  # served once, long ago
+    for _ in range(100):
+        q.charge("busy", 10)  # then busy used the fleet alone
+    busy = q.counters["busy"]
+    assert q.counters["idle"] < busy
+    for i in range(5):
+        q.push(held("busy", value=f"busy{i}"))
+    for i in range(5):
+        q.push(held("idle", value=f"idle{i}"))
+    assert q.counters["idle"] == busy  # lifted to the smallest counter waiting, not left 990 behind
+    out = [h.tenant for h in iter(q.pop, None)]
+    assert out == ["busy", "idle"] * 5  # alternates rather than idle going first five times
+
+
+def test_a_newly_backlogged_tenant_with_none_waiting_starts_at_the_counter_served_last() -> None:
+    q: FairQueue[str] = FairQueue(100)
+    q.charge("a", 30)
+    q.charge("b", 5)  # b is lifted to a's 30 first: 35
+    assert q.counters == {"a": 30, "b": 35}
+    q.push(held("new"))
+    assert q.counters["new"] == 35
+    q.pop()
+    q.push(held("a"))  # a (30) is lifted to the counter served last: new's 45
+    assert q.counters["a"] == 45
+    other: FairQueue[str] = FairQueue(100)
+    other.push(held("w"))  # waiting at 0: the floor
+    other.charge("hi", 500)  # lifted to 0, then 500
+    other.push(held("hi"))
+    assert other.counters == {"w": 0, "hi": 500}  # a counter above the floor is never lowered
+    assert drain(other) == ["w", "hi"]
+
+
+def test_a_full_queue_sheds_the_newest_of_the_worst_class_of_its_most_served_tenant() -> None:
+    q: FairQueue[str] = FairQueue(4)
+    q.push(held("a", priority=0, value="a-best"))
+    q.push(held("b", priority=2, value="b1"))
+    q.push(held("c", priority=2, value="c1"))
+    q.charge("b", 100)  # b, waiting, has been served the most
+    q.push(held("c", priority=2, value="c2"))  # the newest held overall, but of c
+    assert len(q) == 4
+    shed = q.push(held("x", priority=1, value="x1"))
+    assert shed is not None and shed.value == "b1"  # b's newest, not c2
+    assert len(q) == 4 and q.lengths() == {0: 1, 2: 2, 1: 1}
+    shed = q.push(held("y", priority=1, value="y1"))
+    assert shed is not None and shed.value == "c2"  # class 2 is still the worst; c its only tenant
+    assert sorted(h.value for h in q) == ["a-best", "c1", "x1", "y1"]
+
+
+def test_a_full_queue_sheds_the_newcomer_when_nothing_held_is_of_a_worse_class() -> None:
+    q: FairQueue[str] = FairQueue(2)
+    q.push(held("a", priority=0, value="a1"))
+    q.push(held("b", priority=1, value="b1"))
+    for priority in (1, 2):
+        newcomer = held("c", priority=priority, value=f"c{priority}")
+        assert q.push(newcomer) is newcomer
+    assert len(q) == 2 and sorted(h.value for h in q) == ["a1", "b1"]
+    assert "c" not in q.counters  # the newcomer never entered: not lifted, not counted
+    empty: FairQueue[str] = FairQueue(0)
+    newcomer = held("a")
+    assert empty.push(newcomer) is newcomer and len(empty) == 0
+
+
+def test_remove_takes_out_exactly_the_request_given() -> None:
+    q: FairQueue[str] = FairQueue(10)
+    a1, a2, b1 = held("a", value="a1"), held("a", value="a2"), held("b", priority=3, value="b1")
+    for h in (a1, a2, b1):
+        q.push(h)
+    assert q.remove(a1) is True
+    assert q.remove(a1) is False  # not twice
+    assert q.remove(held("a", value="stranger")) is False  # equal fields are not the same request
+    assert q.remove(held("zzz", priority=9)) is False
+    assert len(q) == 2 and q.lengths() == {0: 1, 3: 1}
+    assert q.remove(b1) is True
+    assert q.lengths() == {0: 1} and [h.value for h in q] == ["a2"]
+    assert drain(q) == ["a2"] and len(q) == 0
+
+
+def test_len_iter_and_lengths_agree() -> None:
+    q: FairQueue[str] = FairQueue(50)
+    for i in range(12):
+        q.push(held(f"t{i % 3}", priority=i % 4, value=str(i)))
+    assert len(q) == 12 == len(list(q)) == sum(q.lengths().values())
+    assert q.lengths() == {0: 3, 1: 3, 2: 3, 3: 3}
+    q.pop()
+    assert len(q) == 11 == len(list(q)) == sum(q.lengths().values())
+    assert q.lengths() == {0: 2, 1: 3, 2: 3, 3: 3}
+
+
+def test_charging_a_new_tenant_past_the_prune_threshold_does_not_raise() -> None:
+    q: FairQueue[str] = FairQueue(10)
+    q.push(held("waiting"))  # the floor stays at its counter, 0
+    for i in range(fair_queue._PRUNE_AT):  # each new tenant: lifted to 0, then charged 1
+        q.charge(f"t{i}", 1)  # the last one: lifted to 0, pruned as the smallest idle counter, KeyError
+    assert q.counters[f"t{fair_queue._PRUNE_AT - 1}"] == 1
+
+
+# --- FairQueue: properties over random operations ----------------------------------------------
+
+TENANTS = ("a", "b", "c")
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.sampled_from(TENANTS), st.integers(-1, 1), st.integers(0, 100)),
+        st.tuples(st.just("push"), st.sampled_from(TENANTS), st.just(0), st.integers(0, 100)),
+        st.tuples(st.just("pop")),
+        st.tuples(st.just("remove"), st.integers(0, 1000)),
+        st.tuples(st.just("charge"), st.sampled_from(TENANTS), st.integers(0, 100)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=operations, limit=st.one_of(st.integers(0, 3), st.integers(4, 12)), weighted=st.booleans())
+def test_the_queue_loses_nothing_and_respects_classes_and_its_limit(
+        ops: list[tuple[Any, ...]], limit: int, weighted: bool) -> None:
+    q: FairQueue[int] = FairQueue(limit, {"a": 2.0, "b": 0.5} if weighted else None)
+    inside: dict[int, Held[int]] = {}  # what the queue should hold, by id
+    out: list[int] = []  # every request that left: popped, removed or shed
+    pushed = 0
+
+    def let_out(h: Held[int]) -> None:
+        # pop: never of a worse class than one held, the smallest counter of its class, the tenant's oldest
+        best = min(x.priority for x in inside.values())
+        assert h.priority == best
+        same = [x for x in inside.values() if x.priority == best]
+        assert q.counters.get(h.tenant, 0.0) == min(q.counters.get(x.tenant, 0.0) for x in same)
+        assert h.value == min(x.value for x in same if x.tenant == h.tenant)
+
+    for op in ops:
+        if op[0] == "push":
+            h = Held(op[1], op[2], float(op[3]), pushed)
+            pushed += 1
+            full = len(inside) >= limit
+            worst = max((x.priority for x in inside.values()), default=None)
+            expected: set[int] | None = None  # the newest of the worst class's most served tenant (or tenants, tied)
+            if full and worst is not None and worst > h.priority:
+                band = [x for x in inside.values() if x.priority == worst]
+                top = max(q.counters.get(x.tenant, 0.0) for x in band)
+                most = {x.tenant for x in band if q.counters.get(x.tenant, 0.0) == top}
+                expected = {max(x.value for x in band if x.tenant == t) for t in most}
+            shed = q.push(h)
+            inside[h.value] = h
+            if not full:
+                assert shed is None
+            elif expected is None:
+                assert shed is h  # nothing held of a worse class: the newcomer
+            else:
+                assert shed is not None and shed.value in expected and shed.priority > h.priority
+            if shed is not None:
+                out.append(inside.pop(shed.value).value)
+        elif op[0] == "pop":
+            peeked = q.peek()
+            if not inside:
+                assert peeked is None and q.pop() is None
+                continue
+            assert peeked is not None
+            let_out(peeked)
+            popped = q.pop()
+            assert popped is peeked
+            out.append(inside.pop(popped.value).value)
+        elif op[0] == "remove":
+            if inside:
+                victim = sorted(inside)[op[1] % len(inside)]
+                assert q.remove(inside[victim]) is True
+                assert q.remove(inside[victim]) is False
+                out.append(inside.pop(victim).value)
+        else:
+            q.charge(op[1], float(op[2]))
+        assert len(q) == len(inside) == len(list(q)) == sum(q.lengths().values())
+        assert {h.value for h in q} == set(inside)
+        assert len(q) <= limit
+    while inside:
+        head = q.peek()
+        assert head is not None
+        let_out(head)
+        assert q.pop() is head
+        out.append(inside.pop(head.value).value)
+    assert q.pop() is None and len(q) == 0
+    assert sorted(out) == list(range(pushed))  # every one came out, exactly once
+
+
+# --- saturation.room ----------------------------------------------------------------------------
+
+
+def replica(n: int, **kw: Any) -> ReplicaState:
+    return ReplicaState(f"10.0.0.{n}:8000", **kw)
+
+
+def test_room_sums_the_free_slots_of_the_healthy_unsaturated_replicas() -> None:
+    s = RouteSettings(flow_in_flight=8, flow_queue_tokens=1000)
+    snap = Snapshot((
+        replica(1, in_flight=3),  # 5 free
+        replica(2, in_flight=8),  # full
+        replica(3, in_flight=20),  # over full: no negative room
+        replica(4, in_flight=0, backlog_tokens=1000),  # at the bound: still room, 8
+        replica(5, in_flight=0, backlog_tokens=600, token_cost=2.0),  # 1200 configured-rate tokens queued: none
+        replica(6, in_flight=0, healthy=False),  # ignored
+    ))
+    assert room(snap, s) == 5 + 8
+
+
+def test_room_is_unbounded_without_a_healthy_replica() -> None:
+    s = RouteSettings(flow_in_flight=4)
+    assert room(Snapshot(), s) == UNBOUNDED
+    assert room(Snapshot((replica(1, healthy=False, in_flight=4),)), s) == UNBOUNDED
+    # a healthy replica, saturated: 0, not unbounded
+    assert room(Snapshot((replica(1, healthy=False), replica(2, in_flight=4))), s) == 0
+
+
+def test_room_falls_back_to_max_num_seqs_when_flow_in_flight_is_zero() -> None:
+    snap = Snapshot((replica(1, in_flight=10), replica(2, in_flight=2)))
+    assert room(snap, RouteSettings(flow_in_flight=0, max_num_seqs=16)) == 6 + 14
+    assert room(snap, RouteSettings(flow_in_flight=12, max_num_seqs=16)) == 2 + 10
+    assert room(snap, RouteSettings(flow_in_flight=0, max_num_seqs=0)) == 2 * UNBOUNDED - 12
+
+
+def test_a_replica_with_too_much_prefill_queued_gives_no_room() -> None:
+    s = RouteSettings(flow_in_flight=4, flow_queue_tokens=100)
+    assert room(Snapshot((replica(1, backlog_tokens=101),)), s) == 0
+    assert room(Snapshot((replica(1, backlog_tokens=51, token_cost=2.0),)), s) == 0
+    assert room(Snapshot((replica(1, backlog_tokens=200, token_cost=0.5),)), s) == 4  # a fast replica
+    assert room(Snapshot((replica(1, backlog_tokens=101), replica(2, in_flight=1))), s) == 3
+
+
+# --- request.py ---------------------------------------------------------------------------------
+
+
+def decision(document: dict[str, Any] | None = None, normalized_bytes: int = 400,
+             tenant: str | None = None) -> Decision:
+    return Decision(key=None, tenant=tenant, tenant_source=None, normalize="raw", fallback=None, prefix_bytes=0,
+                    normalized_bytes=normalized_bytes, preview=b"", document=document)
+
+
+def test_tenant_of_names_no_tenant_as_the_dash() -> None:
+    assert tenant_of(decision(tenant="acme")) == "acme"
+    assert tenant_of(decision(tenant=None)) == metrics.NO_TENANT == "-"
+    assert tenant_of(decision(tenant="")) == "-"
+
+
+def test_priority_is_the_routes_without_a_trusted_header() -> None:
+    s = RouteSettings(priority=3)
+    assert priority_of(s, {}) == 3
+    assert priority_of(s, {"x-priority": "-5"}) == 3  # no header trusted: none read
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    ("5", 5), ("-7", -7), (" 12 ", 12), ("0", 0), ("-0", 0), ("1000", 1000), ("-1000", -1000), ("0042", 42),
+    ("1001", 3), ("-1001", 3), ("99999", 3), ("100000", 3), ("abc", 3), ("", 3), ("1.5", 3), ("+4", 3),
+    ("5x", 3), ("-", 3), ("1e3", 3), ("0x10", 3),
+])
+def test_a_trusted_header_sets_the_priority_when_it_is_an_integer_in_range(raw: str, expected: int) -> None:
+    s = RouteSettings(priority=3, priority_header="x-priority")
+    assert priority_of(s, {"x-priority": raw}) == expected
+    assert priority_of(s, {"x-other": "1"}) == 3  # the header absent
+
+
+@pytest.mark.parametrize("raw", ["--5", "²", "-²"])
+def test_a_malformed_priority_header_is_ignored_not_raised(raw: str) -> None:
+    s = RouteSettings(priority=3, priority_header="x-priority")
+    assert priority_of(s, {"x-priority": raw}) == 3
+
+
+def test_tokens_are_the_prompt_and_twice_the_output_asked_for() -> None:
+    prompt = 400 / 4.0  # BYTES_PER_TOKEN
+    assert OUTPUT_WEIGHT == 2.0
+    assert tokens_of(decision({"max_tokens": 50})) == prompt + 100
+    assert tokens_of(decision({"max_completion_tokens": 30, "max_tokens": 50})) == prompt + 60  # the newer field first
+    for bad in (0, -1, True, False, "30", 30.0, None, [30]):  # not a positive int: the next field, else nothing
+        assert tokens_of(decision({"max_completion_tokens": bad, "max_tokens": 50})) == prompt + 100
+        assert tokens_of(decision({"max_tokens": bad})) == prompt
+    assert tokens_of(decision({})) == prompt
+    assert tokens_of(decision(None)) == prompt  # no document (not JSON, or a partial body): the prompt only
+    assert tokens_of(decision({"max_tokens": 10**9})) == prompt + 2 * (1 << 20)  # capped
+    assert tokens_of(decision({"max_tokens": 1}, normalized_bytes=0)) == 2
+
+
+def test_tokens_of_a_real_decision_json_and_not() -> None:
+    s = RouteSettings()
+    d = decide(b'{"prompt": "hello world", "max_tokens": 7}', {}, s)
+    assert d.document is not None and d.normalized_bytes > 0
+    assert tokens_of(d) == d.normalized_bytes / 4.0 + 14
+    raw = decide(b"not json at all", {}, s)
+    assert raw.document is None and raw.normalized_bytes == 15
+    assert tokens_of(raw) == 15 / 4.0
+
+
+# --- FlowGate -----------------------------------------------------------------------------------
+
+
+class Room:
+    """A pool's room, set by the test: ``pools`` by name, else ``value``."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+        self.pools: dict[str, int] = {}
+        self.calls = 0
+
+    def __call__(self, pool: str, settings: RouteSettings) -> int:
+        self.calls += 1
+        return self.pools.get(pool, self.value)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+S = RouteSettings(flow_control=True, flow_max_wait=30.0)
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(test())
+
+
+def make_gate(value: int = 0) -> tuple[FlowGate, Room, Clock]:
+    r, c = Room(value), Clock()
+    return FlowGate(r, tick=3600.0, clock=c), r, c
+
+
+def shed_count(tenant: str, priority: int, reason: str) -> float:
+    return metrics.REGISTRY.get_sample_value(
+        "prefix_router_flow_shed_total",
+        {"tenant": metrics.tenant_label(tenant), "priority": str(priority), "reason": reason}) or 0.0
+
+
+def held_gauge(pool: str, ticket: Ticket) -> float:
+    return metrics.REGISTRY.get_sample_value(
+        "prefix_router_flow_held", {"pool": pool, "tenant": ticket.labels[0], "priority": ticket.labels[1]}) or 0.0
+
+
+def test_the_gate_lets_a_request_out_at_once_while_there_is_room_and_nothing_held() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(2)
+        first = gate.enter("pool", "a", 0, 10, S)
+        assert first.state == LET_OUT and first.reserved and first.future is None and not first.held
+        second = gate.enter("pool", "b", 0, 10, S)
+        assert second.state == LET_OUT
+        assert gate.queues["pool"].counters == {"a": 10, "b": 20}  # let out at once, still charged (b lifted)
+        third = gate.enter("pool", "a", 0, 10, S)  # room 2, 2 reserved: held
+        assert third.state == HELD and third.held and third.future is not None and not third.future.done()
+        assert gate.held() == 1
+        assert await gate.wait(first) == LET_OUT  # at once: nothing to wait for
+        await gate.close()
+
+    run(main)
+
+
+def test_room_is_reserved_until_done_and_done_twice_frees_it_once() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(1)
+        a = gate.enter("pool", "a", 0, 10, S)
+        assert a.state == LET_OUT
+        b = gate.enter("pool", "b", 0, 10, S)
+        assert b.state == HELD
+        gate.kick()
+        assert b.state == HELD  # a still holds the only room
+        gate.done(a)
+        assert not a.reserved and a.state == LET_OUT
+        gate.kick()
+        assert b.state == LET_OUT and b.future is not None and b.future.done()
+        assert await gate.wait(b) == LET_OUT
+        gate.done(a)  # again: nothing more freed
+        c = gate.enter("pool", "c", 0, 10, S)
+        assert c.state == HELD  # b holds the room (had a's second done freed it, c would go at once)
+        gate.done(b)
+        gate.kick()
+        assert c.state == LET_OUT
+        await gate.close()
+
+    run(main)
+
+
+def test_a_newcomer_waits_behind_the_held_even_with_room() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(0)
+        a = gate.enter("pool", "a", 0, 10, S)
+        r.value = 5
+        b = gate.enter("pool", "b", 0, 10, S)
+        assert a.state == b.state == HELD  # something of the pool is held: no jumping it
+        gate.kick()
+        assert a.state == b.state == LET_OUT
+        assert gate.held() == 0
+        await gate.close()
+
+    run(main)
+
+
+def test_kick_lets_out_what_there_is_room_for_in_fair_order() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(0)
+        tickets = {name: gate.enter("pool", name[0], -1 if name == "c1" else 0, 10, S)
+                   for name in ("a1", "a2", "a3", "b1", "b2", "c1")}
+        assert all(t.state == HELD for t in tickets.values())
+        order: list[str] = []
+        for n in range(1, 7):
+            gate.kick()
+            assert [k for k, t in tickets.items() if t.state == LET_OUT] == sorted(order)  # none without room
+            r.value = n  # room for one more (none is done)
+            gate.kick()
+            new = [k for k, t in tickets.items() if t.state == LET_OUT and k not in order]
+            assert len(new) == 1
+            order += new
+        # the better class first; then a and b alternate (a first: its request is older); a's in order
+        assert order == ["c1", "a1", "b1", "a2", "b2", "a3"]
+        assert gate.held() == 0 and len(gate.queues["pool"]) == 0
+        assert all(t.future is not None and t.future.done() for t in tickets.values())
+        assert [await gate.wait(t) for t in tickets.values()] == [LET_OUT] * 6
+        await gate.close()
+
+    run(main)
+
+
+def test_pools_are_held_and_let_out_apart() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(0)
+        r.pools = {"full": 0, "free": 3}
+        x = gate.enter("full", "a", 0, 10, S)
+        y = gate.enter("free", "a", 0, 10, S)
+        assert x.state == HELD and y.state == LET_OUT
+        gate.kick()
+        assert x.state == HELD
+        r.pools["full"] = 1
+        gate.kick()
+        assert x.state == LET_OUT
+        await gate.close()
+
+    run(main)
+
+
+def test_a_waiter_is_woken_by_kick() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(0)
+        t = gate.enter("pool", "a", 0, 10, S)
+        waiting = asyncio.get_running_loop().create_task(gate.wait(t))
+        await asyncio.sleep(0)  # let it start waiting (a yield, not a delay)
+        assert not waiting.done()
+        r.value = 1
+        gate.kick()
+        assert await waiting == LET_OUT
+        await gate.close()
+
+    run(main)
+
+
+def test_a_held_request_is_shed_at_its_wait_bound_and_counted() -> None:
+    async def main() -> None:
+        gate, r, clock = make_gate(0)
+        quick = RouteSettings(flow_control=True, flow_max_wait=0.05)
+        t = gate.enter("pool", "waiter", 0, 10, quick)
+        before, held_before = shed_count("waiter", 0, WAITED), held_gauge("pool", t)
+        started = time.monotonic()
+        assert await gate.wait(t) == WAITED  # the fake clock stands still: the bound is 0.05 s of real time
+        assert time.monotonic() - started >= 0.04
+        assert t.shed and not t.held and t.entry is None
+        assert shed_count("waiter", 0, WAITED) == before + 1
+        assert held_gauge("pool", t) == held_before - 1
+        assert gate.held() == 0
+        r.value = 1
+        gate.kick()
+        assert t.state == WAITED  # shed stays shed
+        gate.done(t)
+        assert t.state == WAITED
+        # past its bound already by the clock: shed without waiting for real time
+        late = gate.enter("pool", "waiter", 0, 10, RouteSettings(flow_control=True, flow_max_wait=5.0))
+        assert late.state == LET_OUT  # room 1 now
+        r.value = 0
+        gate.done(late)
+        t2 = gate.enter("pool", "waiter", 0, 10, RouteSettings(flow_control=True, flow_max_wait=5.0))
+        clock.now += 5.0
+        started = time.monotonic()
+        assert await gate.wait(t2) == WAITED
+        assert time.monotonic() - started < 1.0
+        assert shed_count("waiter", 0, WAITED) == before + 2
+        await gate.close()
+
+    run(main)
+
+
+def test_a_full_queue_sheds_the_newcomer_or_the_newest_of_a_worse_class() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(0)
+        three = RouteSettings(flow_control=True, flow_max_wait=30.0, flow_max_queue=3)
+        two = RouteSettings(flow_control=True, flow_max_wait=30.0, flow_max_queue=2)
+        a1 = gate.enter("pool", "a", 0, 10, three)
+        a2 = gate.enter("pool", "a", 0, 10, three)
+        b1 = gate.enter("pool", "b", 0, 10, three)
+        r.value = 1
+        gate.kick()
+        assert a1.state == LET_OUT and a2.state == b1.state == HELD  # a (10) now served more than b (0)
+        before_c, before_a = shed_count("c", 0, QUEUE_FULL), shed_count("a", 0, QUEUE_FULL)
+        c1 = gate.enter("pool", "c", 0, 10, two)  # 2 held, 2 at most, none of a worse class: the newcomer goes
+        assert c1.state == QUEUE_FULL and c1.future is None and c1.shed and c1.entry is None
+        assert await gate.wait(c1) == QUEUE_FULL
+        assert shed_count("c", 0, QUEUE_FULL) == before_c + 1
+        assert gate.held() == 2
+        d1 = gate.enter("pool", "d", -1, 10, two)  # a better class: a's newest goes (a served most), not b's
+        assert d1.state == HELD
+        assert a2.state == QUEUE_FULL and a2.entry is None
+        assert a2.future is not None and a2.future.done()
+        assert await gate.wait(a2) == QUEUE_FULL
+        assert shed_count("a", 0, QUEUE_FULL) == before_a + 1
+        assert b1.state == HELD and gate.held() == 2
+        gate.done(a1)
+        gate.kick()
+        assert d1.state == LET_OUT and b1.state == HELD
+        await gate.close()
+
+    run(main)
+
+
+def test_done_on_a_held_ticket_takes_it_out_as_gone() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(0)
+        a = gate.enter("pool", "gone-tenant", 0, 10, S)
+        b = gate.enter("pool", "other", 0, 10, S)
+        gauge = held_gauge("pool", a)
+        gate.done(a)
+        assert a.state == GONE and not a.held and not a.shed and a.entry is None
+        assert held_gauge("pool", a) == gauge - 1
+        assert gate.held() == 1 and [h.value for h in gate.queues["pool"]] == [b]
+        assert await gate.wait(a) == GONE
+        r.value = 5
+        gate.kick()
+        assert a.state == GONE and b.state == LET_OUT
+        gate.done(a)  # again: nothing
+        assert a.state == GONE
+        await gate.close()
+
+    run(main)
+
+
+def test_retry_after_is_the_held_ahead_at_the_recent_rate_out_within_1_to_60() -> None:
+    async def main() -> None:
+        gate, r, clock = make_gate(0)
+        t0 = clock.now
+        tickets = [gate.enter("pool", f"t{i % 3}", 0, 10, S) for i in range(30)]
+        assert gate.retry_after(tickets[0]) == 60  # nothing let out yet: no rate
+        for i in range(10):  # one let out every 0.1 s
+            clock.now = t0 + i * 0.1
+            r.value = i + 1
+            gate.kick()
+        clock.now = t0 + 1.0
+        assert gate.held() == 20
+        assert gate.retry_after(tickets[-1]) == 2  # 20 held at 10 let out per second over the last second
+        clock.now = t0 + 4.0  # the window still holds them all, the rate is lower: 10 in 4 s -> 8 s
+        assert gate.retry_after(tickets[-1]) == 8
+        clock.now = t0 + 11.0  # all older than 10 s: no rate
+        assert gate.retry_after(tickets[-1]) == 60
+        r.value = 100
+        clock.now = t0 + 12.0
+        gate.kick()  # all 20 at once: a high rate, nothing held
+        assert gate.held() == 0
+        assert gate.retry_after(tickets[-1]) == 1  # never 0
+        await gate.close()
+
+    run(main)
+
+
+def test_retry_after_is_capped_at_60() -> None:
+    async def main() -> None:
+        gate, r, clock = make_gate(0)
+        t0 = clock.now
+        tickets = [gate.enter("pool", "a", 0, 10, S) for _ in range(200)]
+        for i in range(2):
+            clock.now = t0 + i * 9.0
+            r.value = i + 1
+            gate.kick()
+        clock.now = t0 + 9.0  # 2 out in 9 s: 198 / 0.22 per s
+        assert gate.retry_after(tickets[-1]) == 60
+        await gate.close()
+
+    run(main)
+
+
+
+def test_a_pools_weights_follow_the_settings() -> None:
+    async def main() -> None:
+        gate, r, _ = make_gate(1)
+        gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 2.0),)))
+        assert gate.queues["pool"].weights == {"a": 2.0}
+        gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 4.0),)))
+        assert gate.queues["pool"].weights == {"a": 4.0}
+        await gate.close()
+
+    run(main)
