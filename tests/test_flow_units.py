@@ -270,17 +270,19 @@ def replica(n: int, **kw: Any) -> ReplicaState:
     return ReplicaState(f"10.0.0.{n}:8000", **kw)
 
 
-def test_room_sums_the_free_slots_of_the_healthy_unsaturated_replicas() -> None:
+def test_room_is_one_for_each_healthy_unsaturated_replica() -> None:
+    """One request a replica that can start one soon, whatever its free slots: what a request adds to
+    the queue is known only once it is picked."""
     s = RouteSettings(flow_in_flight=8, flow_queue_tokens=1000)
     snap = Snapshot((
-        replica(1, in_flight=3),  # 5 free
+        replica(1, in_flight=3),  # 5 slots free: room for one
         replica(2, in_flight=8),  # full
         replica(3, in_flight=20),  # over full: no negative room
-        replica(4, in_flight=0, backlog_tokens=1000),  # at the bound: still room, 8
+        replica(4, in_flight=0, backlog_tokens=1000),  # at the bound: still room
         replica(5, in_flight=0, backlog_tokens=600, token_cost=2.0),  # 1200 configured-rate tokens queued: none
         replica(6, in_flight=0, healthy=False),  # ignored
     ))
-    assert room(snap, s) == 5 + 8
+    assert room(snap, s) == 2
 
 
 def test_room_is_unbounded_without_a_healthy_replica() -> None:
@@ -293,17 +295,18 @@ def test_room_is_unbounded_without_a_healthy_replica() -> None:
 
 def test_room_falls_back_to_max_num_seqs_when_flow_in_flight_is_zero() -> None:
     snap = Snapshot((replica(1, in_flight=10), replica(2, in_flight=2)))
-    assert room(snap, RouteSettings(flow_in_flight=0, max_num_seqs=16)) == 6 + 14
-    assert room(snap, RouteSettings(flow_in_flight=12, max_num_seqs=16)) == 2 + 10
-    assert room(snap, RouteSettings(flow_in_flight=0, max_num_seqs=0)) == 2 * UNBOUNDED - 12
+    assert room(snap, RouteSettings(flow_in_flight=0, max_num_seqs=16)) == 2
+    assert room(snap, RouteSettings(flow_in_flight=0, max_num_seqs=10)) == 1  # the first one full
+    assert room(snap, RouteSettings(flow_in_flight=12, max_num_seqs=10)) == 2  # flow_in_flight wins
+    assert room(snap, RouteSettings(flow_in_flight=0, max_num_seqs=0)) == 2  # no slot limit known
 
 
 def test_a_replica_with_too_much_prefill_queued_gives_no_room() -> None:
     s = RouteSettings(flow_in_flight=4, flow_queue_tokens=100)
     assert room(Snapshot((replica(1, backlog_tokens=101),)), s) == 0
     assert room(Snapshot((replica(1, backlog_tokens=51, token_cost=2.0),)), s) == 0
-    assert room(Snapshot((replica(1, backlog_tokens=200, token_cost=0.5),)), s) == 4  # a fast replica
-    assert room(Snapshot((replica(1, backlog_tokens=101), replica(2, in_flight=1))), s) == 3
+    assert room(Snapshot((replica(1, backlog_tokens=200, token_cost=0.5),)), s) == 1  # a fast replica
+    assert room(Snapshot((replica(1, backlog_tokens=101), replica(2, in_flight=1))), s) == 1
 
 
 # --- request.py ---------------------------------------------------------------------------------

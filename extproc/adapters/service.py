@@ -218,7 +218,11 @@ class RouterService:
         assert self.picker is not None and self.gate is not None  # pick named a replica, so there is a picker
         self.picker.release(choice)
         if self.gate.queues:
-            self.gate.kick()
+            try:
+                self.gate.kick()
+            except Exception:  # the ticker lets them out in 10 ms anyway
+                log.exception("flow control failed to let held requests out")
+                metrics.ERRORS.labels("flow").inc()
 
     # --- flow control (extproc.pick.flow): hold while the pool is saturated, then pick --------------
     def hold(self, decision: Decision | None, settings: RouteSettings, headers: Mapping[str, str]) -> Ticket | None:

@@ -5,9 +5,11 @@ vLLM admits a request into its running batch only under ``max_num_seqs``, and it
 prefill makes a new request wait for every prefill queued before it. So a replica is saturated
 when its requests in flight reach ``flow_in_flight`` (default ``max_num_seqs``), or the prefill
 queued on it (in prefill tokens at the configured rate, as the choice's cost counts it) is over
-``flow_queue_tokens``. The pool is saturated when every healthy replica is; its room is the slots
-left on the replicas that are not. A pool with no healthy replica known has unbounded room: Envoy's
-load balancer decides, as without flow control.
+``flow_queue_tokens``. The pool is saturated when every healthy replica is; its room is one request
+for each replica that is not. One, not its free slots: the prefill a request brings is known only
+once it is picked, so the gate lets out one a replica and looks again after their picks (a request
+ends, or the queued prefill drains: within 10 ms). A pool with no healthy replica known has
+unbounded room: Envoy's load balancer decides, as without flow control.
 """
 
 from __future__ import annotations
@@ -21,14 +23,12 @@ UNBOUNDED: Final = 1 << 30
 
 
 def room(snapshot: Snapshot, settings: RouteSettings) -> int:
-    """Requests the pool in ``snapshot`` can start soon, summed over its replicas."""
+    """Requests the pool in ``snapshot`` may send now: its healthy replicas that are not saturated."""
     limit = settings.flow_in_flight or settings.max_num_seqs or UNBOUNDED
     queue = settings.flow_queue_tokens
     total, healthy = 0, False
     for r in snapshot.replicas:
-        if not r.healthy:
-            continue
-        healthy = True
-        if r.in_flight < limit and r.token_cost * r.backlog_tokens <= queue:
-            total += limit - r.in_flight
+        if r.healthy:
+            healthy = True
+            total += r.in_flight < limit and r.token_cost * r.backlog_tokens <= queue
     return total if healthy else UNBOUNDED
