@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 from extproc import metrics
 from extproc.core.decide import Decision, decide
 from extproc.core.settings import RouteSettings
+from extproc.pick.choice.choose import ALL_BUSY, CHEAPEST, THRESHOLD_SPILL, choose
+from extproc.pick.choice.saturation import UNBOUNDED, room
 from extproc.pick.choice.state import ReplicaState, Snapshot
 from extproc.pick.flow import fair_queue
 from extproc.pick.flow.fair_queue import FairQueue, Held
 from extproc.pick.flow.gate import GONE, HELD, LET_OUT, QUEUE_FULL, WAITED, FlowGate, Ticket
 from extproc.pick.flow.request import OUTPUT_WEIGHT, priority_of, tenant_of, tokens_of
-from extproc.pick.flow.saturation import UNBOUNDED, room
 
 # --- FairQueue ----------------------------------------------------------------------------------
 
@@ -307,6 +308,24 @@ def test_a_replica_with_too_much_prefill_queued_gives_no_room() -> None:
     assert room(Snapshot((replica(1, backlog_tokens=51, token_cost=2.0),)), s) == 0
     assert room(Snapshot((replica(1, backlog_tokens=200, token_cost=0.5),)), s) == 1  # a fast replica
     assert room(Snapshot((replica(1, backlog_tokens=101), replica(2, in_flight=1))), s) == 1
+
+
+def test_with_flow_control_the_choice_passes_over_a_saturated_replica() -> None:
+    """The replica holding the prompt has too much prefill queued: without flow control the cost may still
+    choose it (its cache saves more than the queue costs); with flow control the request goes where there
+    is room, and to the cheapest anyway when every replica is saturated."""
+    home = replica(1, backlog_tokens=3000)
+    other = replica(2)
+    cached = {home.address: 8000}
+    plain = RouteSettings(mode="pick", flow_queue_tokens=2000)
+    assert choose("k", 9000, cached, Snapshot((home, other)), plain).address == home.address
+    flow = RouteSettings(mode="pick", flow_queue_tokens=2000, flow_control=True)
+    spilled = choose("k", 9000, cached, Snapshot((home, other)), flow)
+    assert (spilled.address, spilled.reason) == (other.address, THRESHOLD_SPILL)
+    busy = replica(2, backlog_tokens=2500)
+    assert choose("k", 9000, cached, Snapshot((home, busy)), flow)[:2] == (home.address, ALL_BUSY)
+    assert choose("k", 9000, cached, Snapshot((home, other)), RouteSettings(
+        mode="pick", flow_queue_tokens=4000, flow_control=True))[:2] == (home.address, CHEAPEST)
 
 
 # --- request.py ---------------------------------------------------------------------------------

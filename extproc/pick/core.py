@@ -18,12 +18,12 @@ from typing import Any, Final, Protocol
 from extproc import metrics
 from extproc.core.decide import Decision
 from extproc.core.settings import RouteSettings
+from extproc.pick.choice import saturation
 from extproc.pick.choice.adapters import AdapterSlots
 from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefill_tokens
 from extproc.pick.choice.load import LoadTracker
 from extproc.pick.choice.pools import EVERY_MODEL, NO_MODEL, UNKNOWN_MODEL, Pools, Served
 from extproc.pick.choice.state import ReplicaState, Sample, Snapshot
-from extproc.pick.flow import saturation
 from extproc.pick.views.base import NOTHING, CacheView, Match, Placed
 from extproc.pick.views.learned import BYTES_PER_TOKEN, LearnedView
 
@@ -192,7 +192,7 @@ class PickCore:
         return self.pools.resolve(decision.model)[0]
 
     def room(self, pool: str, settings: RouteSettings) -> int:
-        """Requests ``pool`` can start soon (extproc.pick.flow.saturation): flow control holds the rest."""
+        """Requests ``pool`` can start soon (extproc.pick.choice.saturation): flow control holds the rest."""
         return saturation.room(self._snapshot(pool), settings)
 
     def ahead_work(self, decision: Decision, settings: RouteSettings) -> object | None:

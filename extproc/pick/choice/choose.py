@@ -29,7 +29,9 @@ Dynamo's KV router weighs prefill blocks against active blocks the same way; doc
 says how the weights were measured. ``concurrency_threshold`` is SageMaker's hard cap: a replica
 with that many in flight is not chosen while another is below it. Equal costs (a cold prompt on
 an idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
-replicas with the same view agree without talking to each other.
+replicas with the same view agree without talking to each other. With flow control on, a
+saturated replica (extproc.pick.choice.saturation) is passed over the same way: flow control let
+the request out into another replica's room.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from typing import Final, NamedTuple
 import xxhash
 
 from extproc.core.settings import RouteSettings
+from extproc.pick.choice.saturation import saturated
 from extproc.pick.choice.state import ReplicaState, Snapshot
 
 CHEAPEST: Final = "cheapest"  # a replica holding part of the prompt, or the cheapest despite it
 COLD: Final = "cold"  # no replica holds any of it: the least busy one
-THRESHOLD_SPILL: Final = "threshold_spill"  # the cheapest was at the concurrency threshold
+THRESHOLD_SPILL: Final = "threshold_spill"  # the cheapest was at the concurrency threshold (or saturated)
 ALL_BUSY: Final = "all_busy"  # every replica at the threshold: the cheapest anyway
 NO_REPLICA: Final = "no_replica"  # no healthy replica known: Envoy's own LB decides
 REASONS: Final = (CHEAPEST, COLD, THRESHOLD_SPILL, ALL_BUSY, NO_REPLICA)
@@ -56,7 +59,7 @@ class Candidate(NamedTuple):
     cached_tokens: int
     in_flight: int
     cost: int
-    capped: bool  # at or over the concurrency threshold
+    capped: bool  # at or over the concurrency threshold, or (flow control) saturated
     backlog_tokens: int = 0
     view: str = "learned"  # where cached_tokens came from: learned (own picks) or events (exact)
     adapter_tokens: int = 0  # of ``cost``, the LoRA adapter's slot (extproc.pick.choice.adapters)
@@ -144,7 +147,9 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     # comparison on ints, so the sort runs in C
     ranked = sorted(zip(costs, [-_score(seed, r.address) for r in healthy], range(len(healthy)), healthy))
     get, view = cached.get, (views or {}).get
-    candidates = tuple(_new(Candidate, (r.address, get(r.address, 0), r.in_flight, c, bool(cap) and r.in_flight >= cap,
+    flow = settings.flow_control
+    candidates = tuple(_new(Candidate, (r.address, get(r.address, 0), r.in_flight, c,
+                                        (bool(cap) and r.in_flight >= cap) or (flow and saturated(r, settings)),
                                         r.backlog_tokens, view(r.address, "learned"),
                                         extra(r.address, 0) if extra is not None else 0))
                        for c, _, _, r in ranked)

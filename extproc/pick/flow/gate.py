@@ -1,7 +1,7 @@
 """Flow control's gate: holds requests while their pool is saturated and lets them out fairly.
 
 Each pool has a ``FairQueue``. A request enters; if nothing of its pool is held and the pool has
-room (``room``: extproc.pick.flow.saturation, minus the requests let out and not yet picked), it
+room (``room``: extproc.pick.choice.saturation, minus the requests let out and not yet picked), it
 goes at once; else it is held until the gate lets it out (``kick``: a request ended, or the ticker
 every ``tick`` seconds while anything is held, as queued prefill drains), until it has waited its
 bound, or until a full queue sheds it. The adapter picks a replica for a request let out and then

@@ -9,7 +9,9 @@ queued on it (in prefill tokens at the configured rate, as the choice's cost cou
 for each replica that is not. One, not its free slots: the prefill a request brings is known only
 once it is picked, so the gate lets out one a replica and looks again after their picks (a request
 ends, or the queued prefill drains: within 10 ms). A pool with no healthy replica known has
-unbounded room: Envoy's load balancer decides, as without flow control.
+unbounded room: Envoy's load balancer decides, as without flow control. While flow control is on,
+the choice does not pick a saturated replica while another is not (extproc.pick.choice.choose): a
+request let out into one replica's room must not join another's queue.
 """
 
 from __future__ import annotations
@@ -17,18 +19,18 @@ from __future__ import annotations
 from typing import Final
 
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.state import Snapshot
+from extproc.pick.choice.state import ReplicaState, Snapshot
 
 UNBOUNDED: Final = 1 << 30
 
 
+def saturated(r: ReplicaState, settings: RouteSettings) -> bool:
+    """Whether ``r`` cannot start a request soon: its slots taken, or too much prefill queued."""
+    return (r.in_flight >= (settings.flow_in_flight or settings.max_num_seqs or UNBOUNDED)
+            or r.token_cost * r.backlog_tokens > settings.flow_queue_tokens)
+
+
 def room(snapshot: Snapshot, settings: RouteSettings) -> int:
     """Requests the pool in ``snapshot`` may send now: its healthy replicas that are not saturated."""
-    limit = settings.flow_in_flight or settings.max_num_seqs or UNBOUNDED
-    queue = settings.flow_queue_tokens
-    total, healthy = 0, False
-    for r in snapshot.replicas:
-        if r.healthy:
-            healthy = True
-            total += r.in_flight < limit and r.token_cost * r.backlog_tokens <= queue
-    return total if healthy else UNBOUNDED
+    healthy = [r for r in snapshot.replicas if r.healthy]
+    return sum(not saturated(r, settings) for r in healthy) if healthy else UNBOUNDED
