@@ -190,3 +190,21 @@ def test_multi_model_alone_keeps_one_models_requests_on_its_pool_at_its_share_of
     assert _load(scenario, alone, alone_cfg).rate == both["rate"] * both["small_share"]
     with pytest.raises(ValueError, match="only="):
         scenario.trace(scenario_params(scenario, BenchConfig(scenario="multi-model", params={"only": "gpt"})), 0, "")
+
+
+def test_noisy_tenant_quick_loses_nothing_and_reports_each_tenant_before_during_and_after(tmp_path: Path) -> None:
+    """Two replicas at full time, one tenant flooding: every request is served or answered 429 (flow control
+    only), each tenant's phases are reported apart, and the flow arm's router counts agree with the client's."""
+    report = run_bench(BenchConfig(scenario="noisy-tenant", quick=True, out=tmp_path, plots=False,
+                                   arms=["round-robin", "prefix-pick-flow"]))
+    expected = {f"tenant-{t}|{phase}" for t in range(4) for phase in ("before", "flood", "after")}
+    for name, arm in report.arms.items():
+        assert set(arm["errors"]) <= {"http 429"}, (name, arm["errors"])
+        assert arm["ok"] + arm["shed"] == arm["requests"], (name, arm)  # none lost
+        assert set(arm["classes"]) == expected
+        assert sum(c["requests"] for c in arm["classes"].values()) == arm["ok"]
+    assert report.arms["round-robin"]["shed"] == 0 and "flow" not in report.arms["round-robin"]
+    flow = report.arms["prefix-pick-flow"]["flow"]
+    assert flow["at_once"] + flow["held"] == report.arms["prefix-pick-flow"]["ok"]
+    assert flow["shed"] == report.arms["prefix-pick-flow"]["shed"]
+    assert report.load["mode"] == "scheduled"

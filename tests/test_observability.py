@@ -75,6 +75,7 @@ UNDERLYING: dict[str, list[str]] = {
     "PrefixRouterFailingOpen": ["envoy_http_conn_manager_prefix:envoy_ext_proc_failure_mode_allowed:ratio_rate5m == 0",
                                 "envoy_http_ext_proc_failure_mode_allowed"],
     "PrefixRouterErrors": ["prefix_router_errors_total"],
+    "PrefixRouterShedding": ["prefix_router_flow_let_out_total", "prefix_router_flow_shed_total"],
     "PrefixRouterScrapeErrors": ["prefix_router_scrape_errors_total", "prefix_router_replica_up == 1"],
     "PrefixRouterReplicaUnreachable": ["prefix_router_replica_up == 1"],
     "VLLMPrefixCacheHitRateDropped": ["pool:vllm_prefix_cache_hit_ratio:rate5m > 0",
@@ -230,8 +231,14 @@ class Live:
         return data["result"] if data["resultType"] == "vector" else [{"metric": {}, "value": data["result"]}]
 
     def known(self, name: str) -> bool:
-        """A series of this name, or the scrapes' metadata for it."""
-        return bool(self.api("series", **{"match[]": name})) or bool(self.api("metadata", metric=name))
+        """A series of this name, or the scrapes' metadata for it. Prometheus keeps metadata per metric
+        family, so a histogram's _bucket, _count or _sum is known by its family's (a labelled histogram
+        that has observed nothing yet, such as prefix_router_flow_wait_seconds, has only that)."""
+        if self.api("series", **{"match[]": name}) or self.api("metadata", metric=name):
+            return True
+        family, _, suffix = name.rpartition("_")
+        return suffix in ("bucket", "count", "sum") and any(
+            m["type"] == "histogram" for m in self.api("metadata", metric=family).get(family, []))
 
 
 SYSTEMS = [f"You are assistant {i} of the ACME platform team; answer with runbook steps, briefly. " * 4

@@ -75,6 +75,10 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
             settings=(("adapter_affinity", "off"),)),
     ArmSpec("prefix-precise-no-adapter", "prefix-precise without adapter affinity", "MAGLEV", prefix=True,
             bounded=True, base="pick.yaml", pick=True, precise=True, settings=(("adapter_affinity", "off"),)),
+    ArmSpec("prefix-pick-flow", "prefix-pick with flow control: while every replica is saturated the router holds "
+            "requests, lets them out by priority class (the x-priority header, trusted here) and by each tenant's "
+            "virtual token counter, and answers 429 past the bound", "MAGLEV", prefix=True, bounded=True,
+            base="pick.yaml", pick=True, settings=(("flow_control", "on"), ("priority_header", "x-priority"))),
     ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
             "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
     ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",

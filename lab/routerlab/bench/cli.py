@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from routerlab.bench import progress
+from routerlab.bench import loadgen, progress
 from routerlab.bench.arms import ARMS, DEFAULT_BALANCE_FACTOR
 from routerlab.bench.scenarios import SCENARIOS
 
@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--replicas", type=int, help="replicas in the fleet")
     scale.add_argument("--requests", type=int, help="requests in the trace")
     scale.add_argument("--time-scale", type=float, help="simulator speed-up (durations divided by this)")
-    scale.add_argument("--load", dest="load_mode", choices=("closed", "open"),
-                       help="closed loop (concurrency) or open loop (Poisson rate)")
+    scale.add_argument("--load", dest="load_mode", choices=loadgen.MODES,
+                       help="closed loop (concurrency), open loop (Poisson rate), or scheduled (the scenario's "
+                            "send times)")
     scale.add_argument("--concurrency", type=int, help="closed loop: sessions in flight")
     scale.add_argument("--rate", type=float, help="open loop: sessions started per second")
     scale.add_argument("--duration", type=float, dest="duration_s", help="hard time bound per arm, seconds")

@@ -1,4 +1,5 @@
-"""Async load generator: closed loop (fixed sessions in flight) or open loop (Poisson).
+"""Async load generator: closed loop (fixed sessions in flight), open loop (Poisson), or scheduled (each
+session at its own ``start_s``: rates that change over the run, per tenant).
 
 One aiohttp session with a connection pool sized to the load, so the client stays light.
 TTFT is the arrival of the first SSE chunk that carries content (not the role chunk).
@@ -28,6 +29,7 @@ from routerlab.bench.trace import Request, Session
 from routerlab.harness.arm import ROUTED_HEADER
 from routerlab.sim.api import ARRIVED_HEADER
 
+MODES = ("closed", "open", "scheduled")
 SATURATED_CPU = 0.85  # fraction of one core
 SATURATED_LAG_MS = 50.0
 
@@ -187,8 +189,8 @@ async def run_load(
     on_done: Callable[[Result], None] | None = None,
 ) -> LoadResult:
     """Send ``sessions`` to ``base_url``; bounded by their count and by ``duration_s``."""
-    if mode not in ("closed", "open"):
-        raise ValueError(f"mode must be closed or open, not {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     results: list[Result] = []
     lag: list[float] = []
     schedule_lag: list[float] = []
@@ -226,7 +228,7 @@ async def run_load(
             tasks = []
             due = t0
             for session in sessions:
-                due += rng.expovariate(rate)
+                due = t0 + session.start_s if mode == "scheduled" else due + rng.expovariate(rate)
                 if due >= deadline:
                     break
                 await asyncio.sleep(max(0.0, due - time.monotonic()))

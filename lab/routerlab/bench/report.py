@@ -85,6 +85,7 @@ def summarize(load: LoadResult, fleet: FleetDelta | None, *, oracle_hit_rate: fl
         # are not the routing's failures, and show in trace_completed and errors instead.
         "success_rate": round(len(ok) / len(results), 4) if results else 0.0,
         "trace_completed": round(len(ok) / total_requests, 4) if total_requests else 0.0,
+        "shed": sum(r.status == 429 for r in results),  # answered 429 (flow control): not lost, told to retry
         "errors": dict(Counter(r.error for r in results if not r.ok)) | (
             {"cancelled": load.cancelled} if load.cancelled else {}) | (
             {"unsent": load.unsent} if load.unsent else {}),

@@ -308,6 +308,8 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
         summary["pools"] = report_mod.by_pool(result.results, fleet, spec.members(), backend.urls, pool_oracle or {},
                                               scenario.classes)
         summary["misrouted"] = sum(p["misrouted"] for p in summary["pools"].values())
+    if predicted.get("flow_at_once", 0) + predicted.get("flow_held", 0):  # flow control's own counts
+        summary["flow"] = {k: round(predicted.get(f"flow_{k}", 0)) for k in ("at_once", "held", "shed")}
     if predicted and fleet is not None:  # with what each restarted router's old process predicted
         whole = _summed([predicted, *(s["restarted_predicted"] for s in snapshots)])
         summary["prediction"] = report_mod.prediction(whole, fleet)
@@ -356,6 +358,10 @@ def _predictions(port: int) -> dict[str, float]:
             key = f"requests_{s.labels['view']}"
         elif s.name == "prefix_router_in_flight_sharing_continued_total":
             key = "sharing_continued"
+        elif s.name == "prefix_router_flow_let_out_total":
+            key = f"flow_{s.labels['how']}"  # flow_at_once, flow_held
+        elif s.name == "prefix_router_flow_shed_total":
+            key = "flow_shed"
         elif s.name in ("prefix_router_in_flight_sharing_delay_seconds_sum",
                         "prefix_router_in_flight_sharing_delay_seconds_count"):
             key = "sharing_delay_" + s.name.rpartition("_")[2]  # sharing_delay_sum, sharing_delay_count

@@ -51,6 +51,7 @@ class Session:
     """Requests sent in order, each after the previous one finished."""
 
     requests: tuple[Request, ...]
+    start_s: float = 0.0  # a scheduled load's send time, seconds after the start (sessions in that order)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ fleet's), and the load it runs under. ``quick`` holds the small overrides the te
 the demo use. See docs/benchmark.md for the reasoning behind each default.
 
 The types are in ``spec``, what scenarios are built from in ``parts``, and the catalogue by
-family: ``shared_prompts``, ``conversations``, ``clients``, ``adapters``, ``models``.
+family: ``shared_prompts``, ``conversations``, ``clients``, ``adapters``, ``models``, ``overload``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from routerlab.bench.scenarios.adapters import MULTI_LORA
 from routerlab.bench.scenarios.clients import SERIALIZATION, TENANTS
 from routerlab.bench.scenarios.conversations import KV_PRESSURE, MULTI_TURN, RESTART, ROUTER_RESTART, ZIPF_CHAT
 from routerlab.bench.scenarios.models import MULTI_MODEL
+from routerlab.bench.scenarios.overload import NOISY_TENANT, PRIORITY
 from routerlab.bench.scenarios.parts import blocks
 from routerlab.bench.scenarios.shared_prompts import (
     FAULT_LOAD,
@@ -36,7 +37,7 @@ __all__ = ["SCENARIOS", "get", "FAULT_LOAD", "Scenario", "FleetSpec", "LoadSpec"
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     SAGEMAKER_8K, SHORT_CHAT, MULTI_TURN, GSP, SHARED_PREFIX, HOT_PREFIX, TENANTS, SERIALIZATION, NO_SHARING, ZIPF_CHAT,
     SCALE_OUT, KV_PRESSURE, RESTART, ROUTER_RESTART, MULTI_LORA,
-    MULTI_MODEL)}
+    MULTI_MODEL, NOISY_TENANT, PRIORITY)}
 
 
 def get(name: str) -> Scenario:
