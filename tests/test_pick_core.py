@@ -222,17 +222,32 @@ def test_queued_prefill_drains_at_the_prefill_rate_and_never_outlives_its_reques
     t.assign(A, 5000, now=0.0)
     assert t.snapshot(now=1.0).by_address()[A].backlog_tokens == 4000
     assert t.snapshot(now=9.0).by_address()[A].backlog_tokens == 0
-    t.release(A, 5000)
+    t.release(A, 5000, now=9.0)
     t.assign(A, 5000, now=10.0)
     t.assign(A, 100, now=10.0)
     assert t.snapshot(now=10.0).by_address()[A].backlog_tokens == 5100
-    t.release(A, 5000)  # the big one finished early: what is left is at most what is still in flight
+    t.release(A, 5000, now=10.0)  # the big one finished early: what is left is at most what is still in flight
     assert t.snapshot(now=10.0).by_address()[A].backlog_tokens == 100
     s = RouteSettings(mode="pick", load_tokens=0)
     busy = choose("ab", 2000, {A: 1500}, t.snapshot(now=10.0), s)
     assert busy.address == A  # 500 + 100 queued beats 2000 cold
     t.assign(A, 3000, now=10.0)
     assert choose("ab", 2000, {A: 1500}, t.snapshot(now=10.0), s).address == B  # 500 + 3100 does not
+
+
+def test_an_end_caps_the_queue_drained_until_then_not_the_figure_of_its_last_pick() -> None:
+    """Six picks of 6000 tokens at t=0 (36000 queued), drained 1000/s: at t=2, 34000 are left. Five
+    requests that had finished their prefill end then (decodes finish together): 6000 of prefill is still
+    in flight, so at most 6000 is left, and it drains from t=2, not from t=0 again."""
+    t = LoadTracker(prefill_tokens_per_s=1000)
+    t.set_addresses([A])
+    for _ in range(6):
+        t.assign(A, 6000, now=0.0)
+    assert t.snapshot(now=2.0).by_address()[A].backlog_tokens == 34000
+    for _ in range(5):
+        t.release(A, 6000, now=2.0)
+    assert t.snapshot(now=2.0).by_address()[A].backlog_tokens == 6000
+    assert t.snapshot(now=3.0).by_address()[A].backlog_tokens == 5000
 
 
 def test_speed_is_measured_from_the_counters_over_windows_and_survives_a_restart() -> None:

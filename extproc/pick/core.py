@@ -52,9 +52,10 @@ class Remote:
     their load and their blocks count as this router's own do. Built before the core, so the channel
     that feeds it can be handed to the core whole."""
 
-    def __init__(self, load: LoadTracker, view: CacheView) -> None:
+    def __init__(self, load: LoadTracker, view: CacheView, clock: Callable[[], float] = time.monotonic) -> None:
         self.load = load
         self.view = view
+        self.clock = clock
 
     def add_remote(self, address: str, prefill: int, run: Sequence[int], now: float) -> bool:
         """Another router replica sent a request to ``address``. Returns whether its load was counted
@@ -68,7 +69,7 @@ class Remote:
     def drop_remote(self, address: str, prefill: int, run: Sequence[int], counted: bool) -> None:
         """That request ended."""
         if counted:
-            self.load.release(address, prefill)
+            self.load.release(address, prefill, self.clock())
         self.view.drop_remote(address, run)
 
 
@@ -233,7 +234,7 @@ class PickCore:
     def release(self, choice: Choice) -> None:
         """The picked request ended (Envoy closed its stream)."""
         if choice.address is not None:
-            self.load.release(choice.address, _prefill(choice, _chosen(choice)))
+            self.load.release(choice.address, _prefill(choice, _chosen(choice)), self.clock())
             if self.share is not None:
                 self.share.released(id(choice))
             placed = self._placed.pop(id(choice), None)

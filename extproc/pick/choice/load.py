@@ -86,12 +86,19 @@ class LoadTracker:
                 r.own_prefill += prefill_tokens
             self._refresh(address)
 
-    def release(self, address: str, prefill_tokens: int = 0) -> None:
+    def release(self, address: str, prefill_tokens: int = 0, now: float = 0.0) -> None:
+        """One of this router's requests on ``address`` ended at ``now``: what is left queued is at most
+        what its requests still in flight brought. The cap applies to the backlog drained until now,
+        and the drain restarts from now: capping the stored figure and then draining it again from its
+        old time would count the same drain twice (a burst of ends emptied the estimate while the
+        replica still had seconds of prefill queued)."""
         r = self._replicas.get(address)
         if r is not None and r.own > 0:
             r.own -= 1
             r.own_prefill = max(0, r.own_prefill - prefill_tokens)
-            r.backlog = min(r.backlog, r.own_prefill)
+            if self.prefill_rate:
+                r.backlog = self._drained(r, now)
+                r.backlog_at = now
             self._refresh(address)
 
     def speed(self, address: str) -> tuple[float, float]:
