@@ -250,6 +250,23 @@ def test_an_end_caps_the_queue_drained_until_then_not_the_figure_of_its_last_pic
     assert t.snapshot(now=3.0).by_address()[A].backlog_tokens == 5000
 
 
+def test_a_scrape_of_requests_waiting_puts_a_floor_under_the_queue() -> None:
+    """The estimate says the queue drained; the replica says 3 requests wait unstarted: 3 of this router's
+    requests' average prefill (4 in flight, 20000 tokens) is queued at least, draining from then."""
+    t = LoadTracker(prefill_tokens_per_s=1000)
+    t.set_addresses([A])
+    for _ in range(4):
+        t.assign(A, 5000, now=0.0)
+    assert t.snapshot(now=30.0).by_address()[A].backlog_tokens == 0
+    t.scraped(A, Sample(running=1, waiting=3, kv_usage=0.1, capacity_tokens=0), own_at_scrape=4, now=30.0)
+    assert t.snapshot(now=30.0).by_address()[A].backlog_tokens == 15000
+    assert t.snapshot(now=31.0).by_address()[A].backlog_tokens == 14000
+    t.scraped(A, Sample(running=1, waiting=1, kv_usage=0.1, capacity_tokens=0), own_at_scrape=4, now=31.0)
+    assert t.snapshot(now=31.0).by_address()[A].backlog_tokens == 14000  # a floor, never a cut
+    t.scraped(A, Sample(running=4, waiting=0, kv_usage=0.1, capacity_tokens=0), own_at_scrape=4, now=32.0)
+    assert t.snapshot(now=32.0).by_address()[A].backlog_tokens == 13000
+
+
 def test_speed_is_measured_from_the_counters_over_windows_and_survives_a_restart() -> None:
     speed = Speed()
     page = lambda tokens, seconds, done, running=4.0: Sample(running, 0, 0, 0, prefill_tokens=tokens,  # noqa: E731

@@ -15,7 +15,8 @@ It also estimates the prefill work queued on each replica (``backlog``): each pi
 the tokens the replica must compute for it, and the backlog drains at the replica's
 prefill rate (a fluid queue, which is how vLLM's FCFS chunked prefill works off it; the rate
 measured from its counters, extproc.pick.choice.speed, the configured one until then),
-never above what this router's requests still in flight brought. A replica busy
+never above what this router's requests still in flight brought, and at each scrape never below
+the prefill of as many of them as the replica says are waiting unstarted. A replica busy
 prefilling a cold 8k-token prompt is busy for that long, however few requests it holds.
 
 No I/O and no clock here: callers pass ``now`` (seconds, monotonic).
@@ -131,7 +132,19 @@ class LoadTracker:
             r.own_at_scrape = own_at_scrape
             if now is not None:
                 r.speed.update(sample, now)
+                self._anchor(r, sample, now)
         self._refresh(address)
+
+    def _anchor(self, r: _Replica, sample: Sample, now: float) -> None:
+        """The replica says how many requests wait unstarted: at least that many of this router's
+        requests' prefill is still queued there. A fluid estimate drifts (a prefill rate measured low
+        or high, prompts it sized wrong); the waiting gauge puts a floor under it at every scrape."""
+        if not self.prefill_rate or not r.own or sample.waiting <= 0:
+            return
+        floor = min(sample.waiting, r.own) * r.own_prefill / r.own
+        drained = self._drained(r, now)
+        if floor > drained:
+            r.backlog, r.backlog_at = floor, now
 
     def restore(self, state: ReplicaState) -> None:
         """Take a saved replica state as this router's own view (``explain --state``)."""
