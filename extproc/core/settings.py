@@ -70,7 +70,7 @@ class RouteSettings:
     # Flow control (pick mode over ext_proc, extproc.pick.flow): while every replica of the request's
     # pool is saturated, hold requests in the router, release them fairly, shed them with 429 past a bound
     flow_control: bool = False
-    flow_queue_tokens: int = 8192  # a replica is saturated with more prefill queued than this (prefill tokens) ...
+    flow_queue_tokens: int = 2048  # a replica is saturated with more prefill queued than this (prefill tokens) ...
     flow_in_flight: int = 0  # ... or this many requests in flight (0: max_num_seqs)
     flow_max_wait: float = 10.0  # seconds a request may be held; then 429 (keep under Envoy's max_message_timeout)
     flow_max_queue: int = 1024  # requests held per pool at most; beyond it the lowest priority is shed
