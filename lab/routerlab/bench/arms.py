@@ -79,6 +79,10 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
             "requests, lets them out by priority class (the x-priority header, trusted here) and by each tenant's "
             "virtual token counter, and answers 429 past the bound", "MAGLEV", prefix=True, bounded=True,
             base="pick.yaml", pick=True, settings=(("flow_control", "on"), ("priority_header", "x-priority"))),
+    ArmSpec("prefix-pick-flow-2routers-shared", "prefix-pick-flow with two router processes sharing their requests "
+            "in flight over Redis: each holds its own queue and counters, both see the pool saturate", "MAGLEV",
+            prefix=True, bounded=True, base="pick.yaml", pick=True, routers=2, share=True,
+            settings=(("flow_control", "on"), ("priority_header", "x-priority"))),
     ArmSpec("prefix-bounded-isolated", "prefix-bounded with tenant isolation (the router salts each tenant's "
             "cache)", "MAGLEV", prefix=True, bounded=True, settings=(("tenant_isolation", "on"),)),
     ArmSpec("prefix-pick-isolated", "prefix-pick with tenant isolation (the router salts each tenant's cache)",
