@@ -12,7 +12,6 @@ over its send time, one panel per arm, the protected classes apart from the over
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
