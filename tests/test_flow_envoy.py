@@ -162,3 +162,17 @@ def test_a_router_killed_while_holding_loses_nothing(make_envoy: EnvoyFactory, b
         backends.open_gate()
         replies = [f.result(30) for f in first + held]
     assert [r.status for r in replies] == [200] * 8
+
+
+def test_the_priority_class_reaches_vllm_in_the_body(make_envoy: EnvoyFactory, backends: BackendFleet) -> None:
+    """envoy.yaml with vllm-priority on and the mesh's header trusted: the replica gets the header's class
+    in the body's ``priority`` (a client's own value overridden), the route's class without the header."""
+    def edit(cfg: envoy_config.Config) -> None:
+        envoy_config.set_stream_metadata(cfg, {"x-prefix-router-vllm-priority": "on", "x-prefix-router-priority": "4",
+                                               "x-prefix-router-priority-header": "x-priority"})
+    _, port = make_envoy(backends, "envoy.yaml", edit=edit)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "priority": -9}).encode()
+    assert send(port, body=body, headers={"x-priority": "1"}).status == 200
+    assert send(port, body=body).status == 200
+    seen = [json.loads(b) for backend in backends.backends for b, _ in backend.seen_bodies]
+    assert sorted(doc["priority"] for doc in seen) == [1, 4]

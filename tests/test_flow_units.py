@@ -5,6 +5,8 @@ a fake room, a fake clock and kick() (no ticker: its tick is an hour)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from extproc import metrics
 from extproc.core.decide import Decision, decide
+from extproc.core.priority import priority_of
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import ALL_BUSY, CHEAPEST, THRESHOLD_SPILL, choose
 from extproc.pick.choice.saturation import UNBOUNDED, room
@@ -22,7 +25,7 @@ from extproc.pick.choice.state import ReplicaState, Snapshot
 from extproc.pick.flow import fair_queue
 from extproc.pick.flow.fair_queue import FairQueue, Held
 from extproc.pick.flow.gate import GONE, HELD, LET_OUT, QUEUE_FULL, WAITED, FlowGate, Ticket
-from extproc.pick.flow.request import OUTPUT_WEIGHT, priority_of, tenant_of, tokens_of
+from extproc.pick.flow.request import OUTPUT_WEIGHT, tenant_of, tokens_of
 
 # --- FairQueue ----------------------------------------------------------------------------------
 
@@ -692,3 +695,20 @@ def test_a_pools_weights_follow_the_settings() -> None:
         await gate.close()
 
     run(main)
+
+
+# --- vLLM's priority field (extproc.core.priority, written by decide) ---------------------------
+
+
+def test_vllm_priority_writes_the_class_into_the_body_without_moving_the_key() -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hello"}], "priority": -50}'
+    plain = decide(body, {}, RouteSettings())
+    route = RouteSettings(vllm_priority=True, priority=7, priority_header="x-priority")
+    written = decide(body, {}, route)
+    assert written.key == plain.key and plain.body is None
+    assert written.body is not None and json.loads(written.body)["priority"] == 7  # the client's -50 overridden
+    assert json.loads(decide(body, {"x-priority": "2"}, route).body or b"")["priority"] == 2
+    assert json.loads(decide(body, {"x-priority": "9999"}, route).body or b"")["priority"] == 7  # out of range
+    assert decide(b"not json", {}, route).body is None
+    raw = decide(body, {}, dataclasses.replace(route, normalize="raw"))
+    assert raw.body is not None and json.loads(raw.body)["priority"] == 7

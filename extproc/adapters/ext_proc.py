@@ -30,6 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc import metrics
 from extproc.adapters.service import RouterService
 from extproc.core.decide import CONTENT_ENCODING, Decision
+from extproc.core.priority import priority_headers
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import Choice
 from extproc.pick.flow.gate import Ticket
@@ -91,8 +92,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
             log.exception("reading stream metadata failed")
             metrics.ERRORS.labels("metadata").inc()
             settings = service.settings
-        wanted = (*settings.tenant_headers, CONTENT_ENCODING, *((settings.priority_header,) if settings.flow_control
-                                                                and settings.priority_header else ()))
+        wanted = (*settings.tenant_headers, CONTENT_ENCODING, *priority_headers(settings))
         headers: dict[str, str] = {}
         try:
             async for request in request_iterator:

@@ -32,11 +32,12 @@ from typing import Final
 from extproc import metrics
 from extproc.core.decide import Decision, decide
 from extproc.core.model import MODEL_ABSENT
+from extproc.core.priority import priority_of
 from extproc.core.settings import ENDPOINT_FLAGS, METADATA_PREFIX, RouteSettings, with_metadata
 from extproc.pick.choice.choose import Choice
 from extproc.pick.core import PickCore
 from extproc.pick.flow.gate import FlowGate, Ticket
-from extproc.pick.flow.request import priority_of, tenant_of, tokens_of
+from extproc.pick.flow.request import tenant_of, tokens_of
 
 log = logging.getLogger("extproc.adapters.service")
 
@@ -125,6 +126,9 @@ class RouterService:
             errors.append("x-prefix-router-flow-control on: " + (
                 limits.cannot_hold or "flow control holds requests in pick mode only") + "; flow control stays off")
             settings = dataclasses.replace(settings, flow_control=False)
+        if settings.vllm_priority and limits.cannot_edit_body:
+            errors.append(f"x-prefix-router-vllm-priority on: {limits.cannot_edit_body}; the body is left as sent")
+            settings = dataclasses.replace(settings, vllm_priority=False)
         if settings.tenant_isolation and (limits.cannot_edit_body or self.secret is None):
             errors.append("x-prefix-router-tenant-isolation on: " + (
                 limits.cannot_edit_body

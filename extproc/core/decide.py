@@ -12,7 +12,7 @@ from typing import Any, Final, NamedTuple
 import orjson
 import xxhash
 
-from extproc.core import isolation
+from extproc.core import isolation, priority
 from extproc.core.model import MODEL_ABSENT, MODEL_FIELD_BYTES, body_model
 from extproc.core.normalize import CONTENT_ENCODED, Normalized, normalize, normalize_document
 from extproc.core.settings import RouteSettings
@@ -39,7 +39,7 @@ class Decision(NamedTuple):
     preview: bytes  # the start of the hashed bytes, for `explain`
     normalized: bytes = b""  # the whole normalised form (pick mode chunks it)
     tenant_rejected: str | None = None  # why a sent tenant id was refused (too_long, bad_chars), or None
-    body: bytes | None = None  # tenant isolation: the body to send instead
+    body: bytes | None = None  # the body to send instead (tenant isolation's salt, vllm_priority's field)
     isolation: str | None = None  # tenant isolation's outcome (extproc.core.isolation), None when off
     # the parsed body as the replica will see it (with the salt isolation added), when the body
     # was a whole JSON object: precise mode renders and tokenises it as vLLM does
@@ -103,7 +103,8 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     norm = normalize(body, settings.normalize, complete, headers.get(CONTENT_ENCODING, ""))
     doc = norm.document
     if doc is None and complete and norm.mode == "raw" and norm.fallback is None and (
-            settings.tenant_isolation or BODY_FIELD_BYTES in body or MODEL_FIELD_BYTES in body):
+            settings.tenant_isolation or settings.vllm_priority or BODY_FIELD_BYTES in body
+            or MODEL_FIELD_BYTES in body):
         doc = parsed_object(body)  # raw mode hashes the bytes but still reads the tenant, salt and model fields
     tenant, source = header_tenant(headers, settings)
     if tenant is None:
@@ -116,6 +117,11 @@ def decide(body: bytes, headers: Mapping[str, str], settings: RouteSettings, pre
     if settings.tenant_isolation and secret is not None and body:
         trusted = tenant if source in settings.tenant_headers else None  # never a body field
         norm, salted, outcome = _isolate(body, norm, doc, settings.normalize, trusted, secret, complete)
+    if settings.vllm_priority and body and norm.fallback != CONTENT_ENCODED:
+        # after the key is cut (the class must not split a prefix) and on top of any salt
+        edited = isolation.with_member(salted or body, doc, priority.FIELD,
+                                       str(priority.priority_of(settings, headers)).encode(), complete)
+        salted = edited if edited is not None else salted
     model, model_outcome = body_model(doc) if complete else (None, MODEL_ABSENT)
     if not norm.data:
         return Decision(None, tenant, source, norm.mode, norm.fallback, 0, 0, b"", tenant_rejected=rejected,

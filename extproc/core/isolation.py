@@ -42,22 +42,25 @@ def tenant_salt(secret: bytes, tenant: str | None, client_salt: str | None) -> s
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def _member(salt: str) -> bytes:
-    return b'"' + SALT_FIELD.encode() + b'":"' + salt.encode() + b'"'
-
-
-def salted_body(body: bytes, doc: dict[str, Any] | None, salt: str, complete: bool) -> bytes | None:
-    """``body`` with ``salt`` as its effective cache_salt, or None if it cannot be edited.
+def with_member(body: bytes, doc: dict[str, Any] | None, name: str, value: bytes, complete: bool) -> bytes | None:
+    """``body`` with ``"name": value`` (``value``: JSON text) as that field's effective value, or None if
+    it cannot be edited. The member goes last (the last duplicate wins), or first in a body's start.
 
     ``doc`` is the parsed body (None when it is not a JSON object); a complete body must parse.
     """
+    member = b'"' + name.encode() + b'":' + value
     if complete:
         end = len(body.rstrip(_WHITESPACE))
         if doc is None or end == 0 or body[end - 1:end] != b"}":
             return None
         comma = b"," if doc else b""
-        return body[:end - 1] + comma + _member(salt) + body[end - 1:]
+        return body[:end - 1] + comma + member + body[end - 1:]
     start = len(body) - len(body.lstrip(_WHITESPACE))
     if body[start:start + 1] != b"{":
         return None
-    return body[:start + 1] + _member(salt) + b"," + body[start + 1:]
+    return body[:start + 1] + member + b"," + body[start + 1:]
+
+
+def salted_body(body: bytes, doc: dict[str, Any] | None, salt: str, complete: bool) -> bytes | None:
+    """``body`` with ``salt`` as its effective cache_salt, or None if it cannot be edited."""
+    return with_member(body, doc, SALT_FIELD, b'"' + salt.encode() + b'"', complete)

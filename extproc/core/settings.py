@@ -76,6 +76,7 @@ class RouteSettings:
     flow_max_queue: int = 1024  # requests held per pool at most; beyond it the lowest priority is shed
     priority: int = 0  # the route's priority class: lower is served first (vLLM's convention)
     priority_header: str = ""  # a header the mesh sets that overrides ``priority`` per request; "": none trusted
+    vllm_priority: bool = False  # write the priority class into the body as vLLM's ``priority`` (ext_proc only)
     tenant_weights: tuple[tuple[str, float], ...] = ()  # flow control's share per tenant (default weight 1)
 
 
@@ -370,6 +371,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "flow_max_queue": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (requests held per pool)"),
     "priority": _Spec(_number_in(int, -1000, 1000), "an integer in -1000..1000 (lower is served first)"),
     "priority_header": _Spec(_optional(_header_name), "a lower-case HTTP header name, or empty for none"),
+    "vllm_priority": _Spec(_switch, "on or off"),
     "tenant_weights": _Spec(_tenant_weights, "TENANT=WEIGHT pairs separated by commas, weights in 0.01..100"),
     "kv_events": _Spec(_switch, "on or off"),
     "tokenizer": _Spec(_optional(_tokenizer_dirs), "a model directory (tokenizer.json, tokenizer_config.json), "

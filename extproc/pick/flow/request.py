@@ -1,13 +1,11 @@
-"""What flow control reads of a request (pure): its tenant, its priority class, what it will cost."""
+"""What flow control reads of a request (pure): its tenant and what serving it will cost (its priority
+class is extproc.core.priority's)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from typing import Final
 
 from extproc.core.decide import Decision
-from extproc.core.settings import RouteSettings
 from extproc.metrics import NO_TENANT
 from extproc.pick.views.learned import BYTES_PER_TOKEN
 
@@ -16,21 +14,10 @@ from extproc.pick.views.learned import BYTES_PER_TOKEN
 INPUT_WEIGHT: Final = 1.0
 OUTPUT_WEIGHT: Final = 2.0
 _OUTPUT_FIELDS: Final = ("max_completion_tokens", "max_tokens")
-_PRIORITY: Final = re.compile(r"-?[0-9]{1,6}")  # ASCII digits only (str.isdigit takes superscripts)
 
 
 def tenant_of(decision: Decision) -> str:
     return decision.tenant or NO_TENANT
-
-
-def priority_of(settings: RouteSettings, headers: Mapping[str, str]) -> int:
-    """The route's priority class, or the trusted header's (``priority_header``) when it holds an
-    integer in -1000..1000; anything else in it is ignored (the route's class stands)."""
-    if settings.priority_header:
-        raw = headers.get(settings.priority_header, "").strip()
-        if _PRIORITY.fullmatch(raw) and -1000 <= int(raw) <= 1000:
-            return int(raw)
-    return settings.priority
 
 
 def tokens_of(decision: Decision) -> float:
