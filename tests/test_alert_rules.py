@@ -105,6 +105,7 @@ NEAR: list[dict[str, tuple[str, str]]] = [
         "PrefixRouterUnhealthyInEnvoy": ('{envoy_cluster_name="prefix_router"}', ""),
         "PrefixRouterFailingOpen": ("> 0.01", "> 0.008"),
         "PrefixRouterErrors": ("[5m]", "[10m]"),
+        "PrefixRouterShedding": (") > 0.01", ") > 0.008"),
         "PrefixRouterScrapeErrors": ("> 0", ">= 0"),
         "VLLMPrefixCacheHitRateDropped": ("< 0.5 *", "< 0.7 *"),
         "VLLMReplicaRunningHot": (") > 2", ") > 1.7"),
