@@ -22,7 +22,7 @@ from routerlab.harness.procs import wait_until
 from backends import BackendFleet
 from conftest import EnvoyFactory
 from support import Reply, send
-from test_pick_envoy import PickRouter, chat, write_endpoints
+from test_pick_envoy import PickRouter, chat, router_of_four
 
 pytestmark = pytest.mark.envoy
 TENANT = "x-prefix-aware-id"
@@ -30,10 +30,7 @@ TENANT = "x-prefix-aware-id"
 
 @pytest.fixture()
 def flow_router(backends: BackendFleet, tmp_path: Path) -> Iterator[PickRouter]:
-    path = tmp_path / "endpoints"
-    write_endpoints(path, backends, [0, 1, 2, 3])
-    router = PickRouter(path)
-    router.wait_endpoints(4)
+    router = router_of_four(backends, tmp_path)
     yield router
     router.proc.stop()
 

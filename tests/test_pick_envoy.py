@@ -83,12 +83,18 @@ class PickRouter:
             raise TimeoutError(f"{exc}; the router sees {seen}") from None
 
 
-@pytest.fixture()
-def pick_router(backends: BackendFleet, tmp_path: Path) -> Iterator[PickRouter]:
+def router_of_four(backends: BackendFleet, tmp_path: Path) -> PickRouter:
+    """A pick-mode router on the first four backends, ready."""
     path = tmp_path / "endpoints"
     write_endpoints(path, backends, [0, 1, 2, 3])
     router = PickRouter(path)
     router.wait_endpoints(4)
+    return router
+
+
+@pytest.fixture()
+def pick_router(backends: BackendFleet, tmp_path: Path) -> Iterator[PickRouter]:
+    router = router_of_four(backends, tmp_path)
     yield router
     router.proc.stop()
 
