@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from extproc import metrics
 from extproc.core.decide import Decision, decide
-from extproc.core.priority import priority_of
+from extproc.core.priority import priority_headers, priority_of
 from extproc.core.settings import RouteSettings
 from extproc.pick.choice.choose import ALL_BUSY, CHEAPEST, THRESHOLD_SPILL, choose
 from extproc.pick.choice.saturation import UNBOUNDED, room
@@ -367,6 +367,13 @@ def test_a_trusted_header_sets_the_priority_when_it_is_an_integer_in_range(raw: 
 def test_a_malformed_priority_header_is_ignored_not_raised(raw: str) -> None:
     s = RouteSettings(priority=3, priority_header="x-priority")
     assert priority_of(s, {"x-priority": raw}) == 3
+
+
+def test_the_adapters_pass_the_priority_header_only_when_a_setting_reads_it() -> None:
+    assert priority_headers(RouteSettings(priority_header="x-priority")) == ()
+    assert priority_headers(RouteSettings(priority_header="x-priority", flow_control=True)) == ("x-priority",)
+    assert priority_headers(RouteSettings(priority_header="x-priority", vllm_priority=True)) == ("x-priority",)
+    assert priority_headers(RouteSettings(flow_control=True, vllm_priority=True)) == ()
 
 
 def test_tokens_are_the_prompt_and_twice_the_output_asked_for() -> None:
