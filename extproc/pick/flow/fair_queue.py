@@ -6,7 +6,10 @@ number, vLLM's convention); within a class, from the tenant with the smallest vi
 A tenant's counter grows by the tokens each of its requests is served, divided by its weight, so a
 tenant that floods is served no more than its share while others wait. A tenant that becomes
 backlogged has its counter lifted to the smallest counter of those waiting (or, with none waiting,
-to that of the tenant served last): idle time is not banked as credit for a later burst.
+to that of the tenant served last): idle time is not banked as credit for a later burst. Equal
+counters (a lifted tenant ties the one it was lifted to) go to the tenant served less in all
+(its tokens over its weight, never lifted): a steady tenant's request goes before the next one of
+a tenant that floods, not after it.
 
 Every request is charged, held or not (``charge``), so when saturation starts the counters already
 say who has been using the fleet. A full queue sheds the newest request of the worst class (of its
@@ -46,6 +49,7 @@ class FairQueue(Generic[T]):
         self.limit = limit
         self.weights = dict(weights or {})
         self.counters: dict[str, float] = {}
+        self.served: dict[str, float] = {}  # each tenant's tokens over its weight, never lifted: ties
         self._bands: dict[int, dict[str, deque[Held[T]]]] = {}  # priority -> tenant -> oldest first
         self._waiting: dict[str, int] = {}  # tenant -> its held requests (every class)
         self._last_served = 0.0  # the counter of the tenant served last
@@ -79,7 +83,9 @@ class FairQueue(Generic[T]):
     def charge(self, tenant: str, tokens: float) -> None:
         """``tenant`` is served ``tokens`` (a request let out, or one never held)."""
         self._lift(tenant)
-        self.counters[tenant] += tokens / self.weights.get(tenant, 1.0)
+        share = tokens / self.weights.get(tenant, 1.0)
+        self.counters[tenant] += share
+        self.served[tenant] = self.served.get(tenant, 0.0) + share
         self._last_served = self.counters[tenant]
 
     def push(self, held: Held[T]) -> Held[T] | None:
@@ -111,7 +117,8 @@ class FairQueue(Generic[T]):
         if not self._bands:
             return None
         band = self._bands[min(self._bands)]
-        tenant = min(band, key=lambda t: (self.counters.get(t, 0.0), band[t][0].seq))
+        counters, served = self.counters, self.served
+        tenant = min(band, key=lambda t: (counters.get(t, 0.0), served.get(t, 0.0), band[t][0].seq))
         return band[tenant][0]
 
     def pop(self) -> Held[T] | None:
@@ -145,3 +152,4 @@ class FairQueue(Generic[T]):
         idle = sorted((c, t) for t, c in self.counters.items() if t not in self._waiting)
         for _, tenant in idle[: len(self.counters) - _PRUNE_AT // 2]:
             del self.counters[tenant]
+            self.served.pop(tenant, None)
