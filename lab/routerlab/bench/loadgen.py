@@ -30,6 +30,7 @@ from routerlab.harness.arm import ROUTED_HEADER
 from routerlab.sim.api import ARRIVED_HEADER
 
 MODES = ("closed", "open", "scheduled")
+OPEN_CONNECTIONS = 4096  # connections an open or scheduled load may hold at once
 SATURATED_CPU = 0.85  # fraction of one core
 SATURATED_LAG_MS = 50.0
 
@@ -198,7 +199,9 @@ async def run_load(
     t0 = time.monotonic()
     deadline = t0 + duration_s
     cpu0 = time.process_time()
-    pool = concurrency if mode == "closed" else max(concurrency, 256)
+    # open and scheduled loads send on time whatever is in flight: a pool that ran out of connections
+    # would queue requests in the client (behind requests a router holds), which real clients do not
+    pool = concurrency if mode == "closed" else max(concurrency, OPEN_CONNECTIONS)
     connector = aiohttp.TCPConnector(limit=pool, force_close=False, ttl_dns_cache=None)
     sent = 0
 
