@@ -314,22 +314,23 @@ def test_a_replica_with_too_much_prefill_queued_gives_no_room() -> None:
     assert room(Snapshot((replica(1, backlog_tokens=101), replica(2, in_flight=1))), s) == 1
 
 
-def test_with_flow_control_the_choice_passes_over_a_saturated_replica() -> None:
-    """The replica holding the prompt has too much prefill queued: without flow control the cost may still
-    choose it (its cache saves more than the queue costs); with flow control the request goes where there
-    is room, and to the cheapest anyway when every replica is saturated."""
+def test_a_request_let_out_of_the_queue_passes_over_a_saturated_replica() -> None:
+    """The replica holding the prompt has too much prefill queued: the cost may still choose it (its cache
+    saves more than the queue costs), and does for a request that never waited; one flow control held and
+    let out into a replica's room goes where there is room, and to the cheapest when every one is saturated."""
     home = replica(1, backlog_tokens=3000)
     other = replica(2)
     cached = {home.address: 8000}
-    plain = RouteSettings(mode="pick", flow_queue_tokens=2000)
-    assert choose("k", 9000, cached, Snapshot((home, other)), plain).address == home.address
     flow = RouteSettings(mode="pick", flow_queue_tokens=2000, flow_control=True)
-    spilled = choose("k", 9000, cached, Snapshot((home, other)), flow)
+    assert choose("k", 9000, cached, Snapshot((home, other)), flow).address == home.address
+    spilled = choose("k", 9000, cached, Snapshot((home, other)), flow, avoid_saturated=True)
     assert (spilled.address, spilled.reason) == (other.address, THRESHOLD_SPILL)
     busy = replica(2, backlog_tokens=2500)
-    assert choose("k", 9000, cached, Snapshot((home, busy)), flow)[:2] == (home.address, ALL_BUSY)
-    assert choose("k", 9000, cached, Snapshot((home, other)), RouteSettings(
-        mode="pick", flow_queue_tokens=4000, flow_control=True))[:2] == (home.address, CHEAPEST)
+    assert choose("k", 9000, cached, Snapshot((home, busy)), flow, avoid_saturated=True)[:2] == (
+        home.address, ALL_BUSY)
+    roomy = RouteSettings(mode="pick", flow_queue_tokens=4000, flow_control=True)
+    assert choose("k", 9000, cached, Snapshot((home, other)), roomy, avoid_saturated=True)[:2] == (
+        home.address, CHEAPEST)
 
 
 # --- request.py ---------------------------------------------------------------------------------

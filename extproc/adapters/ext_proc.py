@@ -124,8 +124,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
                             if ticket.shed:
                                 yield self.shed_reply(ticket)
                                 return
-                        reply, picked = self.pick_reply(decision, settings,
-                                                        await service.prepare(decision, settings))
+                        reply, picked = self.pick_reply(decision, settings, await service.prepare(decision, settings),
+                                                        avoid_saturated=ticket is not None and ticket.waited)
                     finally:
                         if ticket is not None:
                             service.done(ticket)
@@ -178,8 +178,8 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
         decision = self.service.decide(body, headers, settings, complete)
         return _empty_body_reply() if decision is None else self.decision_reply(decision, settings)
 
-    def pick_reply(self, decision: Decision | None, settings: RouteSettings,
-                   max_new_chars: int = 0) -> tuple[pb.ProcessingResponse, Choice | None]:
+    def pick_reply(self, decision: Decision | None, settings: RouteSettings, max_new_chars: int = 0,
+                   avoid_saturated: bool = False) -> tuple[pb.ProcessingResponse, Choice | None]:
         """The hash-mode reply plus the picked replica: Envoy's stateful_session reads the
         pick header (and sends the request there only if that host is healthy, else its
         own LB hashes the key header); ``envoy.lb`` metadata carries the same host for
@@ -187,7 +187,7 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
         if decision is None:
             return _empty_body_reply(), None
         reply = self.decision_reply(decision, settings)
-        choice = self.service.pick(decision, settings, max_new_chars)
+        choice = self.service.pick(decision, settings, max_new_chars, avoid_saturated)
         if choice is None or choice.address is None:
             return reply, None
         _set_header(reply.request_body.response.header_mutation, settings.pick_header,

@@ -202,14 +202,15 @@ class RouterService:
         work = self.ahead_work(decision, settings)
         return 0 if work is None else await self.run_ahead(work)
 
-    def pick(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0) -> Choice | None:
+    def pick(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0,
+             avoid_saturated: bool = False) -> Choice | None:
         """The replica for the request, counted in flight until ``release``; None when there is
         none to name (no picker, no replica, or picking failed: logged and counted), and Envoy's
         load balancer chooses. Never raises."""
         if self.picker is None:
             return None
         try:
-            choice = self.picker.pick(decision, settings, max_new_chars)
+            choice = self.picker.pick(decision, settings, max_new_chars, avoid_saturated)
         except Exception:
             log.exception("picking a replica failed; Envoy's load balancer chooses")
             metrics.ERRORS.labels("pick").inc()

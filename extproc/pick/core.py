@@ -146,7 +146,7 @@ class PickCore:
         return self._evaluate(decision, settings)
 
     def _evaluate(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0,
-                  settle: bool = False) -> tuple[Choice, Match | None]:
+                  settle: bool = False, avoid_saturated: bool = False) -> tuple[Choice, Match | None]:
         """``settle`` (``pick``): first end the other routers' requests this one continues
         (``Share.continued``), so their load no longer counts."""
         pool, unpicked = self.pools.resolve(decision.model)
@@ -158,12 +158,14 @@ class PickCore:
         if match is None:  # the view cannot say: no replica holds any of it as far as the choice knows
             tokens = math.ceil(len(decision.normalized) / BYTES_PER_TOKEN)
             slots = self.adapters.costs(adapter, snapshot.replicas, tokens, settings) if adapter else None
-            return choose(decision.key, tokens, {}, snapshot, settings, pool=pool, adapter=slots), None
+            return choose(decision.key, tokens, {}, snapshot, settings, pool=pool, adapter=slots,
+                          avoid_saturated=avoid_saturated), None
         if settle and match.runs and self.share is not None:
             if sum(self.share.continued(run) for run in match.runs):
                 snapshot = self._snapshot(pool)
         slots = self.adapters.costs(adapter, snapshot.replicas, match.prompt_tokens, settings) if adapter else None
-        choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views, pool, slots)
+        choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views, pool, slots,
+                        avoid_saturated)
         return choice, match
 
     def _adapter(self, decision: Decision, settings: RouteSettings) -> str | None:
@@ -205,11 +207,12 @@ class PickCore:
         """Do ``ahead_work``'s ``work``; returns ``pick``'s ``max_new_chars``."""
         return 0
 
-    def pick(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0) -> Choice:
+    def pick(self, decision: Decision, settings: RouteSettings, max_new_chars: int = 0,
+             avoid_saturated: bool = False) -> Choice:
         """Choose and record. ``max_new_chars`` (0: no limit): precise mode tokenises at most this many
         characters its tokenizer's cache does not hold, else uses the learned view (``Picker.prepare``
         says when: its worker could not take the request's long new text)."""
-        choice, match = self._evaluate(decision, settings, max_new_chars, settle=True)
+        choice, match = self._evaluate(decision, settings, max_new_chars, settle=True, avoid_saturated=avoid_saturated)
         _PICKS[choice.reason].inc()
         if self.pools.named:
             metrics.POOL_PICKS.labels(choice.pool or "", choice.reason).inc()

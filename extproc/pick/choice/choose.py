@@ -29,9 +29,9 @@ Dynamo's KV router weighs prefill blocks against active blocks the same way; doc
 says how the weights were measured. ``concurrency_threshold`` is SageMaker's hard cap: a replica
 with that many in flight is not chosen while another is below it. Equal costs (a cold prompt on
 an idle fleet) go to the highest rendezvous hash of (key, replica), so independent router
-replicas with the same view agree without talking to each other. With flow control on, a
-saturated replica (extproc.pick.choice.saturation) is passed over the same way: flow control let
-the request out into another replica's room.
+replicas with the same view agree without talking to each other. A request flow control held and
+let out into a replica's room passes over a saturated replica (extproc.pick.choice.saturation) the
+same way; one that never waited is chosen for as without flow control.
 """
 
 from __future__ import annotations
@@ -128,12 +128,14 @@ def _ties_by_rendezvous(ranked: list[tuple[int, int, int, ReplicaState]], candid
 
 def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snapshot: Snapshot,
            settings: RouteSettings, views: Mapping[str, str] | None = None, pool: str | None = None,
-           adapter: Mapping[str, int] | None = None) -> Choice:
+           adapter: Mapping[str, int] | None = None, avoid_saturated: bool = False) -> Choice:
     """The replica with the lowest cost, honouring the concurrency threshold.
 
     ``views`` names, per replica, where its ``cached`` figure came from (default: learned); ``pool``:
     the model's pool ``snapshot`` holds the replicas of, carried into the choice; ``adapter``: per
-    replica, the request's LoRA adapter term, added to its cost (extproc.pick.choice.adapters)."""
+    replica, the request's LoRA adapter term, added to its cost (extproc.pick.choice.adapters);
+    ``avoid_saturated``: flow control held the request and let it out into a replica's room, so a
+    saturated replica (extproc.pick.choice.saturation) is passed over while another is not."""
     healthy = [r for r in snapshot.replicas if r.healthy]
     if not healthy:
         return Choice(None, NO_REPLICA, prompt_tokens, (), pool)
@@ -147,7 +149,7 @@ def choose(key: str | None, prompt_tokens: int, cached: Mapping[str, int], snaps
     # comparison on ints, so the sort runs in C
     ranked = sorted(zip(costs, [-_score(seed, r.address) for r in healthy], range(len(healthy)), healthy))
     get, view = cached.get, (views or {}).get
-    flow = settings.flow_control
+    flow = avoid_saturated
     candidates = tuple(_new(Candidate, (r.address, get(r.address, 0), r.in_flight, c,
                                         (bool(cap) and r.in_flight >= cap) or (flow and saturated(r, settings)),
                                         r.backlog_tokens, view(r.address, "learned"),

@@ -57,6 +57,11 @@ class Ticket:
         return self.state == HELD
 
     @property
+    def waited(self) -> bool:
+        """It was held (its pool saturated when it came): let out into a replica's room."""
+        return self.future is not None
+
+    @property
     def shed(self) -> bool:
         return self.state in SHED_REASONS
 
