@@ -33,8 +33,11 @@ def test_every_scenario_is_seeded_and_sized(name: str) -> None:
     assert [r.body for r in a.requests] != [r.body for r in other.requests]
     if "requests" in params:
         assert len(a) == params["requests"] or name == "multi-turn" and len(a) >= params["requests"]
-    else:  # zipf-chat: conversations of 1..max_turns requests
+    elif "conversations" in params:  # zipf-chat: conversations of 1..max_turns requests
         assert params["conversations"] <= len(a) <= params["conversations"] * params["max_turns"]
+    else:  # the overload scenarios: sessions sent on a schedule, in its order, within it
+        starts = [s.start_s for s in a.sessions]
+        assert len(a) > 10 and starts == sorted(starts) and 0 < starts[-1] <= sc.load_for(params).duration_s
     assert all(orjson.loads(r.body)["stream"] is True for r in a.requests)
 
 
@@ -177,10 +180,11 @@ def test_report_table_compares_every_arm_with_round_robin() -> None:
 
 
 @pytest.mark.parametrize("quick", [False, True])
-@pytest.mark.parametrize("name", sorted(set(scenarios.SCENARIOS) - {"no-sharing"}))
+@pytest.mark.parametrize("name", sorted(set(scenarios.SCENARIOS) - {"no-sharing", "noisy-tenant", "priority"}))
 def test_requests_of_a_group_share_the_bytes_the_router_hashes(name: str, quick: bool) -> None:
     """PrefixLength must cover only the shared part, or the key would differ per question. (multi-lora's
-    unshared adapters group their requests by adapter, whose prompts share nothing by design.)"""
+    unshared adapters group their requests by adapter, whose prompts share nothing by design; the overload
+    scenarios' groups are tenants and phases, not shared prompts.)"""
     sc = scenarios.get(name)
     params = sc.resolve({"requests": 60} if "requests" in sc.params else {"conversations": 20}, quick=quick)
     keys: dict[str, set[bytes]] = {}
