@@ -321,9 +321,9 @@ def test_tail_replays_the_routers_queue_estimate_through_its_load_view() -> None
 
     reqs = [Placed(0, "a", 0.0, 0.5, 0.6, 1000, 0),  # 1000 to compute, in flight until 0.6
             Placed(1, "a", 0.1, 0.4, 1.0, 1000, 800),  # 0.1 s later: 900 of the first still queued
-            Placed(2, "a", 0.7, 0.1, 1.0, 1000, 0)]  # the first ended (at most the second's 200 left), drained
+            Placed(2, "a", 0.7, 0.1, 1.0, 1000, 0)]  # the first ended at 0.6: at most the second's 200 left
     seen = queue_estimates(reqs, token_scale=1.0, rate=1000.0)
-    assert seen == {0: 0.0, 1: 900.0, 2: 0.0}
+    assert seen == {0: 0.0, 1: 900.0, 2: 100.0}  # ... drained for 0.1 s since
     assert queue_estimates(reqs, token_scale=0.5, rate=1000.0)[1] == 400.0  # half the tokens, same drain
 
 

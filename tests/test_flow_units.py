@@ -429,13 +429,28 @@ class Clock:
 S = RouteSettings(flow_control=True, flow_max_wait=30.0)
 
 
-def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    asyncio.run(test())
+GateBody = Callable[[FlowGate, "Room", "Clock"], Coroutine[Any, Any, None]]
 
 
-def make_gate(value: int = 0) -> tuple[FlowGate, Room, Clock]:
-    r, c = Room(value), Clock()
-    return FlowGate(r, tick=3600.0, clock=c), r, c
+def gate_test(room: int = 0) -> Callable[[GateBody], Callable[[], None]]:
+    """Runs the test's body on a fresh gate (``room`` to start with, a clock that stands still,
+    no ticker) and closes the gate after it, pass or fail."""
+    def wrap(body: GateBody) -> Callable[[], None]:
+        async def main() -> None:
+            r, c = Room(room), Clock()
+            gate = FlowGate(r, tick=3600.0, clock=c)
+            try:
+                await body(gate, r, c)
+            finally:
+                await gate.close()
+
+        def test() -> None:
+            asyncio.run(main())
+
+        # not functools.wraps: pytest would take the body's arguments for fixtures
+        test.__name__, test.__doc__ = body.__name__, body.__doc__
+        return test
+    return wrap
 
 
 def shed_count(tenant: str, priority: int, reason: str) -> float:
@@ -449,261 +464,216 @@ def held_gauge(pool: str, ticket: Ticket) -> float:
         "prefix_router_flow_held", {"pool": pool, "tenant": ticket.labels[0], "priority": ticket.labels[1]}) or 0.0
 
 
-def test_the_gate_lets_a_request_out_at_once_while_there_is_room_and_nothing_held() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(2)
-        first = gate.enter("pool", "a", 0, 10, S)
-        assert first.state == LET_OUT and first.reserved and first.future is None and not first.held
-        second = gate.enter("pool", "b", 0, 10, S)
-        assert second.state == LET_OUT
-        assert gate.queues["pool"].counters == {"a": 10, "b": 20}  # let out at once, still charged (b lifted)
-        third = gate.enter("pool", "a", 0, 10, S)  # room 2, 2 reserved: held
-        assert third.state == HELD and third.held and third.future is not None and not third.future.done()
-        assert gate.held() == 1
-        assert await gate.wait(first) == LET_OUT  # at once: nothing to wait for
-        await gate.close()
-
-    run(main)
+@gate_test(2)
+async def test_the_gate_lets_a_request_out_at_once_while_there_is_room_and_nothing_held(
+        gate: FlowGate, r: Room, clock: Clock) -> None:
+    first = gate.enter("pool", "a", 0, 10, S)
+    assert first.state == LET_OUT and first.reserved and first.future is None and not first.held
+    second = gate.enter("pool", "b", 0, 10, S)
+    assert second.state == LET_OUT
+    assert gate.queues["pool"].counters == {"a": 10, "b": 20}  # let out at once, still charged (b lifted)
+    third = gate.enter("pool", "a", 0, 10, S)  # room 2, 2 reserved: held
+    assert third.state == HELD and third.held and third.future is not None and not third.future.done()
+    assert gate.held_count() == 1
+    assert await gate.wait(first) == LET_OUT  # at once: nothing to wait for
 
 
-def test_room_is_reserved_until_done_and_done_twice_frees_it_once() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(1)
-        a = gate.enter("pool", "a", 0, 10, S)
-        assert a.state == LET_OUT
-        b = gate.enter("pool", "b", 0, 10, S)
-        assert b.state == HELD
+@gate_test(1)
+async def test_room_is_reserved_until_done_and_done_twice_frees_it_once(gate: FlowGate, r: Room, clock: Clock) -> None:
+    a = gate.enter("pool", "a", 0, 10, S)
+    assert a.state == LET_OUT
+    b = gate.enter("pool", "b", 0, 10, S)
+    assert b.state == HELD
+    gate.kick()
+    assert b.state == HELD  # a still holds the only room
+    gate.done(a)
+    assert not a.reserved and a.state == LET_OUT
+    gate.kick()
+    assert b.state == LET_OUT and b.future is not None and b.future.done()
+    assert await gate.wait(b) == LET_OUT
+    gate.done(a)  # again: nothing more freed
+    c = gate.enter("pool", "c", 0, 10, S)
+    assert c.state == HELD  # b holds the room (had a's second done freed it, c would go at once)
+    gate.done(b)
+    gate.kick()
+    assert c.state == LET_OUT
+
+
+@gate_test(0)
+async def test_a_newcomer_waits_behind_the_held_even_with_room(gate: FlowGate, r: Room, clock: Clock) -> None:
+    a = gate.enter("pool", "a", 0, 10, S)
+    r.value = 5
+    b = gate.enter("pool", "b", 0, 10, S)
+    assert a.state == b.state == HELD  # something of the pool is held: no jumping it
+    gate.kick()
+    assert a.state == b.state == LET_OUT
+    assert gate.held_count() == 0
+
+
+@gate_test(0)
+async def test_kick_lets_out_what_there_is_room_for_in_fair_order(gate: FlowGate, r: Room, clock: Clock) -> None:
+    tickets = {name: gate.enter("pool", name[0], -1 if name == "c1" else 0, 10, S)
+               for name in ("a1", "a2", "a3", "b1", "b2", "c1")}
+    assert all(t.state == HELD for t in tickets.values())
+    order: list[str] = []
+    for n in range(1, 7):
         gate.kick()
-        assert b.state == HELD  # a still holds the only room
-        gate.done(a)
-        assert not a.reserved and a.state == LET_OUT
+        assert [k for k, t in tickets.items() if t.state == LET_OUT] == sorted(order)  # none without room
+        r.value = n  # room for one more (none is done)
         gate.kick()
-        assert b.state == LET_OUT and b.future is not None and b.future.done()
-        assert await gate.wait(b) == LET_OUT
-        gate.done(a)  # again: nothing more freed
-        c = gate.enter("pool", "c", 0, 10, S)
-        assert c.state == HELD  # b holds the room (had a's second done freed it, c would go at once)
-        gate.done(b)
+        new = [k for k, t in tickets.items() if t.state == LET_OUT and k not in order]
+        assert len(new) == 1
+        order += new
+    # the better class first; then a and b alternate (a first: its request is older); a's in order
+    assert order == ["c1", "a1", "b1", "a2", "b2", "a3"]
+    assert gate.held_count() == 0 and len(gate.queues["pool"]) == 0
+    assert all(t.future is not None and t.future.done() for t in tickets.values())
+    assert [await gate.wait(t) for t in tickets.values()] == [LET_OUT] * 6
+
+
+@gate_test(0)
+async def test_pools_are_held_and_let_out_apart(gate: FlowGate, r: Room, clock: Clock) -> None:
+    r.pools = {"full": 0, "free": 3}
+    x = gate.enter("full", "a", 0, 10, S)
+    y = gate.enter("free", "a", 0, 10, S)
+    assert x.state == HELD and y.state == LET_OUT
+    gate.kick()
+    assert x.state == HELD
+    r.pools["full"] = 1
+    gate.kick()
+    assert x.state == LET_OUT
+
+
+@gate_test(0)
+async def test_a_waiter_is_woken_by_kick(gate: FlowGate, r: Room, clock: Clock) -> None:
+    t = gate.enter("pool", "a", 0, 10, S)
+    waiting = asyncio.get_running_loop().create_task(gate.wait(t))
+    await asyncio.sleep(0)  # let it start waiting (a yield, not a delay)
+    assert not waiting.done()
+    r.value = 1
+    gate.kick()
+    assert await waiting == LET_OUT
+
+
+@gate_test(0)
+async def test_a_held_request_is_shed_at_its_wait_bound_and_counted(gate: FlowGate, r: Room, clock: Clock) -> None:
+    quick = RouteSettings(flow_control=True, flow_max_wait=0.05)
+    t = gate.enter("pool", "waiter", 0, 10, quick)
+    before, held_before = shed_count("waiter", 0, WAITED), held_gauge("pool", t)
+    started = time.monotonic()
+    assert await gate.wait(t) == WAITED  # the fake clock stands still: the bound is 0.05 s of real time
+    assert time.monotonic() - started >= 0.04
+    assert t.shed and not t.held and t.entry is None
+    assert shed_count("waiter", 0, WAITED) == before + 1
+    assert held_gauge("pool", t) == held_before - 1
+    assert gate.held_count() == 0
+    r.value = 1
+    gate.kick()
+    assert t.state == WAITED  # shed stays shed
+    gate.done(t)
+    assert t.state == WAITED
+    # past its bound already by the clock: shed without waiting for real time
+    late = gate.enter("pool", "waiter", 0, 10, RouteSettings(flow_control=True, flow_max_wait=5.0))
+    assert late.state == LET_OUT  # room 1 now
+    r.value = 0
+    gate.done(late)
+    t2 = gate.enter("pool", "waiter", 0, 10, RouteSettings(flow_control=True, flow_max_wait=5.0))
+    clock.now += 5.0
+    started = time.monotonic()
+    assert await gate.wait(t2) == WAITED
+    assert time.monotonic() - started < 1.0
+    assert shed_count("waiter", 0, WAITED) == before + 2
+
+
+@gate_test(0)
+async def test_a_full_queue_sheds_the_newcomer_or_the_newest_of_a_worse_class(
+        gate: FlowGate, r: Room, clock: Clock) -> None:
+    three = RouteSettings(flow_control=True, flow_max_wait=30.0, flow_max_queue=3)
+    two = RouteSettings(flow_control=True, flow_max_wait=30.0, flow_max_queue=2)
+    a1 = gate.enter("pool", "a", 0, 10, three)
+    a2 = gate.enter("pool", "a", 0, 10, three)
+    b1 = gate.enter("pool", "b", 0, 10, three)
+    r.value = 1
+    gate.kick()
+    assert a1.state == LET_OUT and a2.state == b1.state == HELD  # a (10) now served more than b (0)
+    before_c, before_a = shed_count("c", 0, QUEUE_FULL), shed_count("a", 0, QUEUE_FULL)
+    c1 = gate.enter("pool", "c", 0, 10, two)  # 2 held, 2 at most, none of a worse class: the newcomer goes
+    assert c1.state == QUEUE_FULL and c1.future is None and c1.shed and c1.entry is None
+    assert await gate.wait(c1) == QUEUE_FULL
+    assert shed_count("c", 0, QUEUE_FULL) == before_c + 1
+    assert gate.held_count() == 2
+    d1 = gate.enter("pool", "d", -1, 10, two)  # a better class: a's newest goes (a served most), not b's
+    assert d1.state == HELD
+    assert a2.state == QUEUE_FULL and a2.entry is None
+    assert a2.future is not None and a2.future.done()
+    assert await gate.wait(a2) == QUEUE_FULL
+    assert shed_count("a", 0, QUEUE_FULL) == before_a + 1
+    assert b1.state == HELD and gate.held_count() == 2
+    gate.done(a1)
+    gate.kick()
+    assert d1.state == LET_OUT and b1.state == HELD
+
+
+@gate_test(0)
+async def test_done_on_a_held_ticket_takes_it_out_as_gone(gate: FlowGate, r: Room, clock: Clock) -> None:
+    a = gate.enter("pool", "gone-tenant", 0, 10, S)
+    b = gate.enter("pool", "other", 0, 10, S)
+    gauge = held_gauge("pool", a)
+    gate.done(a)
+    assert a.state == GONE and not a.held and not a.shed and a.entry is None
+    assert held_gauge("pool", a) == gauge - 1
+    assert gate.held_count() == 1 and [h.value for h in gate.queues["pool"]] == [b]
+    assert await gate.wait(a) == GONE
+    r.value = 5
+    gate.kick()
+    assert a.state == GONE and b.state == LET_OUT
+    gate.done(a)  # again: nothing
+    assert a.state == GONE
+
+
+@gate_test(0)
+async def test_retry_after_is_the_held_ahead_at_the_recent_rate_out_within_1_to_60(
+        gate: FlowGate, r: Room, clock: Clock) -> None:
+    t0 = clock.now
+    tickets = [gate.enter("pool", f"t{i % 3}", 0, 10, S) for i in range(30)]
+    assert gate.retry_after(tickets[0]) == 60  # nothing let out yet: no rate
+    for i in range(10):  # one let out every 0.1 s
+        clock.now = t0 + i * 0.1
+        r.value = i + 1
         gate.kick()
-        assert c.state == LET_OUT
-        await gate.close()
+    clock.now = t0 + 1.0
+    assert gate.held_count() == 20
+    assert gate.retry_after(tickets[-1]) == 2  # 20 held at 10 let out per second over the last second
+    clock.now = t0 + 4.0  # the window still holds them all, the rate is lower: 10 in 4 s -> 8 s
+    assert gate.retry_after(tickets[-1]) == 8
+    clock.now = t0 + 11.0  # all older than 10 s: no rate
+    assert gate.retry_after(tickets[-1]) == 60
+    r.value = 100
+    clock.now = t0 + 12.0
+    gate.kick()  # all 20 at once: a high rate, nothing held
+    assert gate.held_count() == 0
+    assert gate.retry_after(tickets[-1]) == 1  # never 0
 
-    run(main)
 
-
-def test_a_newcomer_waits_behind_the_held_even_with_room() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(0)
-        a = gate.enter("pool", "a", 0, 10, S)
-        r.value = 5
-        b = gate.enter("pool", "b", 0, 10, S)
-        assert a.state == b.state == HELD  # something of the pool is held: no jumping it
+@gate_test(0)
+async def test_retry_after_is_capped_at_60(gate: FlowGate, r: Room, clock: Clock) -> None:
+    t0 = clock.now
+    tickets = [gate.enter("pool", "a", 0, 10, S) for _ in range(200)]
+    for i in range(2):
+        clock.now = t0 + i * 9.0
+        r.value = i + 1
         gate.kick()
-        assert a.state == b.state == LET_OUT
-        assert gate.held() == 0
-        await gate.close()
-
-    run(main)
-
-
-def test_kick_lets_out_what_there_is_room_for_in_fair_order() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(0)
-        tickets = {name: gate.enter("pool", name[0], -1 if name == "c1" else 0, 10, S)
-                   for name in ("a1", "a2", "a3", "b1", "b2", "c1")}
-        assert all(t.state == HELD for t in tickets.values())
-        order: list[str] = []
-        for n in range(1, 7):
-            gate.kick()
-            assert [k for k, t in tickets.items() if t.state == LET_OUT] == sorted(order)  # none without room
-            r.value = n  # room for one more (none is done)
-            gate.kick()
-            new = [k for k, t in tickets.items() if t.state == LET_OUT and k not in order]
-            assert len(new) == 1
-            order += new
-        # the better class first; then a and b alternate (a first: its request is older); a's in order
-        assert order == ["c1", "a1", "b1", "a2", "b2", "a3"]
-        assert gate.held() == 0 and len(gate.queues["pool"]) == 0
-        assert all(t.future is not None and t.future.done() for t in tickets.values())
-        assert [await gate.wait(t) for t in tickets.values()] == [LET_OUT] * 6
-        await gate.close()
-
-    run(main)
-
-
-def test_pools_are_held_and_let_out_apart() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(0)
-        r.pools = {"full": 0, "free": 3}
-        x = gate.enter("full", "a", 0, 10, S)
-        y = gate.enter("free", "a", 0, 10, S)
-        assert x.state == HELD and y.state == LET_OUT
-        gate.kick()
-        assert x.state == HELD
-        r.pools["full"] = 1
-        gate.kick()
-        assert x.state == LET_OUT
-        await gate.close()
-
-    run(main)
-
-
-def test_a_waiter_is_woken_by_kick() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(0)
-        t = gate.enter("pool", "a", 0, 10, S)
-        waiting = asyncio.get_running_loop().create_task(gate.wait(t))
-        await asyncio.sleep(0)  # let it start waiting (a yield, not a delay)
-        assert not waiting.done()
-        r.value = 1
-        gate.kick()
-        assert await waiting == LET_OUT
-        await gate.close()
-
-    run(main)
-
-
-def test_a_held_request_is_shed_at_its_wait_bound_and_counted() -> None:
-    async def main() -> None:
-        gate, r, clock = make_gate(0)
-        quick = RouteSettings(flow_control=True, flow_max_wait=0.05)
-        t = gate.enter("pool", "waiter", 0, 10, quick)
-        before, held_before = shed_count("waiter", 0, WAITED), held_gauge("pool", t)
-        started = time.monotonic()
-        assert await gate.wait(t) == WAITED  # the fake clock stands still: the bound is 0.05 s of real time
-        assert time.monotonic() - started >= 0.04
-        assert t.shed and not t.held and t.entry is None
-        assert shed_count("waiter", 0, WAITED) == before + 1
-        assert held_gauge("pool", t) == held_before - 1
-        assert gate.held() == 0
-        r.value = 1
-        gate.kick()
-        assert t.state == WAITED  # shed stays shed
-        gate.done(t)
-        assert t.state == WAITED
-        # past its bound already by the clock: shed without waiting for real time
-        late = gate.enter("pool", "waiter", 0, 10, RouteSettings(flow_control=True, flow_max_wait=5.0))
-        assert late.state == LET_OUT  # room 1 now
-        r.value = 0
-        gate.done(late)
-        t2 = gate.enter("pool", "waiter", 0, 10, RouteSettings(flow_control=True, flow_max_wait=5.0))
-        clock.now += 5.0
-        started = time.monotonic()
-        assert await gate.wait(t2) == WAITED
-        assert time.monotonic() - started < 1.0
-        assert shed_count("waiter", 0, WAITED) == before + 2
-        await gate.close()
-
-    run(main)
-
-
-def test_a_full_queue_sheds_the_newcomer_or_the_newest_of_a_worse_class() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(0)
-        three = RouteSettings(flow_control=True, flow_max_wait=30.0, flow_max_queue=3)
-        two = RouteSettings(flow_control=True, flow_max_wait=30.0, flow_max_queue=2)
-        a1 = gate.enter("pool", "a", 0, 10, three)
-        a2 = gate.enter("pool", "a", 0, 10, three)
-        b1 = gate.enter("pool", "b", 0, 10, three)
-        r.value = 1
-        gate.kick()
-        assert a1.state == LET_OUT and a2.state == b1.state == HELD  # a (10) now served more than b (0)
-        before_c, before_a = shed_count("c", 0, QUEUE_FULL), shed_count("a", 0, QUEUE_FULL)
-        c1 = gate.enter("pool", "c", 0, 10, two)  # 2 held, 2 at most, none of a worse class: the newcomer goes
-        assert c1.state == QUEUE_FULL and c1.future is None and c1.shed and c1.entry is None
-        assert await gate.wait(c1) == QUEUE_FULL
-        assert shed_count("c", 0, QUEUE_FULL) == before_c + 1
-        assert gate.held() == 2
-        d1 = gate.enter("pool", "d", -1, 10, two)  # a better class: a's newest goes (a served most), not b's
-        assert d1.state == HELD
-        assert a2.state == QUEUE_FULL and a2.entry is None
-        assert a2.future is not None and a2.future.done()
-        assert await gate.wait(a2) == QUEUE_FULL
-        assert shed_count("a", 0, QUEUE_FULL) == before_a + 1
-        assert b1.state == HELD and gate.held() == 2
-        gate.done(a1)
-        gate.kick()
-        assert d1.state == LET_OUT and b1.state == HELD
-        await gate.close()
-
-    run(main)
-
-
-def test_done_on_a_held_ticket_takes_it_out_as_gone() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(0)
-        a = gate.enter("pool", "gone-tenant", 0, 10, S)
-        b = gate.enter("pool", "other", 0, 10, S)
-        gauge = held_gauge("pool", a)
-        gate.done(a)
-        assert a.state == GONE and not a.held and not a.shed and a.entry is None
-        assert held_gauge("pool", a) == gauge - 1
-        assert gate.held() == 1 and [h.value for h in gate.queues["pool"]] == [b]
-        assert await gate.wait(a) == GONE
-        r.value = 5
-        gate.kick()
-        assert a.state == GONE and b.state == LET_OUT
-        gate.done(a)  # again: nothing
-        assert a.state == GONE
-        await gate.close()
-
-    run(main)
-
-
-def test_retry_after_is_the_held_ahead_at_the_recent_rate_out_within_1_to_60() -> None:
-    async def main() -> None:
-        gate, r, clock = make_gate(0)
-        t0 = clock.now
-        tickets = [gate.enter("pool", f"t{i % 3}", 0, 10, S) for i in range(30)]
-        assert gate.retry_after(tickets[0]) == 60  # nothing let out yet: no rate
-        for i in range(10):  # one let out every 0.1 s
-            clock.now = t0 + i * 0.1
-            r.value = i + 1
-            gate.kick()
-        clock.now = t0 + 1.0
-        assert gate.held() == 20
-        assert gate.retry_after(tickets[-1]) == 2  # 20 held at 10 let out per second over the last second
-        clock.now = t0 + 4.0  # the window still holds them all, the rate is lower: 10 in 4 s -> 8 s
-        assert gate.retry_after(tickets[-1]) == 8
-        clock.now = t0 + 11.0  # all older than 10 s: no rate
-        assert gate.retry_after(tickets[-1]) == 60
-        r.value = 100
-        clock.now = t0 + 12.0
-        gate.kick()  # all 20 at once: a high rate, nothing held
-        assert gate.held() == 0
-        assert gate.retry_after(tickets[-1]) == 1  # never 0
-        await gate.close()
-
-    run(main)
-
-
-def test_retry_after_is_capped_at_60() -> None:
-    async def main() -> None:
-        gate, r, clock = make_gate(0)
-        t0 = clock.now
-        tickets = [gate.enter("pool", "a", 0, 10, S) for _ in range(200)]
-        for i in range(2):
-            clock.now = t0 + i * 9.0
-            r.value = i + 1
-            gate.kick()
-        clock.now = t0 + 9.0  # 2 out in 9 s: 198 / 0.22 per s
-        assert gate.retry_after(tickets[-1]) == 60
-        await gate.close()
-
-    run(main)
+    clock.now = t0 + 9.0  # 2 out in 9 s: 198 / 0.22 per s
+    assert gate.retry_after(tickets[-1]) == 60
 
 
 
-def test_a_pools_weights_follow_the_settings() -> None:
-    async def main() -> None:
-        gate, r, _ = make_gate(1)
-        gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 2.0),)))
-        assert gate.queues["pool"].weights == {"a": 2.0}
-        gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 4.0),)))
-        assert gate.queues["pool"].weights == {"a": 4.0}
-        await gate.close()
-
-    run(main)
+@gate_test(1)
+async def test_a_pools_weights_follow_the_settings(gate: FlowGate, r: Room, clock: Clock) -> None:
+    gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 2.0),)))
+    assert gate.queues["pool"].weights == {"a": 2.0}
+    gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 4.0),)))
+    assert gate.queues["pool"].weights == {"a": 4.0}
 
 
 # --- vLLM's priority field (extproc.core.priority, written by decide) ---------------------------

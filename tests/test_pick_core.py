@@ -199,10 +199,8 @@ def test_in_flight_is_own_requests_plus_what_the_scrape_saw_from_others() -> Non
     t.scraped(A, Sample(running=5, waiting=1, kv_usage=0.5, capacity_tokens=1000), own_at_scrape=2)
     t.assign(A)  # a burst after the scrape counts at once
     assert t.snapshot().by_address()[A].in_flight == 3 + 4
-    t.release(A)
-    t.release(A)
-    t.release(A)
-    t.release(A)  # never below zero
+    for _ in range(4):
+        t.release(A, 0, now=1.0)  # the fourth: never below zero
     assert t.snapshot().by_address()[A].in_flight == 4
     t.scraped(B, None, 0, refused=False)
     t.scraped(B, None, 0, refused=False)

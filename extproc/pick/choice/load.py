@@ -87,7 +87,7 @@ class LoadTracker:
                 r.own_prefill += prefill_tokens
             self._refresh(address)
 
-    def release(self, address: str, prefill_tokens: int = 0, now: float = 0.0) -> None:
+    def release(self, address: str, prefill_tokens: int, now: float) -> None:
         """One of this router's requests on ``address`` ended at ``now``: what is left queued is at most
         what its requests still in flight brought. The cap applies to the backlog drained until now,
         and the drain restarts from now: capping the stored figure and then draining it again from its

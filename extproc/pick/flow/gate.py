@@ -164,7 +164,8 @@ class FlowGate:
                 assert ticket.future is not None  # held tickets have one
                 ticket.future.set_result(None)
 
-    def held(self) -> int:
+    def held_count(self) -> int:
+        """How many requests the gate holds, over every pool."""
         return sum(map(len, self.queues.values()))
 
     async def close(self) -> None:

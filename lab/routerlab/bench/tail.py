@@ -120,7 +120,7 @@ def queue_estimates(requests: Sequence[Placed], token_scale: float, rate: float)
             out[r.rid] = float(tracker.snapshot(at).by_address()[r.replica].backlog_tokens)
             tracker.assign(r.replica, prefill, at)
         else:
-            tracker.release(r.replica, prefill)
+            tracker.release(r.replica, prefill, at)
     return out
 
 
