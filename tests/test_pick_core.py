@@ -265,6 +265,28 @@ def test_a_scrape_of_requests_waiting_puts_a_floor_under_the_queue() -> None:
     assert t.snapshot(now=32.0).by_address()[A].backlog_tokens == 13000
 
 
+def test_the_wait_for_first_tokens_puts_a_floor_under_the_queue() -> None:
+    """vLLM's V1 scheduler runs a request whose prefill has barely begun, so nothing says it waits: the
+    requests that had their first token since the last scrape waited 12 s on average, one prefill of
+    5000 tokens (1000 a second) of it their own, so 7000 tokens are still queued at least."""
+    t = LoadTracker(prefill_tokens_per_s=1000)
+    t.set_addresses([A])
+    for _ in range(4):
+        t.assign(A, 5000, now=0.0)
+    page = lambda seconds, count: Sample(4, 0, 0.1, 0, ttft_seconds=seconds, first_tokens=count)  # noqa: E731
+    t.scraped(A, page(3.0, 1), own_at_scrape=4, now=30.0)  # the first page: no interval yet
+    assert t.snapshot(now=30.0).by_address()[A].backlog_tokens == 0
+    t.scraped(A, page(27.0, 3), own_at_scrape=4, now=31.0)  # two first tokens after 24 s in all
+    assert t.snapshot(now=31.0).by_address()[A].backlog_tokens == 7000
+    assert t.snapshot(now=32.0).by_address()[A].backlog_tokens == 6000  # draining from then
+    t.scraped(A, page(27.0, 3), own_at_scrape=4, now=32.0)  # no first token since: no floor
+    assert t.snapshot(now=33.0).by_address()[A].backlog_tokens == 5000
+    t.scraped(A, page(29.0, 4), own_at_scrape=4, now=33.0)  # one, quick: under the estimate, no cut
+    assert t.snapshot(now=33.0).by_address()[A].backlog_tokens == 5000
+    t.scraped(A, page(0.5, 1), own_at_scrape=4, now=34.0)  # the counters went back (a restart): no floor
+    assert t.snapshot(now=34.0).by_address()[A].backlog_tokens == 4000
+
+
 def test_speed_is_measured_from_the_counters_over_windows_and_survives_a_restart() -> None:
     speed = Speed()
     page = lambda tokens, seconds, done, running=4.0: Sample(running, 0, 0, 0, prefill_tokens=tokens,  # noqa: E731
@@ -307,8 +329,11 @@ def test_parse_metrics_reads_the_simulators_real_page() -> None:
     m.prompt_tokens.inc(1200)
     m.prefill_computed.observe(1000)
     m.prefill_time.observe(0.05)
+    m.ttft.observe(0.25)
+    m.ttft.observe(0.5)
     sample = parse_metrics(m.render().decode())
     assert (sample.prompt_tokens, sample.prefill_tokens, sample.prefill_seconds) == (1200, 1000, 0.05)
+    assert (sample.first_tokens, sample.ttft_seconds) == (2, 0.75)
     assert (sample.running, sample.waiting, sample.kv_usage) == (3, 2, 0.4)
     assert sample.requests_done == 3  # every finish reason (the eviction forecast's requests)
     assert sample.capacity_tokens == profile.num_blocks * profile.block_size and sample.seen
@@ -398,6 +423,7 @@ def test_parse_metrics_reads_a_real_vllm_page() -> None:
     assert (sample.running, sample.waiting) == (1.0, 0.0)  # not vllm:num_requests_waiting_by_reason
     assert sample.capacity_tokens == 167 * 128 and 0 < sample.kv_usage < 1 and sample.seen
     assert (sample.prefill_tokens, round(sample.prefill_seconds, 3)) == (85600.0, 5.672)  # the histograms' sums
+    assert (sample.first_tokens, round(sample.ttft_seconds, 3)) == (95.0, 10.232)
     assert sample.prompt_tokens == 250464.0 == sample.prefill_tokens + sample.prefix_cache_hits
 
 

@@ -16,7 +16,8 @@ the tokens the replica must compute for it, and the backlog drains at the replic
 prefill rate (a fluid queue, which is how vLLM's FCFS chunked prefill works off it; the rate
 measured from its counters, extproc.pick.choice.speed, the configured one until then),
 never above what this router's requests still in flight brought, and at each scrape never below
-the prefill of as many of them as the replica says are waiting unstarted. A replica busy
+the prefill of as many of them as the replica says are waiting unstarted, nor below the wait its
+requests lately had for their first token (see ``_anchor``). A replica busy
 prefilling a cold 8k-token prompt is busy for that long, however few requests it holds.
 
 No I/O and no clock here: callers pass ``now`` (seconds, monotonic).
@@ -136,12 +137,20 @@ class LoadTracker:
         self._refresh(address)
 
     def _anchor(self, r: _Replica, sample: Sample, now: float) -> None:
-        """The replica says how many requests wait unstarted: at least that many of this router's
-        requests' prefill is still queued there. A fluid estimate drifts (a prefill rate measured low
-        or high, prompts it sized wrong); the waiting gauge puts a floor under it at every scrape."""
-        if not self.prefill_rate or not r.own or sample.waiting <= 0:
+        """Two floors under the estimate at every scrape, as a fluid estimate drifts (a prefill rate
+        measured a little high, prompts sized wrong):
+
+        - the replica says how many requests wait unstarted: at least that many of this router's
+          requests' prefill is still queued there;
+        - the requests that had their first token since the last scrape waited ``recent_ttft`` on
+          average, one average prefill of its own included: what the rest of that wait took at its
+          prefill rate is still queued. vLLM's V1 scheduler admits a request into the running batch
+          as soon as a step has any of its token budget left, so a request whose prefill has barely
+          begun is running, not waiting, and the first floor alone missed seconds of queue."""
+        if not self.prefill_rate or not r.own:
             return
-        floor = min(sample.waiting, r.own) * r.own_prefill / r.own
+        own_prefill = r.own_prefill / r.own
+        floor = max(min(sample.waiting, r.own) * own_prefill, r.speed.recent_ttft * self._rate(r) - own_prefill)
         drained = self._drained(r, now)
         if floor > drained:
             r.backlog, r.backlog_at = floor, now

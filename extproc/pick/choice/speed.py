@@ -10,6 +10,9 @@ counters vLLM exports (a replica that does not export them keeps the configured 
                    running gauge, averaged over the scrapes of a window) over the requests it
                    finished per second in that window (vllm:request_success_total)
 
+and one latency: the mean time to first token of the requests that had theirs between its last two
+scrapes (vllm:time_to_first_token_seconds), which says how long requests have lately waited there.
+
 Each is measured over windows long enough to hold several requests and smoothed, so one slow
 request does not swing it; a counter that goes back (a restarted replica) starts a new window.
 """
@@ -36,17 +39,27 @@ class Speed:
 
     prefill_rate: float = 0.0
     request_s: float = 0.0
+    recent_ttft: float = 0.0  # mean time to first token since the scrape before (0: none had one)
     _tokens: float = -1.0  # prefill tokens and seconds at the start of the rate window (-1: none)
     _prefill_s: float = 0.0
     _done: float = -1.0  # finished requests at the start of the request-time window (-1: none)
     _since: float = 0.0
     _running_sum: float = 0.0  # running gauge summed over the window's scrapes
     _scrapes: int = 0
+    _ttft: tuple[float, float] | None = None  # the last scrape's TTFT sum and count
+
 
     def update(self, sample: Sample, now: float) -> None:
         """A scrape's sample, taken at ``now`` (seconds, monotonic)."""
         self._rate(sample)
         self._request_time(sample, now)
+        self._recent_ttft(sample)
+
+    def _recent_ttft(self, s: Sample) -> None:
+        before, self._ttft = self._ttft, (s.ttft_seconds, s.first_tokens)
+        count = s.first_tokens - before[1] if before is not None else 0.0
+        seconds = s.ttft_seconds - before[0] if before is not None else 0.0
+        self.recent_ttft = seconds / count if count > 0 and seconds >= 0 else 0.0
 
     def _rate(self, s: Sample) -> None:
         tokens, seconds = s.prefill_tokens - self._tokens, s.prefill_seconds - self._prefill_s

@@ -65,3 +65,5 @@ class Sample:
     max_lora: int = 0
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
+    ttft_seconds: float = 0.0  # vllm:time_to_first_token_seconds_sum (arrival to first token)
+    first_tokens: float = 0.0  # vllm:time_to_first_token_seconds_count

@@ -31,6 +31,8 @@ SUCCESS: Final = "vllm:request_success_total"
 PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"
 PREFILL_TOKENS: Final = "vllm:request_prefill_kv_computed_tokens_sum"
 PREFILL_SECONDS: Final = "vllm:request_prefill_time_seconds_sum"
+TTFT_SECONDS: Final = "vllm:time_to_first_token_seconds_sum"
+FIRST_TOKENS: Final = "vllm:time_to_first_token_seconds_count"
 LORA_INFO: Final = "vllm:lora_requests_info"
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -43,12 +45,14 @@ def _value(line: str) -> float:
 
 
 # The families summed over engines (KV usage is averaged, cache_config_info read for its labels).
-_SUMMED: Final = (RUNNING, WAITING, CACHE_HITS, SUCCESS, PROMPT_TOKENS, PREFILL_TOKENS, PREFILL_SECONDS)
+_SUMMED: Final = (RUNNING, WAITING, CACHE_HITS, SUCCESS, PROMPT_TOKENS, PREFILL_TOKENS, PREFILL_SECONDS,
+                  TTFT_SECONDS, FIRST_TOKENS)
 
 
 def parse_metrics(text: str) -> Sample:
-    """Sum over engines of the load gauges, cache hits, finished requests, prompt tokens, and the
-    prompt tokens computed and seconds spent in prefill by finished requests; KV usage is the mean;
+    """Sum over engines of the load gauges, cache hits, finished requests, prompt tokens, the
+    prompt tokens computed and seconds spent in prefill by finished requests, and the time to first
+    token of the requests that had theirs (sum and count); KV usage is the mean;
     capacity from cache_config_info; the LoRA adapters running and waiting from lora_requests_info.
 
     ``seen`` is False when the text has no vLLM load gauges (then the load is unknown, 0)."""
@@ -83,7 +87,7 @@ def parse_metrics(text: str) -> Sample:
     max_lora, running, waiting = _adapters([labels for _, labels in lora.values()])
     return Sample(sums[RUNNING], sums[WAITING], usage / engines if engines else 0.0, capacity, seen, sums[CACHE_HITS],
                   block_size, sums[SUCCESS], sums[PROMPT_TOKENS], sums[PREFILL_TOKENS], sums[PREFILL_SECONDS],
-                  max_lora, running, waiting)
+                  max_lora, running, waiting, sums[TTFT_SECONDS], sums[FIRST_TOKENS])
 
 
 def _adapters(samples: list[dict[str, str]]) -> tuple[int, frozenset[str], frozenset[str]]:
