@@ -175,7 +175,8 @@ REPLICA_LOAD = Gauge(
     "prefix_router_replica_load",
     "Per replica: in_flight (the estimate the choice uses), own (this router's open requests), "
     "running, waiting and kv_usage (last scrape), backlog_tokens (prefill estimated queued), "
-    "prefill_tokens_per_s (measured, else configured) and request_seconds (measured; 0: not yet)",
+    "prefill_tokens_per_s (measured, else configured), request_seconds (measured; 0: not yet) and "
+    "recent_ttft_seconds (mean time to first token between its last two scrapes; 0: none)",
     ["replica", "kind"],
     registry=REGISTRY,
 )

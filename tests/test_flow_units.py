@@ -101,7 +101,40 @@ def test_a_tenant_idle_for_long_gets_no_burst_of_credit() -> None:
     assert out == ["idle", "busy"] * 5
 
 
-def test_a_newly_backlogged_tenant_with_none_waiting_starts_at_the_counter_served_last() -> None:
+def test_a_burst_allowance_lets_a_tenant_back_from_idle_go_first_for_that_many_tokens() -> None:
+    q: FairQueue[str] = FairQueue(100, burst=30)
+    for i in range(6):
+        q.push(held("flood", value=f"f{i}"))
+    assert q.pop().value == "f0"  # type: ignore[union-attr]  # flood at 10
+    for i in range(4):
+        q.push(held("steady", value=f"s{i}"))
+    assert q.counters["steady"] == q.counters["flood"] - 30  # lifted to the smallest waiting, less the allowance
+    # 30 tokens of credit: three requests before flood's next; the tie at 10 goes to flood, served less
+    assert drain(q) == ["s0", "s1", "s2", "f1", "s3", "f2", "f3", "f4", "f5"]
+    strict: FairQueue[str] = FairQueue(100)
+    for i in range(3):
+        strict.push(held("flood", value=f"f{i}"))
+    strict.pop()
+    for i in range(2):
+        strict.push(held("steady", value=f"s{i}"))
+    assert drain(strict) == ["s0", "f1", "s1", "f2"]  # no allowance: they alternate
+
+
+def test_credit_never_lowers_the_service_level_so_it_cannot_pile_up() -> None:
+    q: FairQueue[str] = FairQueue(100, burst=30)
+    q.charge("a", 100)  # a back from idle at 0 - 30: 70, the level
+    assert q.counters["a"] == 70
+    q.charge("b", 10)  # lifted to 70 - 30: 50; the level stays 70
+    assert q.counters["b"] == 50
+    q.charge("c", 10)  # lifted from the level, not from b's lower counter
+    assert q.counters["c"] == 50
+    for _ in range(50):  # a uses twice b's service; b is never more than the allowance behind
+        q.charge("a", 20)
+        q.charge("b", 10)
+        assert q.counters["a"] - q.counters["b"] <= 30 + 10
+
+
+def test_a_newly_backlogged_tenant_with_none_waiting_starts_at_the_fleets_service_level() -> None:
     q: FairQueue[str] = FairQueue(100)
     q.charge("a", 30)
     q.charge("b", 5)  # b is lifted to a's 30 first: 35
@@ -109,7 +142,7 @@ def test_a_newly_backlogged_tenant_with_none_waiting_starts_at_the_counter_serve
     q.push(held("new"))
     assert q.counters["new"] == 35
     q.pop()
-    q.push(held("a"))  # a (30) is lifted to the counter served last: new's 45
+    q.push(held("a"))  # a (30) is lifted to the highest counter served: new's 45
     assert q.counters["a"] == 45
     other: FairQueue[str] = FairQueue(100)
     other.push(held("w"))  # waiting at 0: the floor

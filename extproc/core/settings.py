@@ -74,6 +74,8 @@ class RouteSettings:
     flow_in_flight: int = 0  # ... or this many requests in flight (0: max_num_seqs)
     flow_max_wait: float = 10.0  # seconds a request may be held; then 429 (keep under Envoy's max_message_timeout)
     flow_max_queue: int = 1024  # requests held per pool at most; beyond it the lowest priority is shed
+    # tokens a tenant back from idle may be behind those waiting: a burst of a tenant under its share goes first
+    flow_burst_tokens: int = 0
     priority: int = 0  # the route's priority class: lower is served first (vLLM's convention)
     priority_header: str = ""  # a header the mesh sets that overrides ``priority`` per request; "": none trusted
     vllm_priority: bool = False  # write the priority class into the body as vLLM's ``priority`` (ext_proc only)
@@ -369,6 +371,7 @@ SPECS: Final[dict[str, _Spec]] = {
                             "an integer in 1..1000000 (requests in flight per replica), or 0 for max_num_seqs"),
     "flow_max_wait": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),
     "flow_max_queue": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (requests held per pool)"),
+    "flow_burst_tokens": _Spec(_number_in(int, 0, 100_000_000), "an integer in 0..100000000 (tokens)"),
     "priority": _Spec(_number_in(int, -1000, 1000), "an integer in -1000..1000 (lower is served first)"),
     "priority_header": _Spec(_optional(_header_name), "a lower-case HTTP header name, or empty for none"),
     "vllm_priority": _Spec(_switch, "on or off"),

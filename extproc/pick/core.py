@@ -42,7 +42,7 @@ class Share(Protocol):
 
 
 LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage", "backlog_tokens", "prefill_tokens_per_s",
-                     "request_seconds")
+                     "request_seconds", "recent_ttft_seconds")
 PICK_REASONS: Final = (*REASONS, NO_MODEL, UNKNOWN_MODEL)
 _PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in PICK_REASONS}  # every series from 0
 

@@ -103,10 +103,11 @@ class LoadTracker:
                 r.backlog_at = now
             self._refresh(address)
 
-    def speed(self, address: str) -> tuple[float, float]:
-        """Its prefill rate (tokens/s: measured, else configured) and measured request time (s, 0: not yet)."""
+    def speed(self, address: str) -> tuple[float, float, float]:
+        """Its prefill rate (tokens/s: measured, else configured), measured request time (s, 0: not
+        yet) and the mean time to first token between its last two scrapes (s, 0: none had one)."""
         r = self._replicas.get(address)
-        return (self._rate(r), r.speed.request_s) if r else (self.prefill_rate, 0.0)
+        return (self._rate(r), r.speed.request_s, r.speed.recent_ttft) if r else (self.prefill_rate, 0.0, 0.0)
 
     def _rate(self, r: _Replica) -> float:
         """Its prefill rate: measured once it has been, else the configured one."""

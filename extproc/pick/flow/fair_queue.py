@@ -6,7 +6,10 @@ number, vLLM's convention); within a class, from the tenant with the smallest vi
 A tenant's counter grows by the tokens each of its requests is served, divided by its weight, so a
 tenant that floods is served no more than its share while others wait. A tenant that becomes
 backlogged has its counter lifted to the smallest counter of those waiting (or, with none waiting,
-to that of the tenant served last): idle time is not banked as credit for a later burst. Equal
+to the highest a tenant served reached), less ``burst`` tokens: idle time is banked as credit for a later
+burst only up to ``burst`` (0: not at all, as in the paper), so a tenant that sends under its share
+in bursts has each burst served before a tenant that floods, and none is ever more than ``burst``
+(and one request) ahead of its share over any time. Equal
 counters (a lifted tenant ties the one it was lifted to) go to the tenant served less in all
 (its tokens over its weight, never lifted): a steady tenant's request goes before the next one of
 a tenant that floods, not after it.
@@ -45,14 +48,15 @@ class Held(Generic[T]):
 class FairQueue(Generic[T]):
     """Held requests in priority classes and tenants; ``limit``: how many it holds at most."""
 
-    def __init__(self, limit: int, weights: Mapping[str, float] | None = None) -> None:
+    def __init__(self, limit: int, weights: Mapping[str, float] | None = None, burst: float = 0.0) -> None:
         self.limit = limit
+        self.burst = burst
         self.weights = dict(weights or {})
         self.counters: dict[str, float] = {}
         self.served: dict[str, float] = {}  # each tenant's tokens over its weight, never lifted: ties
         self._bands: dict[int, dict[str, deque[Held[T]]]] = {}  # priority -> tenant -> oldest first
         self._waiting: dict[str, int] = {}  # tenant -> its held requests (every class)
-        self._last_served = 0.0  # the counter of the tenant served last
+        self._level = 0.0  # the highest counter a served tenant reached: the fleet's service level
         self._seq = itertools.count()
         self._len = 0
 
@@ -69,10 +73,11 @@ class FairQueue(Generic[T]):
         return {p: sum(map(len, band.values())) for p, band in self._bands.items()}
 
     def _lift(self, tenant: str) -> None:
-        """A tenant not waiting until now starts no lower than the fleet's current service level."""
+        """A tenant not waiting until now starts no lower than the fleet's current service level, less
+        the burst allowance."""
         if self._waiting.get(tenant):
             return
-        floor = min((self.counters[t] for t, n in self._waiting.items() if n), default=self._last_served)
+        floor = min((self.counters[t] for t, n in self._waiting.items() if n), default=self._level) - self.burst
         if tenant not in self.counters:
             if len(self.counters) >= _PRUNE_AT:
                 self._prune()  # before this tenant has a counter: never its own
@@ -86,7 +91,7 @@ class FairQueue(Generic[T]):
         share = tokens / self.weights.get(tenant, 1.0)
         self.counters[tenant] += share
         self.served[tenant] = self.served.get(tenant, 0.0) + share
-        self._last_served = self.counters[tenant]
+        self._level = max(self._level, self.counters[tenant])  # a credit never lowers the level
 
     def push(self, held: Held[T]) -> Held[T] | None:
         """Hold ``held``; returns the request shed to make room (``held`` itself, or one of a worse

@@ -85,7 +85,7 @@ class FlowGate:
         queue = self.queues.get(pool)
         if queue is None:
             queue = self.queues[pool] = FairQueue(settings.flow_max_queue)
-        queue.limit = settings.flow_max_queue
+        queue.limit, queue.burst = settings.flow_max_queue, settings.flow_burst_tokens
         if self._weights.get(pool) != settings.tenant_weights:  # the last request's route's weights
             self._weights[pool] = settings.tenant_weights
             queue.weights = dict(settings.tenant_weights)
