@@ -102,22 +102,28 @@ def test_a_tenant_idle_for_long_gets_no_burst_of_credit() -> None:
 
 
 def test_a_burst_allowance_lets_a_tenant_back_from_idle_go_first_for_that_many_tokens() -> None:
+    def run(burst: int) -> list[str]:
+        q: FairQueue[str] = FairQueue(100, burst=burst)
+        for i in range(10):
+            q.push(held("flood", value=f"f{i}"))
+        for _ in range(5):
+            q.pop()  # the flood has been served 50 tokens
+        for i in range(4):
+            q.push(held("steady", value=f"s{i}"))
+        return drain(q)
+
+    # 30 tokens of credit below the flood's counter (and the level): three requests go first, and the
+    # fourth wins the tie, served less
+    assert run(30) == ["s0", "s1", "s2", "s3", "f5", "f6", "f7", "f8", "f9"]
+    assert run(0) == ["s0", "f5", "s1", "f6", "s2", "f7", "s3", "f8", "f9"]  # no allowance: they alternate
+
+
+def test_credit_does_not_cascade_through_newcomers_while_others_wait_with_it() -> None:
     q: FairQueue[str] = FairQueue(100, burst=30)
-    for i in range(6):
-        q.push(held("flood", value=f"f{i}"))
-    assert q.pop().value == "f0"  # type: ignore[union-attr]  # flood at 10
-    for i in range(4):
-        q.push(held("steady", value=f"s{i}"))
-    assert q.counters["steady"] == q.counters["flood"] - 30  # lifted to the smallest waiting, less the allowance
-    # 30 tokens of credit: three requests before flood's next; the tie at 10 goes to flood, served less
-    assert drain(q) == ["s0", "s1", "s2", "f1", "s3", "f2", "f3", "f4", "f5"]
-    strict: FairQueue[str] = FairQueue(100)
-    for i in range(3):
-        strict.push(held("flood", value=f"f{i}"))
-    strict.pop()
-    for i in range(2):
-        strict.push(held("steady", value=f"s{i}"))
-    assert drain(strict) == ["s0", "f1", "s1", "f2"]  # no allowance: they alternate
+    q.charge("x", 130)  # the level: 100
+    for tenant in "abcdef":  # each arrives while the ones before it wait, below the level with credit
+        q.push(held(tenant))
+        assert q.counters[tenant] == 70  # the level less 30, not the last newcomer's less 30 again
 
 
 def test_credit_never_lowers_the_service_level_so_it_cannot_pile_up() -> None:

@@ -6,7 +6,8 @@ number, vLLM's convention); within a class, from the tenant with the smallest vi
 A tenant's counter grows by the tokens each of its requests is served, divided by its weight, so a
 tenant that floods is served no more than its share while others wait. A tenant that becomes
 backlogged has its counter lifted to the smallest counter of those waiting (or, with none waiting,
-to the highest a tenant served reached), less ``burst`` tokens: idle time is banked as credit for a later
+to the highest a tenant served reached); with a ``burst`` allowance, to the higher of the two less
+``burst`` tokens: idle time is banked as credit for a later
 burst only up to ``burst`` (0: not at all, as in the paper), so a tenant that sends under its share
 in bursts has each burst served before a tenant that floods, and none is ever more than ``burst``
 (and one request) ahead of its share over any time. Equal
@@ -77,7 +78,9 @@ class FairQueue(Generic[T]):
         the burst allowance."""
         if self._waiting.get(tenant):
             return
-        floor = min((self.counters[t] for t, n in self._waiting.items() if n), default=self._level) - self.burst
+        floor = min((self.counters[t] for t, n in self._waiting.items() if n), default=self._level)
+        if self.burst:  # those waiting with credit are below the level: a credit counts from the level, never from them
+            floor = max(floor, self._level) - self.burst
         if tenant not in self.counters:
             if len(self.counters) >= _PRUNE_AT:
                 self._prune()  # before this tenant has a counter: never its own
