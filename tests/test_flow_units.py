@@ -465,7 +465,7 @@ class Clock:
         return self.now
 
 
-S = RouteSettings(flow_control=True, flow_max_wait=30.0)
+S = RouteSettings(flow_control=True, flow_max_wait=30.0, flow_burst_tokens=0)  # strict VTC: counters by hand
 
 
 GateBody = Callable[[FlowGate, "Room", "Clock"], Coroutine[Any, Any, None]]
@@ -708,11 +708,11 @@ async def test_retry_after_is_capped_at_60(gate: FlowGate, r: Room, clock: Clock
 
 
 @gate_test(1)
-async def test_a_pools_weights_follow_the_settings(gate: FlowGate, r: Room, clock: Clock) -> None:
+async def test_a_pools_weights_and_burst_follow_the_settings(gate: FlowGate, r: Room, clock: Clock) -> None:
     gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 2.0),)))
-    assert gate.queues["pool"].weights == {"a": 2.0}
-    gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 4.0),)))
-    assert gate.queues["pool"].weights == {"a": 4.0}
+    assert gate.queues["pool"].weights == {"a": 2.0} and gate.queues["pool"].burst == 65536  # the default
+    gate.enter("pool", "a", 0, 10, RouteSettings(flow_control=True, tenant_weights=(("a", 4.0),), flow_burst_tokens=7))
+    assert gate.queues["pool"].weights == {"a": 4.0} and gate.queues["pool"].burst == 7
 
 
 # --- vLLM's priority field (extproc.core.priority, written by decide) ---------------------------

@@ -75,7 +75,8 @@ class RouteSettings:
     flow_max_wait: float = 10.0  # seconds a request may be held; then 429 (keep under Envoy's max_message_timeout)
     flow_max_queue: int = 1024  # requests held per pool at most; beyond it the lowest priority is shed
     # tokens a tenant back from idle may be behind those waiting: a burst of a tenant under its share goes first
-    flow_burst_tokens: int = 0
+    # (65536: measured on noisy-tenant, docs/results/overload)
+    flow_burst_tokens: int = 65536
     priority: int = 0  # the route's priority class: lower is served first (vLLM's convention)
     priority_header: str = ""  # a header the mesh sets that overrides ``priority`` per request; "": none trusted
     vllm_priority: bool = False  # write the priority class into the body as vLLM's ``priority`` (ext_proc only)
