@@ -48,7 +48,6 @@ class Speed:
     _scrapes: int = 0
     _ttft: tuple[float, float] | None = None  # the last scrape's TTFT sum and count
 
-
     def update(self, sample: Sample, now: float) -> None:
         """A scrape's sample, taken at ``now`` (seconds, monotonic)."""
         self._rate(sample)

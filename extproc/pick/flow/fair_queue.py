@@ -7,13 +7,12 @@ A tenant's counter grows by the tokens each of its requests is served, divided b
 tenant that floods is served no more than its share while others wait. A tenant that becomes
 backlogged has its counter lifted to the smallest counter of those waiting (or, with none waiting,
 to the highest a tenant served reached); with a ``burst`` allowance, to the higher of the two less
-``burst`` tokens: idle time is banked as credit for a later
-burst only up to ``burst`` (0: not at all, as in the paper), so a tenant that sends under its share
-in bursts has each burst served before a tenant that floods, and none is ever more than ``burst``
-(and one request) ahead of its share over any time. Equal
-counters (a lifted tenant ties the one it was lifted to) go to the tenant served less in all
-(its tokens over its weight, never lifted): a steady tenant's request goes before the next one of
-a tenant that floods, not after it.
+``burst`` tokens. So idle time is banked as credit for a later burst only up to ``burst`` (0: not at
+all, as in the paper): a tenant that sends under its share in bursts has each burst served before a
+tenant that floods, and none is ever more than ``burst`` (and one request) ahead of its share. Equal
+counters (a lifted tenant ties the one it was lifted to) go to the tenant served less in all (its
+tokens over its weight, never lifted): a steady tenant's request goes before the next one of a
+tenant that floods, not after it.
 
 Every request is charged, held or not (``charge``), so when saturation starts the counters already
 say who has been using the fleet. A full queue sheds the newest request of the worst class (of its
