@@ -212,3 +212,18 @@ def test_noisy_tenant_quick_loses_nothing_and_reports_each_tenant_before_during_
     assert flow["at_once"] + flow["held"] == report.arms["prefix-pick-flow"]["ok"]
     assert flow["shed"] == report.arms["prefix-pick-flow"]["shed"]
     assert report.load["mode"] == "scheduled"
+
+
+def test_noisy_tenant_quick_two_routers_losing_their_redis_at_the_flood_lose_nothing(tmp_path: Path) -> None:
+    """The drill for several routers: two flow-control routers share their requests in flight over Redis, and
+    the Redis is killed as the flood starts. Each goes on with its own queue: every request is served or
+    answered 429, both routers counted what they let out, and the report splits the run at the loss."""
+    report = run_bench(BenchConfig(scenario="noisy-tenant", quick=True, out=tmp_path, plots=False,
+                                   arms=["prefix-pick-flow-2routers-shared"], params={"redis_lost_at_s": 4.0}))
+    arm = report.arms["prefix-pick-flow-2routers-shared"]
+    assert set(arm["errors"]) <= {"http 429"}, arm["errors"]
+    assert arm["ok"] + arm["shed"] == arm["requests"]  # none lost
+    assert [row["phase"] for row in arm["timeline"]] == ["start", "after Redis lost"]
+    assert arm["timeline"][0]["to_s"] == 4.0 and arm["timeline"][1]["ok"] > 0  # served after the loss
+    assert arm["flow"]["at_once"] + arm["flow"]["held"] == arm["ok"]  # summed over both routers
+    assert arm["flow"]["shed"] == arm["shed"]

@@ -38,7 +38,8 @@ from extproc.pick.views.precise import PreciseView
 from routerlab.assets import TINY_BYTELEVEL
 from routerlab.bench.arms import ARMS, RunningArm
 from routerlab.bench.backends import SimBackend
-from routerlab.bench.scenarios import FleetSpec
+from routerlab.bench.runner import apply_event
+from routerlab.bench.scenarios import FleetEvent, FleetSpec
 from routerlab.harness.procs import Process, free_ports, redis_server, wait_until
 
 from support import metric, send
@@ -376,5 +377,13 @@ def test_two_routers_behind_envoy_hear_every_pick_of_the_other() -> None:
             wait_until(lambda: all(metric(p, "prefix_router_in_flight_sharing_delay_seconds_count") >= 2
                                    for p in ports), 10, "each router to time the other's heartbeats")
             assert all(0 < metric(p, "prefix_router_in_flight_sharing_delay_seconds_sum") for p in ports)
+            # the drill's event: the Redis killed, each router forgets the other and routes on alone
+            apply_event(arm, fleet.urls, FleetEvent(0.0, "redis-lost", 0))
+            assert not arm.redis.alive()
+            wait_until(lambda: all(metric(p, "prefix_router_in_flight_sharing_peers") == 0 for p in ports), 15,
+                       "each router to forget the other")
+            alone = [send(port, body=json.dumps({"model": "sim-tiny", "max_tokens": 2, "messages": [
+                {"role": "user", "content": f"after the loss {i}"}]}).encode()).status for i in range(4)]
+            assert alone == [200] * 4
     finally:
         fleet.stop()

@@ -219,6 +219,10 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
         running.restart_router(event.replica)
         snapshot["restart_s"] = round(time.monotonic() - started, 3)
         return snapshot
+    if event.action == "redis-lost":  # killed; an arm whose routers share nothing has none to lose
+        if running.redis is not None:
+            running.redis.stop(grace=0)
+        return None
     if event.action == "reset_cache":  # the process goes on, its prefix cache emptied (AllBlocksCleared)
         sim_control(urls[event.replica], reset_cache=True)
         return None
@@ -237,6 +241,8 @@ def apply_event(running: arms_mod.RunningArm, urls: Sequence[str], event: FleetE
 
 
 def _event_label(e: FleetEvent) -> str:
+    if e.action == "redis-lost":
+        return "Redis lost"
     return f"router {e.replica} restart" if e.action == "router-restart" else f"{e.action} of replica {e.replica}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from routerlab.bench.scenarios.parts import ask
-from routerlab.bench.scenarios.spec import FleetSpec, LoadSpec, Params, Scenario
+from routerlab.bench.scenarios.spec import FleetEvent, FleetSpec, LoadSpec, Params, Scenario
 from routerlab.bench.trace import Request, Session, TextSource, chat_body, encode
 
 TENANT_HEADER = "x-prefix-aware-id"
@@ -95,6 +95,13 @@ def _load(p: Params) -> LoadSpec:
     return LoadSpec(mode="scheduled", concurrency=64, duration_s=schedule / p["time_scale"] * 1.5 + 10)
 
 
+def _noisy_events(p: Params) -> tuple[FleetEvent, ...]:
+    """With ``redis_lost_at_s`` (model seconds, >= 0) the routers' shared Redis is killed then: does
+    each router keep its own fairness?"""
+    at = p["redis_lost_at_s"]
+    return (FleetEvent(at / p["time_scale"], "redis-lost", 0),) if at >= 0 else ()
+
+
 _COMMON = dict(documents=4, prefix_tokens=1000, question_tokens=6000, output_tokens=16, replicas=4, time_scale=1.0,
                max_num_seqs=64)
 
@@ -102,10 +109,12 @@ NOISY_TENANT = Scenario(
     name="noisy-tenant",
     summary="4 tenants at 2.5 requests a second each (about two thirds of what 4 replicas take); tenant-0 "
             "sends 5 times that for a minute: does everyone else's time to first token hold?",
-    params=dict(tenants=4, rate=2.5, flood=5.0, warm_s=40.0, flood_s=60.0, after_s=20.0, **_COMMON),
+    params=dict(tenants=4, rate=2.5, flood=5.0, warm_s=40.0, flood_s=60.0, after_s=20.0, redis_lost_at_s=-1.0,
+                **_COMMON),
     generate=_noisy_tenant,
     fleet=_fleet,
     load_for=_load,
+    events=_noisy_events,
     arms=FLOW_ARMS,
     classes=phase_of,
     # two replicas at full time: the flood still saturates them (the suite checks flow control's bookkeeping)

@@ -83,11 +83,13 @@ class FleetEvent:
     checks and drops every connection, its address still listed (a process restarting in place:
     static endpoints, a pod restarting its container), until it restarts. A restarting router
     (``router-restart``) is killed and started again on its ports while the replicas stay warm:
-    it comes back with no learned view and, in precise mode, replays the replicas' buffers.
+    it comes back with no learned view and, in precise mode, replays the replicas' buffers. With
+    ``redis-lost`` the Redis the arm's routers share their requests in flight through stops for good
+    (``replica`` unused): each router goes on alone.
     """
 
     at_s: float
-    action: str  # "join", "leave", "down", "restart", "reset_cache" or "router-restart"
+    action: str  # "join", "leave", "down", "restart", "reset_cache", "router-restart" or "redis-lost"
     replica: int  # the replica's index; for router-restart, the router's
 
 
