@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from extproc.pick.flow import fair_queue
 from extproc.pick.flow.fair_queue import FairQueue, Held
 from extproc.pick.flow.gate import GONE, HELD, LET_OUT, QUEUE_FULL, WAITED, FlowGate, Ticket
 from extproc.pick.flow.request import OUTPUT_WEIGHT, tenant_of, tokens_of
+from extproc.pick.flow.room_share import room_share
 
 # --- FairQueue ----------------------------------------------------------------------------------
 
@@ -730,3 +731,98 @@ def test_vllm_priority_writes_the_class_into_the_body_without_moving_the_key() -
     assert decide(b"not json", {}, route).body is None
     raw = decide(body, {}, dataclasses.replace(route, normalize="raw"))
     assert raw.body is not None and json.loads(raw.body)["priority"] == 7
+
+
+# --- several routers: the room split by what each holds (room_share) -----------------------------
+
+
+@pytest.mark.parametrize(("own", "others", "share"), [
+    ({}, [], 1.0),  # alone
+    ({0: 1}, [{0: 0}, {}], 1.0),  # the others hold nothing
+    ({0: 3}, [{0: 3}], 0.5),  # alike: turn about
+    ({}, [{0: 2}], 0.0),  # holding nothing: the room is theirs
+    ({5: 4}, [{0: 1}], 0.0),  # only a worse class: it waits while another router holds a better one
+    ({0: 1}, [{5: 9}], 1.0),  # the better class is only here
+    ({0: 1, 5: 3}, [{0: 3}, {0: 0, 5: 2}], 0.25),  # the best class's held, over every router
+])
+def test_a_routers_share_of_the_room_is_its_part_of_the_best_class_held(
+        own: dict[int, int], others: list[dict[int, int]], share: float) -> None:
+    assert room_share(own, others) == share
+
+
+class Elsewhere:
+    """The other routers as one gate sees them: what they hold (set by the test), what it told them,
+    and the uniform numbers it draws (a test that expects no draw gives none: a draw would raise)."""
+
+    def __init__(self, *held: dict[int, int], draws: tuple[float, ...] = ()) -> None:
+        self.held = list(held)
+        self.told: list[tuple[str, dict[int, int]]] = []
+        self.draws = list(draws)
+
+    def __call__(self, pool: str) -> list[dict[int, int]]:
+        return self.held
+
+    def tell(self, pool: str, counts: Mapping[int, int]) -> None:
+        self.told.append((pool, {p: n for p, n in counts.items() if n}))
+
+    def draw(self) -> float:
+        return self.draws.pop(0)
+
+
+def shared_gate(room: Room, others: Elsewhere) -> FlowGate:
+    return FlowGate(room, tick=3600.0, clock=Clock(), elsewhere=others, tell=others.tell, draw=others.draw)
+
+
+def test_with_another_router_holding_a_newcomer_waits_and_takes_the_room_at_its_share() -> None:
+    async def main() -> None:
+        r, others = Room(1), Elsewhere({0: 1}, draws=(0.6, 0.4))
+        gate = shared_gate(r, others)
+        t = gate.enter("pool", "a", 0, 10, S)
+        assert t.state == HELD  # room, but the other router's held request came first
+        assert others.told == [("pool", {0: 1})]
+        gate.kick()  # share 1/2, drew 0.6: the other router's turn
+        assert t.state == HELD and others.draws == [0.4]
+        gate.kick()  # drew 0.4
+        assert t.state == LET_OUT and others.told[-1] == ("pool", {})
+        await gate.close()
+    asyncio.run(main())
+
+
+def test_with_the_others_holding_nothing_the_gate_works_as_alone_and_draws_nothing() -> None:
+    async def main() -> None:
+        r, others = Room(1), Elsewhere({0: 0})
+        gate = shared_gate(r, others)
+        assert gate.enter("pool", "a", 0, 10, S).state == LET_OUT
+        held = gate.enter("pool", "b", 0, 10, S)  # room 1, reserved 1
+        r.value = 2
+        gate.kick()
+        assert held.state == LET_OUT and others.told == [("pool", {0: 1}), ("pool", {})]
+        await gate.close()
+    asyncio.run(main())
+
+
+def test_a_router_holding_only_a_worse_class_leaves_the_room_to_one_holding_a_better() -> None:
+    async def main() -> None:
+        r, others = Room(3), Elsewhere({0: 2}, draws=(0.0,))
+        gate = shared_gate(r, others)
+        batch = gate.enter("pool", "batch", 5, 10, S)
+        gate.kick()  # share 0: even the lowest draw leaves it
+        assert batch.state == HELD and not others.draws
+        others.held = [{0: 0}]  # the other router let its interactive requests out
+        gate.kick()
+        assert batch.state == LET_OUT
+        await gate.close()
+    asyncio.run(main())
+
+
+@gate_test(0)
+async def test_a_shed_or_gone_request_is_told_as_no_longer_held(gate: FlowGate, r: Room, clock: Clock) -> None:
+    told: list[dict[int, int]] = []
+    gate.tell = lambda pool, counts: told.append({p: n for p, n in counts.items() if n})
+    a, b = gate.enter("pool", "a", 0, 10, S), gate.enter("pool", "b", 3, 10, S)
+    gate.done(b)  # its client left
+    quick = RouteSettings(flow_control=True, flow_max_wait=0.0)
+    c = gate.enter("pool", "c", 0, 10, quick)
+    assert await gate.wait(c) == WAITED
+    assert told == [{0: 1}, {0: 1, 3: 1}, {0: 1}, {0: 2}, {0: 1}]
+    assert a.held

@@ -28,6 +28,7 @@ from extproc.pick.sources.shared_in_flight import (
     RemoteInFlight,
     end_message,
     heartbeat_message,
+    held_message,
     pick_message,
 )
 from extproc.pick.tokens.prompt_tokens import ModelTokenizer
@@ -134,7 +135,7 @@ def test_another_routers_request_counts_as_load_and_as_blocks_in_flight_until_it
     first.release(choice)
     remote.on_message(sent[1])
     assert in_flight(second, choice.address) == 0 and not pending(second)
-    assert remote.requests() == 0 and remote.stats.received == {0: 1, 1: 1, 2: 0}
+    assert remote.requests() == 0 and remote.stats.received == {0: 1, 1: 1, 2: 0, 3: 0}
 
 
 def test_heartbeats_and_silence_drop_what_an_end_message_would_have(tokenizer: ModelTokenizer) -> None:
@@ -221,6 +222,27 @@ def test_heartbeats_carry_their_sending_time_and_the_receiver_times_the_channel(
     remote.on_message(heartbeat_message(b"old", []))  # a router from before heartbeats were timed
     assert delays == [0.25, 0.0] and remote.stats.received[2] == 3 and remote.stats.bad == 0
     assert msgpack.unpackb(heartbeat_message(b"old", [1])) == [2, b"old", [1]]
+
+
+def test_what_the_others_hold_comes_in_held_messages_and_heartbeats_and_goes_with_them(
+        tokenizer: ModelTokenizer) -> None:
+    """Flow control's held counts per pool and class: a HELD message replaces the sender's, a heartbeat
+    that carries them does too (a lost HELD message is stale a second at most), one from an older
+    router leaves them, and a router forgotten takes them along."""
+    clock = Clock()
+    remote = remote_to(precise_core(tokenizer, clock), b"me")
+    remote.on_message(held_message(b"peer", {"m": {0: 3, 5: 0}, "n": {5: 2}}))
+    remote.on_message(held_message(b"me", {"m": {0: 9}}))  # its own, back from the channel
+    assert remote.held("m") == [{0: 3}] and remote.held("n") == [{5: 2}] and remote.held("x") == []
+    remote.on_message(heartbeat_message(b"peer", [], 1000.0, {"m": {0: 1}}))
+    assert remote.held("m") == [{0: 1}] and remote.held("n") == []
+    remote.on_message(heartbeat_message(b"peer", [], 1000.0))  # an older router's: says nothing of it
+    assert remote.held("m") == [{0: 1}]
+    remote.on_message(held_message(b"other", {"m": {5: 4}}))
+    assert sorted(remote.held("m"), key=str) == [{0: 1}, {5: 4}] and remote.stats.received[3] == 2
+    clock.now += PEER_TIMEOUT_S + 1
+    remote.expire()
+    assert remote.held("m") == [] and remote.stats.bad == 0
 
 
 def test_a_request_to_a_replica_this_router_does_not_know_yet_never_counts_against_its_own(
@@ -310,6 +332,20 @@ def test_two_routers_share_their_requests_over_redis(tokenizer: ModelTokenizer, 
             await _until(lambda: in_flight(cores[1], choice.address) == 0, "the end reached the other router")
             await _until(lambda: buses[1].remote.stats.received[2] > 0, "a heartbeat")
             assert buses[0].remote.stats.received[0] == 0  # nothing came back to the first as someone else's
+
+    asyncio.run(run())
+
+
+def test_two_routers_tell_each_other_what_they_hold_over_redis(tokenizer: ModelTokenizer, redis_port: int) -> None:
+    async def run() -> None:
+        async with sharing_pair(tokenizer, f"redis://127.0.0.1:{redis_port}/0") as (cores, buses):
+            cores[0].held_here("m", {0: 2, 5: 1})
+            cores[0].held_here("m", {0: 3, 5: 1})  # changes before the send coalesce: the latest goes
+            await _until(lambda: cores[1].held_elsewhere("m") == [{0: 3, 5: 1}], "the counts reached the other")
+            assert cores[0].held_elsewhere("m") == []  # nothing came back to the first as someone else's
+            cores[0].held_here("m", {})
+            await _until(lambda: cores[1].held_elsewhere("m") == [], "the emptied queue reached it too")
+            assert buses[1].remote.stats.bad == 0
 
     asyncio.run(run())
 

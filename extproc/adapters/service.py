@@ -88,7 +88,8 @@ class RouterService:
         self.settings = settings
         self.picker = picker
         self.secret = secret
-        self.gate = FlowGate(picker.room) if picker is not None else None
+        self.gate = (FlowGate(picker.room, elsewhere=picker.held_elsewhere, tell=picker.held_here)
+                     if picker is not None else None)
         self._by_metadata: dict[tuple[Limits | tuple[str, str], ...], RouteSettings] = {}
 
     def settings_for(self, metadata: Metadata | None, limits: Limits = NO_LIMITS) -> RouteSettings:

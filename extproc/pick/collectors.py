@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from extproc.pick.picker import Picker
 from extproc.pick.sources.in_flight_bus import InFlightBus
-from extproc.pick.sources.shared_in_flight import END, HEARTBEAT, PICK
+from extproc.pick.sources.shared_in_flight import END, HEARTBEAT, HELD, PICK
 from extproc.pick.sources.tokenizer_check import RESULTS
 
 
@@ -118,12 +118,15 @@ class SharingCollector(Collector):
         yield GaugeMetricFamily("prefix_router_in_flight_sharing_requests", "The other router replicas' "
                                 "requests in flight, counted in this router's load and precise views",
                                 value=remote.requests())
+        yield GaugeMetricFamily("prefix_router_in_flight_sharing_held", "Requests the other router replicas' "
+                                "flow control holds, as they last said (this router takes its share of a "
+                                "saturated pool's room by them)", value=remote.held_total())
         sent = CounterMetricFamily("prefix_router_in_flight_sharing_messages", "Messages on the channel, by "
                                    "direction and kind (failed: lost to a failed send or a full queue; bad: "
                                    "received and not decoded)", labels=["direction", "kind"])
         sent.add_metric(["sent", "any"], bus.stats.sent)
         sent.add_metric(["sent", "failed"], bus.stats.send_failed)
-        for kind, name in ((PICK, "pick"), (END, "end"), (HEARTBEAT, "heartbeat")):
+        for kind, name in ((PICK, "pick"), (END, "end"), (HEARTBEAT, "heartbeat"), (HELD, "held")):
             sent.add_metric(["received", name], remote.stats.received[kind])
         sent.add_metric(["received", "bad"], remote.stats.bad)
         yield sent

@@ -40,6 +40,14 @@ class Share(Protocol):
         out; their end message may not be): extproc.pick.sources.shared_in_flight.RemoteInFlight.continued."""
         ...
 
+    def held_here(self, pool: str, counts: Mapping[int, int]) -> None:
+        """What flow control holds of ``pool`` now, per priority class (the others split the room by it)."""
+        ...
+
+    def held_elsewhere(self, pool: str) -> list[Mapping[int, int]]:
+        """What each other router last said it holds of ``pool``, per priority class."""
+        ...
+
 
 LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage", "backlog_tokens", "prefill_tokens_per_s",
                      "request_seconds", "recent_ttft_seconds")
@@ -233,6 +241,15 @@ class PickCore:
             if chosen.cached_tokens > placed.taken_off:
                 metrics.PREDICTED_CACHED.labels(address, chosen.view).inc(chosen.cached_tokens - placed.taken_off)
         return choice
+
+    def held_here(self, pool: str, counts: Mapping[int, int]) -> None:
+        """Flow control's held requests of ``pool`` per class, for the other router replicas."""
+        if self.share is not None:
+            self.share.held_here(pool, counts)
+
+    def held_elsewhere(self, pool: str) -> list[Mapping[int, int]]:
+        """The other router replicas' held requests of ``pool`` per class ([] alone)."""
+        return self.share.held_elsewhere(pool) if self.share is not None else []
 
     def release(self, choice: Choice) -> None:
         """The picked request ended (Envoy closed its stream)."""

@@ -5,7 +5,9 @@ room (``room``: extproc.pick.choice.saturation, minus the requests let out and n
 goes at once; else it is held until the gate lets it out (``kick``: a request ended, or the ticker
 every ``tick`` seconds while anything is held, as queued prefill drains), until it has waited its
 bound, or until a full queue sheds it. The adapter picks a replica for a request let out and then
-says so (``done``), which turns the room it reserved into the pick's own load.
+says so (``done``), which turns the room it reserved into the pick's own load. With other router
+replicas holding requests of the pool too (``elsewhere``), it takes the room only at its share
+(extproc.pick.flow.room_share), and tells them its own held counts (``tell``).
 
 Asyncio state around the pure parts (the queue, the room), kept out of the pick core.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +26,7 @@ from typing import Final
 from extproc import metrics
 from extproc.core.settings import RouteSettings
 from extproc.pick.flow.fair_queue import FairQueue, Held
+from extproc.pick.flow.room_share import Counts, room_share
 
 HELD: Final = "held"
 LET_OUT: Final = "let_out"
@@ -68,13 +72,21 @@ class Ticket:
 
 class FlowGate:
     """``room(pool, settings)``: requests the pool can start soon; ``tick``: how often held requests
-    are reconsidered besides each request's end."""
+    are reconsidered besides each request's end; ``elsewhere(pool)``: what the other router replicas
+    hold of the pool (per class), ``tell(pool, counts)``: what this one holds, each time it changes;
+    ``draw``: a uniform number in [0, 1) (tests pass their own)."""
 
     def __init__(self, room: Callable[[str, RouteSettings], int], *, tick: float = 0.01,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 elsewhere: Callable[[str], list[Counts]] | None = None,
+                 tell: Callable[[str, Counts], None] | None = None,
+                 draw: Callable[[], float] = random.random) -> None:
         self.room = room
         self.tick = tick
         self.clock = clock
+        self.elsewhere = elsewhere
+        self.tell = tell
+        self.draw = draw
         self.queues: dict[str, FairQueue[Ticket]] = {}
         self._reserved: dict[str, int] = {}
         self._weights: dict[str, tuple[tuple[str, float], ...]] = {}
@@ -95,7 +107,7 @@ class FlowGate:
         """A request of ``tenant`` (charged ``tokens`` when let out) wants a replica of ``pool``."""
         ticket = Ticket(pool, tenant, priority, settings, self.clock())
         queue = self._queue(pool, settings)
-        if not queue and self.room(pool, settings) > self._reserved.get(pool, 0):
+        if not queue and self.room(pool, settings) > self._reserved.get(pool, 0) and self._share(pool, queue) >= 1.0:
             queue.charge(tenant, tokens)
             self._reserve(ticket)
             metrics.FLOW_LET_OUT.labels("at_once").inc()
@@ -105,6 +117,7 @@ class FlowGate:
         if shed is held:
             self._shed(ticket, QUEUE_FULL)
             return ticket
+        self._told(pool, queue)
         if shed is not None:  # already out of the queue
             self._forget(shed.value)
             self._shed(shed.value, QUEUE_FULL)
@@ -154,6 +167,9 @@ class FlowGate:
                 assert head is not None  # the queue is not empty
                 if self.room(pool, head.value.settings) <= self._reserved.get(pool, 0):
                     break
+                share = self._share(pool, queue)
+                if share < 1.0 and self.draw() >= share:  # another router's turn: it sees the same room
+                    break
                 queue.pop()
                 ticket = head.value
                 self._forget(ticket)
@@ -163,6 +179,7 @@ class FlowGate:
                 metrics.FLOW_WAIT.labels(*ticket.labels).observe(self.clock() - ticket.entered)
                 assert ticket.future is not None  # held tickets have one
                 ticket.future.set_result(None)
+                self._told(pool, queue)
 
     def held_count(self) -> int:
         """How many requests the gate holds, over every pool."""
@@ -187,8 +204,19 @@ class FlowGate:
     def _unhold(self, ticket: Ticket) -> None:
         """Take a held ticket out of its queue, unserved."""
         assert ticket.entry is not None  # held
-        self.queues[ticket.pool].remove(ticket.entry)
+        queue = self.queues[ticket.pool]
+        queue.remove(ticket.entry)
         self._forget(ticket)
+        self._told(ticket.pool, queue)
+
+    def _share(self, pool: str, queue: FairQueue[Ticket]) -> float:
+        """This router's share of the pool's room (1 alone, or with no other router holding any)."""
+        return room_share(queue.lengths(), self.elsewhere(pool)) if self.elsewhere is not None else 1.0
+
+    def _told(self, pool: str, queue: FairQueue[Ticket]) -> None:
+        """The other routers hear what this one now holds of ``pool``."""
+        if self.tell is not None:
+            self.tell(pool, queue.lengths())
 
     def _forget(self, ticket: Ticket) -> None:
         """``ticket`` is no longer in its queue."""

@@ -15,14 +15,21 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from extproc.pick.sources.shared_in_flight import RemoteInFlight, end_message, heartbeat_message, pick_message
+from extproc.pick.sources.shared_in_flight import (
+    Held,
+    RemoteInFlight,
+    end_message,
+    heartbeat_message,
+    held_message,
+    pick_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,8 @@ class InFlightBus:
         self.remote = remote
         self.stats = BusStats()
         self._live: dict[int, None] = {}  # keys of this router's requests in flight, for the heartbeat
+        self._held: Held = {}  # what its flow control holds, per pool and class
+        self._held_changed = False  # a HELD message is due (one per send, with the latest counts)
         self._queue: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -63,6 +72,15 @@ class InFlightBus:
 
     def continued(self, run: Sequence[int]) -> int:
         return self.remote.continued(run)
+
+    def held_here(self, pool: str, counts: Mapping[int, int]) -> None:
+        if self._held.get(pool, {}) != counts:
+            self._held[pool] = dict(counts)
+            self._held_changed = True
+            self._wake.set()
+
+    def held_elsewhere(self, pool: str) -> list[Mapping[int, int]]:
+        return list(self.remote.held(pool))
 
     def _send(self, payload: bytes) -> None:
         if len(self._queue) >= MAX_QUEUED:
@@ -117,6 +135,9 @@ class InFlightBus:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                if self._held_changed:  # however often it changed since the last send: the latest
+                    self._held_changed = False
+                    self._queue.append(held_message(self.remote.router, self._held))
                 while self._queue:
                     batch = [self._queue.popleft() for _ in range(min(len(self._queue), 256))]
                     try:
@@ -134,7 +155,7 @@ class InFlightBus:
 
     async def _heartbeat(self) -> None:
         while True:
-            self._send(heartbeat_message(self.remote.router, self._live, time.time()))
+            self._send(heartbeat_message(self.remote.router, self._live, time.time(), self._held))
             await asyncio.sleep(HEARTBEAT_S)
 
 

@@ -14,11 +14,14 @@ clears, and a router that goes quiet is forgotten after ``PEER_TIMEOUT_S``.
 
 Messages (msgpack arrays): ``[PICK, router, key, address, prefill tokens, run]`` where run is the
 request's own block hashes as little-endian uint64 bytes (the same on every router: the chain hash
-has no per-process seed), ``[END, router, key]`` and ``[HEARTBEAT, router, [keys in flight], sent at]``
-(the sender's wall clock in seconds; older routers send none, and read past it). A heartbeat takes the
-picks' path through the sender's queue and the receiver's loop, so its delay is theirs: how late a
-router hears of the other's picks, and so how wide the window in which two routers' choices cannot
-see each other.
+has no per-process seed), ``[END, router, key]``, ``[HEARTBEAT, router, [keys in flight], sent at, held]``
+(the sender's wall clock in seconds; older routers send neither of the last two, and read past
+them) and ``[HELD, router, held]``, sent when flow control's held requests change (coalesced with the
+other messages), where held is ``[[pool, priority class, count], ...]``: the routers split a
+saturated pool's room by it (extproc.pick.flow.room_share). A router older than HELD counts it as a
+bad message and skips it. A heartbeat takes the picks' path through the sender's queue and the
+receiver's loop, so its delay is theirs: how late a router hears of the other's picks, and so how
+wide the window in which two routers' choices cannot see each other.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import msgpack
 PICK: Final = 0
 END: Final = 1
 HEARTBEAT: Final = 2
+HELD: Final = 3
 PEER_TIMEOUT_S: Final = 5.0  # a router unheard for this long has stopped: its requests are dropped
 
 
@@ -59,10 +63,32 @@ def end_message(router: bytes, key: int) -> bytes:
     return message
 
 
-def heartbeat_message(router: bytes, keys: Iterable[int], sent_at: float | None = None) -> bytes:
-    """``sent_at``: the sender's wall clock (seconds), so receivers can measure the channel's delay."""
-    message: bytes = msgpack.packb([HEARTBEAT, router, list(keys), *(() if sent_at is None else (sent_at,))])
+Held = dict[str, dict[int, int]]  # pool -> priority class -> requests flow control holds
+
+
+def heartbeat_message(router: bytes, keys: Iterable[int], sent_at: float | None = None,
+                      held: Held | None = None) -> bytes:
+    """``sent_at``: the sender's wall clock (seconds), so receivers can measure the channel's delay;
+    ``held``: what its flow control holds (a lost HELD message is stale until the next heartbeat)."""
+    tail: tuple[object, ...] = () if sent_at is None else (sent_at,) if held is None else (sent_at, _triples(held))
+    message: bytes = msgpack.packb([HEARTBEAT, router, list(keys), *tail])
     return message
+
+
+def held_message(router: bytes, held: Held) -> bytes:
+    message: bytes = msgpack.packb([HELD, router, _triples(held)])
+    return message
+
+
+def _triples(held: Held) -> list[list[object]]:
+    return [[pool, priority, n] for pool, counts in held.items() for priority, n in counts.items() if n > 0]
+
+
+def _held(triples: Iterable[Sequence[object]]) -> Held:
+    out: Held = {}
+    for pool, priority, n in triples:
+        out.setdefault(str(pool), {})[int(priority)] = int(n)  # type: ignore[call-overload]
+    return out
 
 
 def _run(raw: bytes) -> array[int]:
@@ -78,11 +104,12 @@ class _Peer:
     heard: float
     # key -> (address, prefill, run, whether its load was counted: the address was one of this router's)
     requests: dict[int, tuple[str, int, array[int], bool]] = field(default_factory=dict)
+    held: Held = field(default_factory=dict)  # what its flow control holds, as it last said
 
 
 @dataclass(slots=True)
 class RemoteStats:
-    received: dict[int, int] = field(default_factory=lambda: dict.fromkeys((PICK, END, HEARTBEAT), 0))
+    received: dict[int, int] = field(default_factory=lambda: dict.fromkeys((PICK, END, HEARTBEAT, HELD), 0))
     bad: int = 0  # messages that did not decode (skipped)
     dropped: int = 0  # remote requests dropped without their end message (heartbeat, timeout, disconnect)
     continued: int = 0  # remote requests ended by a request that continues them, before their end message
@@ -104,6 +131,14 @@ class RemoteInFlight:
 
     def requests(self) -> int:
         return sum(len(p.requests) for p in self.peers.values())
+
+    def held_total(self) -> int:
+        """Every request the other routers said they hold, over pools and classes."""
+        return sum(n for p in self.peers.values() for counts in p.held.values() for n in counts.values())
+
+    def held(self, pool: str) -> list[dict[int, int]]:
+        """What each other router last said its flow control holds of ``pool``, per priority class."""
+        return [p.held[pool] for p in self.peers.values() if pool in p.held]
 
     def on_message(self, payload: bytes) -> None:
         """Apply one message from the channel; one that does not decode is counted and skipped."""
@@ -134,6 +169,10 @@ class RemoteInFlight:
                 for key in [k for k in peer.requests if k not in live]:
                     self._end(peer, key)
                     self.stats.dropped += 1
+                if len(message) > 4:
+                    peer.held = _held(message[4])
+            elif kind == HELD:
+                peer.held = _held(message[2])
             else:
                 raise ValueError(kind)
             self.stats.received[kind] += 1

@@ -302,7 +302,8 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             cpu = meter.stop()
             after = scrape_fleet(backend.urls)
             envoy = running.envoy_stats()
-            predicted = _summed([_predictions(port) for port in running.metrics_ports])
+            each_router = [_predictions(port) for port in running.metrics_ports]
+            predicted = _summed(each_router)
     finally:
         backend.stop()
     resets = [(s["replica_reset"], s["counters"]) for s in snapshots if "replica_reset" in s]
@@ -315,7 +316,9 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
                                               scenario.classes)
         summary["misrouted"] = sum(p["misrouted"] for p in summary["pools"].values())
     if predicted.get("flow_at_once", 0) + predicted.get("flow_held", 0):  # flow control's own counts
-        summary["flow"] = {k: round(predicted.get(f"flow_{k}", 0)) for k in ("at_once", "held", "shed")}
+        summary["flow"] = _flow_counts(predicted)
+        if len(each_router) > 1:  # how the routers shared the let-outs: each holds its own queue
+            summary["flow_by_router"] = [_flow_counts(one) for one in each_router]
     if predicted and fleet is not None:  # with what each restarted router's old process predicted
         whole = _summed([predicted, *(s["restarted_predicted"] for s in snapshots)])
         summary["prediction"] = report_mod.prediction(whole, fleet)
@@ -340,6 +343,15 @@ def _summed(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
     for part in parts:
         for k, v in part.items():
             out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _flow_counts(predicted: Mapping[str, float]) -> dict[str, float]:
+    """Flow control's counts from one router's (or the routers' summed) metrics, and the mean time a
+    held request was held (let out or shed; s)."""
+    out: dict[str, float] = {k: round(predicted.get(f"flow_{k}", 0)) for k in ("at_once", "held", "shed")}
+    count = predicted.get("flow_wait_count", 0)
+    out["mean_wait_s"] = round(predicted.get("flow_wait_sum", 0) / count, 3) if count else 0.0
     return out
 
 
@@ -368,6 +380,8 @@ def _predictions(port: int) -> dict[str, float]:
             key = f"flow_{s.labels['how']}"  # flow_at_once, flow_held
         elif s.name == "prefix_router_flow_shed_total":
             key = "flow_shed"
+        elif s.name in ("prefix_router_flow_wait_seconds_sum", "prefix_router_flow_wait_seconds_count"):
+            key = "flow_wait_" + s.name.rpartition("_")[2]  # flow_wait_sum, flow_wait_count
         elif s.name in ("prefix_router_in_flight_sharing_delay_seconds_sum",
                         "prefix_router_in_flight_sharing_delay_seconds_count"):
             key = "sharing_delay_" + s.name.rpartition("_")[2]  # sharing_delay_sum, sharing_delay_count
