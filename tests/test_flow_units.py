@@ -26,7 +26,7 @@ from extproc.pick.flow import fair_queue
 from extproc.pick.flow.fair_queue import FairQueue, Held
 from extproc.pick.flow.gate import GONE, HELD, LET_OUT, QUEUE_FULL, WAITED, FlowGate, Ticket
 from extproc.pick.flow.request import OUTPUT_WEIGHT, tenant_of, tokens_of
-from extproc.pick.flow.room_share import room_share
+from extproc.pick.flow.room_share import PASS_S, Peer, Turns, room_share
 
 # --- FairQueue ----------------------------------------------------------------------------------
 
@@ -733,13 +733,13 @@ def test_vllm_priority_writes_the_class_into_the_body_without_moving_the_key() -
     assert raw.body is not None and json.loads(raw.body)["priority"] == 7
 
 
-# --- several routers: the room split by what each holds (room_share) -----------------------------
+# --- several routers: turns at the room by what each holds (room_share) -------------------------
 
 
 @pytest.mark.parametrize(("own", "others", "share"), [
     ({}, [], 1.0),  # alone
     ({0: 1}, [{0: 0}, {}], 1.0),  # the others hold nothing
-    ({0: 3}, [{0: 3}], 0.5),  # alike: turn about
+    ({0: 3}, [{0: 3}], 0.5),  # alike
     ({}, [{0: 2}], 0.0),  # holding nothing: the room is theirs
     ({5: 4}, [{0: 1}], 0.0),  # only a worse class: it waits while another router holds a better one
     ({0: 1}, [{5: 9}], 1.0),  # the better class is only here
@@ -750,67 +750,92 @@ def test_a_routers_share_of_the_room_is_its_part_of_the_best_class_held(
     assert room_share(own, others) == share
 
 
+def turns_taken(held: tuple[dict[int, int], dict[int, int]], rooms: int) -> str:
+    """Two routers' accounts over ``rooms`` rooms, router a always looking first (its request ended):
+    who took each."""
+    accounts, let_out, taken = (Turns(), Turns()), [0, 0], ""
+    for n in range(rooms):
+        for me in (0, 1):
+            if accounts[me].mine(held[me], [Peer(held[1 - me], let_out[1 - me])], now=float(n)):
+                accounts[me].took()
+                let_out[me] += 1
+                taken += "ab"[me]
+                break
+    return taken
+
+
+def test_two_routers_holding_alike_take_turns_though_one_always_looks_first() -> None:
+    assert turns_taken(({0: 10}, {0: 10}), 8) == "abababab"
+
+
+def test_a_router_holding_three_times_as_many_takes_three_rooms_in_four() -> None:
+    taken = turns_taken(({0: 30}, {0: 10}), 40)
+    assert taken.count("a") == 30 and "aaaa" not in taken
+
+
+def test_a_router_holding_only_a_worse_class_leaves_the_room_until_it_was_left_too_long() -> None:
+    turns = Turns()
+    others = [Peer({0: 2}, 0)]
+    assert not turns.mine({5: 4}, others, now=10.0)
+    assert not turns.mine({5: 4}, [Peer({0: 2}, 7)], now=10.0 + PASS_S / 2)  # its let-outs credit nothing here
+    assert turns.credit == 0.0
+    assert turns.mine({5: 4}, others, now=10.0 + PASS_S)  # nobody took it (counts stale, router gone): taken
+    turns.took()
+    assert turns.passed_at is None
+
+
+def test_with_the_others_holding_nothing_the_account_starts_again() -> None:
+    turns = Turns(credit=-1.5, seen=3)
+    assert turns.mine({0: 1}, [Peer({}, 9)], now=0.0)
+    assert (turns.credit, turns.seen) == (0.0, 9)
+
+
 class Elsewhere:
-    """The other routers as one gate sees them: what they hold (set by the test), what it told them,
-    and the uniform numbers it draws (a test that expects no draw gives none: a draw would raise)."""
+    """The other routers as one gate sees them (set by the test), and what it told them."""
 
-    def __init__(self, *held: dict[int, int], draws: tuple[float, ...] = ()) -> None:
-        self.held = list(held)
-        self.told: list[tuple[str, dict[int, int]]] = []
-        self.draws = list(draws)
+    def __init__(self, *peers: Peer) -> None:
+        self.peers = list(peers)
+        self.told: list[tuple[str, dict[int, int], int]] = []
 
-    def __call__(self, pool: str) -> list[dict[int, int]]:
-        return self.held
+    def __call__(self, pool: str) -> list[Peer]:
+        return self.peers
 
-    def tell(self, pool: str, counts: Mapping[int, int]) -> None:
-        self.told.append((pool, {p: n for p, n in counts.items() if n}))
-
-    def draw(self) -> float:
-        return self.draws.pop(0)
+    def tell(self, pool: str, counts: Mapping[int, int], let_out: int) -> None:
+        self.told.append((pool, {p: n for p, n in counts.items() if n}, let_out))
 
 
 def shared_gate(room: Room, others: Elsewhere) -> FlowGate:
-    return FlowGate(room, tick=3600.0, clock=Clock(), elsewhere=others, tell=others.tell, draw=others.draw)
+    return FlowGate(room, tick=3600.0, clock=Clock(), elsewhere=others, tell=others.tell)
 
 
-def test_with_another_router_holding_a_newcomer_waits_and_takes_the_room_at_its_share() -> None:
+def test_with_another_router_holding_a_newcomer_waits_then_the_two_take_turns() -> None:
     async def main() -> None:
-        r, others = Room(1), Elsewhere({0: 1}, draws=(0.6, 0.4))
+        r, others = Room(1), Elsewhere(Peer({0: 1}, 0))
         gate = shared_gate(r, others)
-        t = gate.enter("pool", "a", 0, 10, S)
-        assert t.state == HELD  # room, but the other router's held request came first
-        assert others.told == [("pool", {0: 1})]
-        gate.kick()  # share 1/2, drew 0.6: the other router's turn
-        assert t.state == HELD and others.draws == [0.4]
-        gate.kick()  # drew 0.4
-        assert t.state == LET_OUT and others.told[-1] == ("pool", {})
+        first = gate.enter("pool", "a", 0, 10, S)
+        assert first.state == HELD  # room, but the other router holds one of its class
+        gate.kick()  # an even account: its turn
+        assert first.state == LET_OUT and others.told == [("pool", {0: 1}, 0), ("pool", {}, 1)]
+        second = gate.enter("pool", "b", 0, 10, S)
+        gate.done(first)
+        gate.kick()
+        assert second.state == HELD  # the other router's turn
+        others.peers = [Peer({0: 1}, 1)]  # it took it
+        gate.kick()
+        assert second.state == LET_OUT and others.told[-1] == ("pool", {}, 2)
         await gate.close()
     asyncio.run(main())
 
 
-def test_with_the_others_holding_nothing_the_gate_works_as_alone_and_draws_nothing() -> None:
+def test_with_the_others_holding_nothing_of_its_class_the_gate_works_as_alone() -> None:
     async def main() -> None:
-        r, others = Room(1), Elsewhere({0: 0})
+        r, others = Room(1), Elsewhere(Peer({5: 3}, 40))
         gate = shared_gate(r, others)
-        assert gate.enter("pool", "a", 0, 10, S).state == LET_OUT
+        assert gate.enter("pool", "a", 0, 10, S).state == LET_OUT  # they hold only a worse class
         held = gate.enter("pool", "b", 0, 10, S)  # room 1, reserved 1
         r.value = 2
         gate.kick()
-        assert held.state == LET_OUT and others.told == [("pool", {0: 1}), ("pool", {})]
-        await gate.close()
-    asyncio.run(main())
-
-
-def test_a_router_holding_only_a_worse_class_leaves_the_room_to_one_holding_a_better() -> None:
-    async def main() -> None:
-        r, others = Room(3), Elsewhere({0: 2}, draws=(0.0,))
-        gate = shared_gate(r, others)
-        batch = gate.enter("pool", "batch", 5, 10, S)
-        gate.kick()  # share 0: even the lowest draw leaves it
-        assert batch.state == HELD and not others.draws
-        others.held = [{0: 0}]  # the other router let its interactive requests out
-        gate.kick()
-        assert batch.state == LET_OUT
+        assert held.state == LET_OUT and others.told == [("pool", {}, 1), ("pool", {0: 1}, 1), ("pool", {}, 2)]
         await gate.close()
     asyncio.run(main())
 
@@ -818,7 +843,7 @@ def test_a_router_holding_only_a_worse_class_leaves_the_room_to_one_holding_a_be
 @gate_test(0)
 async def test_a_shed_or_gone_request_is_told_as_no_longer_held(gate: FlowGate, r: Room, clock: Clock) -> None:
     told: list[dict[int, int]] = []
-    gate.tell = lambda pool, counts: told.append({p: n for p, n in counts.items() if n})
+    gate.tell = lambda pool, counts, let_out: told.append({p: n for p, n in counts.items() if n})
     a, b = gate.enter("pool", "a", 0, 10, S), gate.enter("pool", "b", 3, 10, S)
     gate.done(b)  # its client left
     quick = RouteSettings(flow_control=True, flow_max_wait=0.0)

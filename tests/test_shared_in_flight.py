@@ -21,6 +21,7 @@ from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, server_settings
 from extproc.pick.choice.load import LoadTracker
 from extproc.pick.core import PickCore, Remote, Share
+from extproc.pick.flow.room_share import Peer
 from extproc.pick.events.kv_index import EventIndex
 from extproc.pick.sources.in_flight_bus import InFlightBus
 from extproc.pick.sources.shared_in_flight import (
@@ -226,20 +227,21 @@ def test_heartbeats_carry_their_sending_time_and_the_receiver_times_the_channel(
 
 def test_what_the_others_hold_comes_in_held_messages_and_heartbeats_and_goes_with_them(
         tokenizer: ModelTokenizer) -> None:
-    """Flow control's held counts per pool and class: a HELD message replaces the sender's, a heartbeat
-    that carries them does too (a lost HELD message is stale a second at most), one from an older
-    router leaves them, and a router forgotten takes them along."""
+    """Flow control's held counts per pool and class, and its let-outs: a HELD message replaces the
+    sender's, a heartbeat that carries them does too (a lost HELD message is stale a second at most),
+    one from an older router leaves them, and a router forgotten takes them along."""
     clock = Clock()
     remote = remote_to(precise_core(tokenizer, clock), b"me")
-    remote.on_message(held_message(b"peer", {"m": {0: 3, 5: 0}, "n": {5: 2}}))
-    remote.on_message(held_message(b"me", {"m": {0: 9}}))  # its own, back from the channel
-    assert remote.held("m") == [{0: 3}] and remote.held("n") == [{5: 2}] and remote.held("x") == []
-    remote.on_message(heartbeat_message(b"peer", [], 1000.0, {"m": {0: 1}}))
-    assert remote.held("m") == [{0: 1}] and remote.held("n") == []
+    remote.on_message(held_message(b"peer", {"m": Peer({0: 3, 5: 0}, 12), "n": Peer({5: 2}, 0)}))
+    remote.on_message(held_message(b"me", {"m": Peer({0: 9}, 1)}))  # its own, back from the channel
+    assert remote.held("m") == [Peer({0: 3}, 12)] and remote.held("n") == [Peer({5: 2}, 0)]
+    assert remote.held("x") == [] and remote.held_total() == 5
+    remote.on_message(heartbeat_message(b"peer", [], 1000.0, {"m": Peer({0: 1}, 14)}))
+    assert remote.held("m") == [Peer({0: 1}, 14)] and remote.held("n") == []
     remote.on_message(heartbeat_message(b"peer", [], 1000.0))  # an older router's: says nothing of it
-    assert remote.held("m") == [{0: 1}]
-    remote.on_message(held_message(b"other", {"m": {5: 4}}))
-    assert sorted(remote.held("m"), key=str) == [{0: 1}, {5: 4}] and remote.stats.received[3] == 2
+    assert remote.held("m") == [Peer({0: 1}, 14)]
+    remote.on_message(held_message(b"other", {"m": Peer({5: 4}, 2)}))
+    assert remote.held("m") == [Peer({0: 1}, 14), Peer({5: 4}, 2)] and remote.stats.received[3] == 2
     clock.now += PEER_TIMEOUT_S + 1
     remote.expire()
     assert remote.held("m") == [] and remote.stats.bad == 0
@@ -339,12 +341,13 @@ def test_two_routers_share_their_requests_over_redis(tokenizer: ModelTokenizer, 
 def test_two_routers_tell_each_other_what_they_hold_over_redis(tokenizer: ModelTokenizer, redis_port: int) -> None:
     async def run() -> None:
         async with sharing_pair(tokenizer, f"redis://127.0.0.1:{redis_port}/0") as (cores, buses):
-            cores[0].held_here("m", {0: 2, 5: 1})
-            cores[0].held_here("m", {0: 3, 5: 1})  # changes before the send coalesce: the latest goes
-            await _until(lambda: cores[1].held_elsewhere("m") == [{0: 3, 5: 1}], "the counts reached the other")
+            cores[0].held_here("m", {0: 2, 5: 1}, 7)
+            cores[0].held_here("m", {0: 3, 5: 1}, 7)  # changes before the send coalesce: the latest goes
+            await _until(lambda: cores[1].held_elsewhere("m") == [Peer({0: 3, 5: 1}, 7)],
+                         "the counts reached the other")
             assert cores[0].held_elsewhere("m") == []  # nothing came back to the first as someone else's
-            cores[0].held_here("m", {})
-            await _until(lambda: cores[1].held_elsewhere("m") == [], "the emptied queue reached it too")
+            cores[0].held_here("m", {}, 8)
+            await _until(lambda: cores[1].held_elsewhere("m") == [Peer({}, 8)], "the emptied queue reached it too")
             assert buses[1].remote.stats.bad == 0
 
     asyncio.run(run())

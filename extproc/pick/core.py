@@ -24,6 +24,7 @@ from extproc.pick.choice.choose import REASONS, Candidate, Choice, choose, prefi
 from extproc.pick.choice.load import LoadTracker
 from extproc.pick.choice.pools import EVERY_MODEL, NO_MODEL, UNKNOWN_MODEL, Pools, Served
 from extproc.pick.choice.state import ReplicaState, Sample, Snapshot
+from extproc.pick.flow.room_share import Peer
 from extproc.pick.views.base import NOTHING, CacheView, Match, Placed
 from extproc.pick.views.learned import BYTES_PER_TOKEN, LearnedView
 
@@ -40,12 +41,13 @@ class Share(Protocol):
         out; their end message may not be): extproc.pick.sources.shared_in_flight.RemoteInFlight.continued."""
         ...
 
-    def held_here(self, pool: str, counts: Mapping[int, int]) -> None:
-        """What flow control holds of ``pool`` now, per priority class (the others split the room by it)."""
+    def held_here(self, pool: str, counts: Mapping[int, int], let_out: int) -> None:
+        """What flow control holds of ``pool`` now, per priority class, and how many it let out (the
+        routers take turns at the room by them: extproc.pick.flow.room_share)."""
         ...
 
-    def held_elsewhere(self, pool: str) -> list[Mapping[int, int]]:
-        """What each other router last said it holds of ``pool``, per priority class."""
+    def held_elsewhere(self, pool: str) -> list[Peer]:
+        """What each other router last said it holds of ``pool`` and let out."""
         ...
 
 
@@ -242,13 +244,13 @@ class PickCore:
                 metrics.PREDICTED_CACHED.labels(address, chosen.view).inc(chosen.cached_tokens - placed.taken_off)
         return choice
 
-    def held_here(self, pool: str, counts: Mapping[int, int]) -> None:
-        """Flow control's held requests of ``pool`` per class, for the other router replicas."""
+    def held_here(self, pool: str, counts: Mapping[int, int], let_out: int) -> None:
+        """Flow control's held requests of ``pool`` per class and its let-outs, for the other routers."""
         if self.share is not None:
-            self.share.held_here(pool, counts)
+            self.share.held_here(pool, counts, let_out)
 
-    def held_elsewhere(self, pool: str) -> list[Mapping[int, int]]:
-        """The other router replicas' held requests of ``pool`` per class ([] alone)."""
+    def held_elsewhere(self, pool: str) -> list[Peer]:
+        """The other router replicas' held requests of ``pool`` and let-outs ([] alone)."""
         return self.share.held_elsewhere(pool) if self.share is not None else []
 
     def release(self, choice: Choice) -> None:

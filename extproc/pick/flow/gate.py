@@ -6,8 +6,8 @@ goes at once; else it is held until the gate lets it out (``kick``: a request en
 every ``tick`` seconds while anything is held, as queued prefill drains), until it has waited its
 bound, or until a full queue sheds it. The adapter picks a replica for a request let out and then
 says so (``done``), which turns the room it reserved into the pick's own load. With other router
-replicas holding requests of the pool too (``elsewhere``), it takes the room only at its share
-(extproc.pick.flow.room_share), and tells them its own held counts (``tell``).
+replicas holding requests of the pool too (``elsewhere``), it takes the room in turns with them
+(extproc.pick.flow.room_share), and tells them what it holds and has let out (``tell``).
 
 Asyncio state around the pure parts (the queue, the room), kept out of the pick core.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from typing import Final
 from extproc import metrics
 from extproc.core.settings import RouteSettings
 from extproc.pick.flow.fair_queue import FairQueue, Held
-from extproc.pick.flow.room_share import Counts, room_share
+from extproc.pick.flow.room_share import Counts, Peer, Turns, room_share
 
 HELD: Final = "held"
 LET_OUT: Final = "let_out"
@@ -72,21 +71,21 @@ class Ticket:
 
 class FlowGate:
     """``room(pool, settings)``: requests the pool can start soon; ``tick``: how often held requests
-    are reconsidered besides each request's end; ``elsewhere(pool)``: what the other router replicas
-    hold of the pool (per class), ``tell(pool, counts)``: what this one holds, each time it changes;
-    ``draw``: a uniform number in [0, 1) (tests pass their own)."""
+    are reconsidered besides each request's end; ``elsewhere(pool)``: what each other router replica
+    holds of the pool and has let out; ``tell(pool, counts, let_out)``: what this one holds (per class)
+    and has let out, each time that changes."""
 
     def __init__(self, room: Callable[[str, RouteSettings], int], *, tick: float = 0.01,
                  clock: Callable[[], float] = time.monotonic,
-                 elsewhere: Callable[[str], list[Counts]] | None = None,
-                 tell: Callable[[str, Counts], None] | None = None,
-                 draw: Callable[[], float] = random.random) -> None:
+                 elsewhere: Callable[[str], list[Peer]] | None = None,
+                 tell: Callable[[str, Counts, int], None] | None = None) -> None:
         self.room = room
         self.tick = tick
         self.clock = clock
         self.elsewhere = elsewhere
         self.tell = tell
-        self.draw = draw
+        self.turns: dict[str, Turns] = {}
+        self.let_outs: dict[str, int] = {}  # per pool, every request this router let out
         self.queues: dict[str, FairQueue[Ticket]] = {}
         self._reserved: dict[str, int] = {}
         self._weights: dict[str, tuple[tuple[str, float], ...]] = {}
@@ -107,9 +106,11 @@ class FlowGate:
         """A request of ``tenant`` (charged ``tokens`` when let out) wants a replica of ``pool``."""
         ticket = Ticket(pool, tenant, priority, settings, self.clock())
         queue = self._queue(pool, settings)
-        if not queue and self.room(pool, settings) > self._reserved.get(pool, 0) and self._share(pool, queue) >= 1.0:
+        if not queue and self.room(pool, settings) > self._reserved.get(pool, 0) and not self._held_elsewhere(pool,
+                                                                                                      priority):
             queue.charge(tenant, tokens)
             self._reserve(ticket)
+            self._counted(pool, queue)
             metrics.FLOW_LET_OUT.labels("at_once").inc()
             return ticket
         held = Held(tenant, priority, tokens, ticket)
@@ -167,10 +168,12 @@ class FlowGate:
                 assert head is not None  # the queue is not empty
                 if self.room(pool, head.value.settings) <= self._reserved.get(pool, 0):
                     break
-                share = self._share(pool, queue)
-                if share < 1.0 and self.draw() >= share:  # another router's turn: it sees the same room
-                    break
+                turns = self._turns(pool)
+                if turns is not None and not turns.mine(queue.lengths(), self._elsewhere(pool), self.clock()):
+                    break  # another router's turn: it sees the same room
                 queue.pop()
+                if turns is not None:
+                    turns.took()
                 ticket = head.value
                 self._forget(ticket)
                 self._reserve(ticket)
@@ -179,7 +182,7 @@ class FlowGate:
                 metrics.FLOW_WAIT.labels(*ticket.labels).observe(self.clock() - ticket.entered)
                 assert ticket.future is not None  # held tickets have one
                 ticket.future.set_result(None)
-                self._told(pool, queue)
+                self._counted(pool, queue)
 
     def held_count(self) -> int:
         """How many requests the gate holds, over every pool."""
@@ -209,14 +212,28 @@ class FlowGate:
         self._forget(ticket)
         self._told(ticket.pool, queue)
 
-    def _share(self, pool: str, queue: FairQueue[Ticket]) -> float:
-        """This router's share of the pool's room (1 alone, or with no other router holding any)."""
-        return room_share(queue.lengths(), self.elsewhere(pool)) if self.elsewhere is not None else 1.0
+    def _elsewhere(self, pool: str) -> list[Peer]:
+        return self.elsewhere(pool) if self.elsewhere is not None else []
+
+    def _held_elsewhere(self, pool: str, priority: int) -> bool:
+        """Another router holds a request of ``pool`` of ``priority``'s class or better."""
+        return room_share({priority: 1}, (p.held for p in self._elsewhere(pool))) < 1.0
+
+    def _turns(self, pool: str) -> Turns | None:
+        """The pool's account of turns with the other routers (None: alone)."""
+        if self.elsewhere is None:
+            return None
+        return self.turns.setdefault(pool, Turns())
+
+    def _counted(self, pool: str, queue: FairQueue[Ticket]) -> None:
+        """One more let out of ``pool``."""
+        self.let_outs[pool] = self.let_outs.get(pool, 0) + 1
+        self._told(pool, queue)
 
     def _told(self, pool: str, queue: FairQueue[Ticket]) -> None:
-        """The other routers hear what this one now holds of ``pool``."""
+        """The other routers hear what this one now holds of ``pool`` and has let out."""
         if self.tell is not None:
-            self.tell(pool, queue.lengths())
+            self.tell(pool, queue.lengths(), self.let_outs.get(pool, 0))
 
     def _forget(self, ticket: Ticket) -> None:
         """``ticket`` is no longer in its queue."""

@@ -22,6 +22,7 @@ from typing import Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from extproc.pick.flow.room_share import Peer
 from extproc.pick.sources.shared_in_flight import (
     Held,
     RemoteInFlight,
@@ -73,14 +74,13 @@ class InFlightBus:
     def continued(self, run: Sequence[int]) -> int:
         return self.remote.continued(run)
 
-    def held_here(self, pool: str, counts: Mapping[int, int]) -> None:
-        if self._held.get(pool, {}) != counts:
-            self._held[pool] = dict(counts)
-            self._held_changed = True
-            self._wake.set()
+    def held_here(self, pool: str, counts: Mapping[int, int], let_out: int) -> None:
+        self._held[pool] = Peer(dict(counts), let_out)
+        self._held_changed = True
+        self._wake.set()
 
-    def held_elsewhere(self, pool: str) -> list[Mapping[int, int]]:
-        return list(self.remote.held(pool))
+    def held_elsewhere(self, pool: str) -> list[Peer]:
+        return self.remote.held(pool)
 
     def _send(self, payload: bytes) -> None:
         if len(self._queue) >= MAX_QUEUED:

@@ -17,8 +17,9 @@ request's own block hashes as little-endian uint64 bytes (the same on every rout
 has no per-process seed), ``[END, router, key]``, ``[HEARTBEAT, router, [keys in flight], sent at, held]``
 (the sender's wall clock in seconds; older routers send neither of the last two, and read past
 them) and ``[HELD, router, held]``, sent when flow control's held requests change (coalesced with the
-other messages), where held is ``[[pool, priority class, count], ...]``: the routers split a
-saturated pool's room by it (extproc.pick.flow.room_share). A router older than HELD counts it as a
+other messages), where held is ``[[pool, [[priority class, count], ...], let out], ...]``: the
+routers take turns at a saturated pool's room by it (extproc.pick.flow.room_share). A router older
+than HELD counts it as a
 bad message and skips it. A heartbeat takes the picks' path through the sender's queue and the
 receiver's loop, so its delay is theirs: how late a router hears of the other's picks, and so how
 wide the window in which two routers' choices cannot see each other.
@@ -30,9 +31,11 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import msgpack
+
+from extproc.pick.flow.room_share import Peer
 
 PICK: Final = 0
 END: Final = 1
@@ -63,7 +66,7 @@ def end_message(router: bytes, key: int) -> bytes:
     return message
 
 
-Held = dict[str, dict[int, int]]  # pool -> priority class -> requests flow control holds
+Held = dict[str, Peer]  # pool -> what flow control holds per priority class, and has let out
 
 
 def heartbeat_message(router: bytes, keys: Iterable[int], sent_at: float | None = None,
@@ -81,14 +84,12 @@ def held_message(router: bytes, held: Held) -> bytes:
 
 
 def _triples(held: Held) -> list[list[object]]:
-    return [[pool, priority, n] for pool, counts in held.items() for priority, n in counts.items() if n > 0]
+    return [[pool, [[priority, n] for priority, n in peer.held.items() if n > 0], peer.let_out]
+            for pool, peer in held.items()]
 
 
-def _held(triples: Iterable[Sequence[object]]) -> Held:
-    out: Held = {}
-    for pool, priority, n in triples:
-        out.setdefault(str(pool), {})[int(priority)] = int(n)  # type: ignore[call-overload]
-    return out
+def _held(entries: Iterable[Sequence[Any]]) -> Held:
+    return {str(pool): Peer({int(p): int(n) for p, n in counts}, int(let_out)) for pool, counts, let_out in entries}
 
 
 def _run(raw: bytes) -> array[int]:
@@ -134,10 +135,10 @@ class RemoteInFlight:
 
     def held_total(self) -> int:
         """Every request the other routers said they hold, over pools and classes."""
-        return sum(n for p in self.peers.values() for counts in p.held.values() for n in counts.values())
+        return sum(n for p in self.peers.values() for pool in p.held.values() for n in pool.held.values())
 
-    def held(self, pool: str) -> list[dict[int, int]]:
-        """What each other router last said its flow control holds of ``pool``, per priority class."""
+    def held(self, pool: str) -> list[Peer]:
+        """What each other router last said its flow control holds of ``pool`` and let out."""
         return [p.held[pool] for p in self.peers.values() if pool in p.held]
 
     def on_message(self, payload: bytes) -> None:
