@@ -227,3 +227,5 @@ def test_noisy_tenant_quick_two_routers_losing_their_redis_at_the_flood_lose_not
     assert arm["timeline"][0]["to_s"] == 4.0 and arm["timeline"][1]["ok"] > 0  # served after the loss
     assert arm["flow"]["at_once"] + arm["flow"]["held"] == arm["ok"]  # summed over both routers
     assert arm["flow"]["shed"] == arm["shed"]
+    routers = arm["flow_by_router"]  # each router counted its own, and the two add up
+    assert len(routers) == 2 and sum(r["held"] + r["at_once"] for r in routers) == arm["ok"]

@@ -88,8 +88,11 @@ class RouterService:
         self.settings = settings
         self.picker = picker
         self.secret = secret
-        self.gate = (FlowGate(picker.room, elsewhere=picker.held_elsewhere, tell=picker.held_here)
-                     if picker is not None else None)
+        self.gate: FlowGate | None = None
+        if picker is not None:  # several routers sharing their requests take turns at a saturated pool's room
+            shared = picker.share is not None
+            self.gate = FlowGate(picker.room, elsewhere=picker.held_elsewhere if shared else None,
+                                 tell=picker.held_here if shared else None)
         self._by_metadata: dict[tuple[Limits | tuple[str, str], ...], RouteSettings] = {}
 
     def settings_for(self, metadata: Metadata | None, limits: Limits = NO_LIMITS) -> RouteSettings:
