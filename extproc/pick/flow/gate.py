@@ -106,8 +106,7 @@ class FlowGate:
         """A request of ``tenant`` (charged ``tokens`` when let out) wants a replica of ``pool``."""
         ticket = Ticket(pool, tenant, priority, settings, self.clock())
         queue = self._queue(pool, settings)
-        if not queue and self.room(pool, settings) > self._reserved.get(pool, 0) and not self._held_elsewhere(pool,
-                                                                                                      priority):
+        if not queue and self._has_room(pool, settings) and not self._held_elsewhere(pool, priority):
             queue.charge(tenant, tokens)
             self._reserve(ticket)
             self._counted(pool, queue)
@@ -166,7 +165,7 @@ class FlowGate:
             while queue:
                 head = queue.peek()
                 assert head is not None  # the queue is not empty
-                if self.room(pool, head.value.settings) <= self._reserved.get(pool, 0):
+                if not self._has_room(pool, head.value.settings):
                     break
                 turns = self._turns(pool)
                 if turns is not None and not turns.mine(queue.lengths(), self._elsewhere(pool), self.clock()):
@@ -211,6 +210,10 @@ class FlowGate:
         queue.remove(ticket.entry)
         self._forget(ticket)
         self._told(ticket.pool, queue)
+
+    def _has_room(self, pool: str, settings: RouteSettings) -> bool:
+        """The pool can start one more than this router let out and has not yet picked."""
+        return self.room(pool, settings) > self._reserved.get(pool, 0)
 
     def _elsewhere(self, pool: str) -> list[Peer]:
         return self.elsewhere(pool) if self.elsewhere is not None else []

@@ -19,10 +19,9 @@ has no per-process seed), ``[END, router, key]``, ``[HEARTBEAT, router, [keys in
 them) and ``[HELD, router, held]``, sent when flow control's held requests change (coalesced with the
 other messages), where held is ``[[pool, [[priority class, count], ...], let out], ...]``: the
 routers take turns at a saturated pool's room by it (extproc.pick.flow.room_share). A router older
-than HELD counts it as a
-bad message and skips it. A heartbeat takes the picks' path through the sender's queue and the
-receiver's loop, so its delay is theirs: how late a router hears of the other's picks, and so how
-wide the window in which two routers' choices cannot see each other.
+than HELD counts it as a bad message and skips it. A heartbeat takes the picks' path through the
+sender's queue and the receiver's loop, so its delay is theirs: how late a router hears of the
+other's picks, and so how wide the window in which two routers' choices cannot see each other.
 """
 
 from __future__ import annotations
