@@ -21,8 +21,8 @@ from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings, SettingError, server_settings
 from extproc.pick.choice.load import LoadTracker
 from extproc.pick.core import PickCore, Remote, Share
-from extproc.pick.flow.room_share import Peer
 from extproc.pick.events.kv_index import EventIndex
+from extproc.pick.flow.room_share import Peer
 from extproc.pick.sources.in_flight_bus import InFlightBus
 from extproc.pick.sources.shared_in_flight import (
     PEER_TIMEOUT_S,
