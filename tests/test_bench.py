@@ -229,3 +229,4 @@ def test_noisy_tenant_quick_two_routers_losing_their_redis_at_the_flood_lose_not
     assert arm["flow"]["shed"] == arm["shed"]
     routers = arm["flow_by_router"]  # each router counted its own, and the two add up
     assert len(routers) == 2 and sum(r["held"] + r["at_once"] for r in routers) == arm["ok"]
+    assert all(r["mean_wait_s"] > 0 for r in routers if r["held"])  # read from each router's wait histogram

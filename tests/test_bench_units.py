@@ -15,6 +15,7 @@ from routerlab.bench.oracle import oracle
 from routerlab.bench.oracle import parse as oracle_parse
 from routerlab.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
 from routerlab.bench.report import Report, markdown_table, prediction, summarize
+from routerlab.bench.runner import _histogram_part
 from routerlab.bench.scenarios.adapters import UNSHARED
 from routerlab.bench.trace import Request, TextSource, chat_body, encode
 from routerlab.harness import envoy_config
@@ -347,3 +348,10 @@ def test_free_ports_are_free_distinct_and_outside_the_kernels_ephemeral_range() 
         finally:
             for s in socks:
                 s.close()
+
+
+def test_the_report_reads_the_flow_wait_and_sharing_delay_histograms_by_their_sum_and_count() -> None:
+    assert _histogram_part("prefix_router_flow_wait_seconds_sum") == "flow_wait_sum"
+    assert _histogram_part("prefix_router_in_flight_sharing_delay_seconds_count") == "sharing_delay_count"
+    assert _histogram_part("prefix_router_flow_wait_seconds_bucket") is None
+    assert _histogram_part("prefix_router_decision_seconds_sum") is None

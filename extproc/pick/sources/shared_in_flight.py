@@ -72,17 +72,17 @@ def heartbeat_message(router: bytes, keys: Iterable[int], sent_at: float | None 
                       held: Held | None = None) -> bytes:
     """``sent_at``: the sender's wall clock (seconds), so receivers can measure the channel's delay;
     ``held``: what its flow control holds (a lost HELD message is stale until the next heartbeat)."""
-    tail: tuple[object, ...] = () if sent_at is None else (sent_at,) if held is None else (sent_at, _triples(held))
+    tail: tuple[object, ...] = () if sent_at is None else (sent_at,) if held is None else (sent_at, _entries(held))
     message: bytes = msgpack.packb([HEARTBEAT, router, list(keys), *tail])
     return message
 
 
 def held_message(router: bytes, held: Held) -> bytes:
-    message: bytes = msgpack.packb([HELD, router, _triples(held)])
+    message: bytes = msgpack.packb([HELD, router, _entries(held)])
     return message
 
 
-def _triples(held: Held) -> list[list[object]]:
+def _entries(held: Held) -> list[list[object]]:
     return [[pool, [[priority, n] for priority, n in peer.held.items() if n > 0], peer.let_out]
             for pool, peer in held.items()]
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from extproc.process import event_loop
 from routerlab.assets import TINY_BYTELEVEL
@@ -355,6 +355,16 @@ def _flow_counts(predicted: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+_HISTOGRAMS: Final = {"prefix_router_flow_wait_seconds": "flow_wait",
+                      "prefix_router_in_flight_sharing_delay_seconds": "sharing_delay"}
+
+
+def _histogram_part(name: str) -> str | None:
+    """``flow_wait_sum``, ``sharing_delay_count``, ...: a histogram's sum or count the report reads."""
+    family, _, part = name.rpartition("_")
+    return f"{_HISTOGRAMS[family]}_{part}" if family in _HISTOGRAMS and part in ("sum", "count") else None
+
+
 def _predictions(port: int) -> dict[str, float]:
     """What one pick-mode router expected its choices to find cached, by view; and by which view its
     choices went ({} when it serves no metrics). ``_summed`` adds several routers' up."""
@@ -380,11 +390,8 @@ def _predictions(port: int) -> dict[str, float]:
             key = f"flow_{s.labels['how']}"  # flow_at_once, flow_held
         elif s.name == "prefix_router_flow_shed_total":
             key = "flow_shed"
-        elif s.name in ("prefix_router_flow_wait_seconds_sum", "prefix_router_flow_wait_seconds_count"):
-            key = "flow_wait_" + s.name.rpartition("_")[2]  # flow_wait_sum, flow_wait_count
-        elif s.name in ("prefix_router_in_flight_sharing_delay_seconds_sum",
-                        "prefix_router_in_flight_sharing_delay_seconds_count"):
-            key = "sharing_delay_" + s.name.rpartition("_")[2]  # sharing_delay_sum, sharing_delay_count
+        elif (part := _histogram_part(s.name)) is not None:
+            key = part
         else:
             continue
         out[key] = out.get(key, 0.0) + s.value
