@@ -214,6 +214,20 @@ def test_noisy_tenant_quick_loses_nothing_and_reports_each_tenant_before_during_
     assert report.load["mode"] == "scheduled"
 
 
+def test_priority_quick_with_vllms_priority_scheduling_puts_interactive_ahead_of_the_batch_queue(
+        tmp_path: Path) -> None:
+    """No flow control: the router writes each request's class into the body and the arm's replicas run
+    --scheduling-policy priority, so every request is served (a replica without the policy would refuse
+    the batch's priority 5 with a 400) and interactive requests overtake the batch job's queue at the
+    replicas: their median time to first token while the batch runs is below the batch's."""
+    report = run_bench(BenchConfig(scenario="priority", quick=True, out=tmp_path, plots=False,
+                                   arms=["prefix-pick-vllm-priority"]))
+    arm = report.arms["prefix-pick-vllm-priority"]
+    assert not arm["errors"] and arm["ok"] == arm["requests"], arm["errors"]
+    classes = arm["classes"]
+    assert classes["interactive|with-batch"]["ttft_ms"]["p50"] < classes["batch|with-batch"]["ttft_ms"]["p50"]
+
+
 def test_noisy_tenant_quick_two_routers_losing_their_redis_at_the_flood_lose_nothing(tmp_path: Path) -> None:
     """The drill for several routers: two flow-control routers share their requests in flight over Redis, and
     the Redis is killed as the flood starts. Each goes on with its own queue: every request is served or

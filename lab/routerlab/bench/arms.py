@@ -79,6 +79,15 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in (
             "requests, lets them out by priority class (the x-priority header, trusted here) and by each tenant's "
             "virtual token counter, and answers 429 past the bound", "MAGLEV", prefix=True, bounded=True,
             base="pick.yaml", pick=True, settings=(("flow_control", "on"), ("priority_header", "x-priority"))),
+    ArmSpec("prefix-pick-flow-vllm-priority", "prefix-pick-flow whose replicas run vLLM's --scheduling-policy "
+            "priority, the router writing each request's class into the body (vllm_priority): a better class "
+            "also goes first in each replica's own queue", "MAGLEV", prefix=True, bounded=True, base="pick.yaml",
+            pick=True, scheduling_policy="priority",
+            settings=(("flow_control", "on"), ("priority_header", "x-priority"), ("vllm_priority", "on"))),
+    ArmSpec("prefix-pick-vllm-priority", "prefix-pick (no flow control) whose replicas run vLLM's "
+            "--scheduling-policy priority, the router writing each request's class into the body: vLLM alone "
+            "orders the classes", "MAGLEV", prefix=True, bounded=True, base="pick.yaml", pick=True,
+            scheduling_policy="priority", settings=(("priority_header", "x-priority"), ("vllm_priority", "on"))),
     ArmSpec("prefix-pick-flow-2routers-shared", "prefix-pick-flow with two router processes sharing their requests "
             "in flight over Redis: each holds its own queue and counters, both see the pool saturate", "MAGLEV",
             prefix=True, bounded=True, base="pick.yaml", pick=True, routers=2, share=True,

@@ -111,7 +111,8 @@ class SimBackend(_ChildFleet):
                              "--profile", s.profile, "--time-scale", str(s.time_scale),
                              "--block-size", str(s.block_size))
         for flag, value in (("--num-blocks", s.num_blocks), ("--max-num-seqs", s.max_num_seqs),
-                            ("--max-num-batched-tokens", s.max_num_batched_tokens), ("--tokenizer", s.tokenizer)):
+                            ("--max-num-batched-tokens", s.max_num_batched_tokens), ("--tokenizer", s.tokenizer),
+                            ("--scheduling-policy", s.scheduling_policy)):
             if value is not None:
                 argv += [flag, str(value)]
         if s.kv_events:

@@ -280,6 +280,8 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
              trace: Trace, oracle_rate: float, prefix_length: int, cfg: BenchConfig,
              prog: progress_mod.Progress, pool_oracle: Mapping[str, float] | None = None,
              ) -> tuple[dict[str, Any], list[loadgen.Result]]:
+    if arm.scheduling_policy:
+        spec = dataclasses.replace(spec, scheduling_policy=arm.scheduling_policy)
     backend = _backend(spec, cfg)
     events = sorted(scenario.events(dict(trace.params)), key=lambda e: e.at_s)
     members = [i for i in range(spec.replicas) if i not in {e.replica for e in events if e.action == "join"}]

@@ -54,6 +54,7 @@ class ArmSpec:
     share: bool = False  # the routers share their requests in flight over a Redis the arm starts (--share-in-flight)
     standby: bool = False  # Envoy calls the first router only, the others at priority 1 (when it fails its checks)
     settings: tuple[tuple[str, str], ...] = ()  # router settings sent as stream metadata (before --router-setting)
+    scheduling_policy: str | None = None  # the arm's replicas run vLLM's --scheduling-policy (None: the fleet's)
 
     @property
     def available(self) -> bool:

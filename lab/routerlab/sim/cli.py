@@ -13,7 +13,7 @@ import orjson
 
 from extproc.process import event_loop
 from extproc.process.signals import stop_on_signals
-from routerlab.sim.profiles import DEFAULT_PROFILE, PROFILES
+from routerlab.sim.profiles import DEFAULT_PROFILE, PROFILES, SCHEDULING_POLICIES
 
 if TYPE_CHECKING:  # fleet pulls in aiohttp: imported only when serving
     from routerlab.sim.fleet import Pool, SimConfig
@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
+                        help="vLLM's: fcfs (default) or priority (the body's priority field, lower first)")
     parser.add_argument("--seed", type=int, default=0, help="seed for fail_rate draws")
     parser.add_argument("--kv-events-port-offset", type=int, default=0, metavar="N",
                         help="publish KV-cache events (vLLM's ZMQ format) on each replica's port + N (0: off)")
@@ -120,6 +122,7 @@ async def _serve(config: SimConfig) -> int:
         print(f"sim: profile={p.name} model={p.model} block_size={p.block_size} "
               f"num_blocks={p.num_blocks} max_num_seqs={p.max_num_seqs} "
               f"max_num_batched_tokens={p.max_num_batched_tokens} max_model_len={p.max_model_len} "
+              f"scheduling_policy={p.scheduling_policy} "
               f"time_scale={config.time_scale}{count}"
               + (f" tokenizer={config.tokenizer}" if config.tokenizer else ""), flush=True)
     if config.lora is not None:
@@ -190,7 +193,7 @@ def _config(args: argparse.Namespace, pools: tuple[Pool, ...], lora: LoraConfig 
         time_scale=args.time_scale, model=args.model, block_size=args.block_size,
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        seed=args.seed, kv_events_port_offset=args.kv_events_port_offset,
+        scheduling_policy=args.scheduling_policy, seed=args.seed, kv_events_port_offset=args.kv_events_port_offset,
         kv_replay_port_offset=args.kv_replay_port_offset, kv_events_encoding=args.kv_events_encoding,
         kv_events_hashes=args.kv_events_hashes, kv_events_topic=args.kv_events_topic,
         kv_events_buffer_steps=args.kv_events_buffer_steps, tokenizer=args.tokenizer, pools=pools, lora=lora,

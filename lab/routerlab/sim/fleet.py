@@ -67,6 +67,7 @@ class SimConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    scheduling_policy: str | None = None
     seed: int = 0
     kv_events_port_offset: int = 0
     kv_replay_port_offset: int = 0
@@ -123,6 +124,7 @@ class SimConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            scheduling_policy=self.scheduling_policy,
         )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -30,6 +32,9 @@ class Profile:
     # adapter from disk into CPU memory, and copying one from CPU memory into a GPU slot
     lora_load_s: float = 0.02
     lora_activate_s: float = 0.001
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (the body's ``priority``, lower
+    # first, ties by arrival; preemption takes the worst running request instead of the last admitted)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         """Reject limits the scheduler cannot run with (a zero budget would stall it)."""
@@ -42,6 +47,9 @@ class Profile:
             raise ValueError("step time coefficients must be >= 0")
         if min(self.lora_load_s, self.lora_activate_s) < 0:
             raise ValueError("LoRA load times must be >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
 
     def step_time(self, prefill_tokens: int, decodes: int) -> float:
         """Model-time duration of one engine step."""

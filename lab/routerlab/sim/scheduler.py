@@ -10,6 +10,12 @@ that does not fit waits (head-of-line, as vLLM's FCFS policy does). Long prompts
 prefilled in chunks. Prefix-cache counters (queries = prompt tokens looked up, hits =
 cached tokens) are counted once, when a new sequence is admitted.
 
+Priority (the profile's ``scheduling_policy`` "priority", vLLM's ``--scheduling-policy priority``):
+the waiting queue is kept in (priority, arrival) order, lower first, a preempted sequence goes back
+by that key too, and the sequence preempted when a running one cannot get a block is the running
+one with the worst (priority, arrival), as vLLM's; nothing running is preempted for a better waiting
+sequence (vLLM's V1 scheduler does not either).
+
 LoRA (with an :class:`~routerlab.sim.lora.AdapterCache`): as vLLM's ``schedule()``, a waiting
 sequence whose adapter is not among the adapters this step already runs, while those number
 ``max_loras``, is *skipped*: it stays waiting, at its place, and the sequences behind it may still
@@ -18,6 +24,7 @@ be admitted. The step's adapters are then applied to the cache; a load lengthens
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -60,6 +67,12 @@ class Sequence:
     lora_name: str | None = None
     slot_waited: bool = False  # skipped at least once because max_loras other adapters were running
     deferred: bool = False  # skipped since it last joined the waiting queue (vLLM's deferred_waiting)
+    priority: int = 0  # the body's priority (lower first), used under the priority policy
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """The priority policy's order: priority, then arrival."""
+        return self.priority, self.arrival
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -111,6 +124,11 @@ class Counters:
     lora_slot_waits: int = 0  # sequences skipped at least one step for an adapter slot
 
 
+def _is_decode(seq: Sequence, n: int) -> bool:
+    """Whether ``n`` tokens scheduled for ``seq`` are one decode (not prefill)."""
+    return bool(seq.outputs) and n == 1 and seq.num_computed == len(seq.tokens) - 1
+
+
 def seq_lora(seq: Sequence) -> dict[str, Any]:
     """The adapter fields of a sequence's KV events (none for the base model)."""
     return {"lora_id": seq.lora_id, "lora_name": seq.lora_name} if seq.lora_id else {}
@@ -132,12 +150,21 @@ class Scheduler:
         self.deferred = 0  # waiting sequences skipped by a scheduling pass and not scheduled since
         self.running: list[Sequence] = []
         self.counters = Counters()
+        self.by_priority = profile.scheduling_policy == "priority"
 
     # ---- queue management --------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.update_hashes(self.kv.block_size)
         seq.cached_at_arrival = len(self.kv.longest_hit(seq.block_hashes, len(seq.tokens))) * self.kv.block_size
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the waiting queue: at the back (FCFS), or at its (priority, arrival) place."""
+        if not self.by_priority:
+            self.waiting.append(seq)
+            return
+        at = bisect.bisect_right([s.rank for s in self.waiting], seq.rank)
+        self.waiting.insert(at, seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence (client went away); frees its blocks."""
@@ -178,7 +205,19 @@ class Scheduler:
             ok = True
             while not kv.allocate(seq.req_id, seq.num_computed + n, seq.block_hashes, owner=seq.tenant,
                                   token_ids=seq.tokens, cache_salt=seq.cache_salt, **seq_lora(seq)):
-                victim = self.running.pop()
+                at = self._victim()
+                victim = self.running.pop(at)
+                if at < i:  # ahead of this one in the step: give back what it was scheduled
+                    i -= 1
+                    for k, (other, done) in enumerate(scheduled):
+                        if other is victim:
+                            del scheduled[k]
+                            budget += done
+                            if _is_decode(victim, done):
+                                decodes -= 1
+                            else:
+                                prefill -= done
+                            break
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -187,7 +226,7 @@ class Scheduler:
             if not ok:
                 break
             scheduled.append((seq, n))
-            if seq.outputs and n == 1 and seq.num_computed == len(seq.tokens) - 1:
+            if _is_decode(seq, n):
                 decodes += 1
             else:
                 prefill += n
@@ -259,12 +298,21 @@ class Scheduler:
         self.counters.lora_loads_cpu += cost.from_cpu
         return cost.seconds
 
+    def _victim(self) -> int:
+        """Which running sequence to preempt: the last admitted (FCFS), or the worst ranked."""
+        if not self.by_priority:
+            return len(self.running) - 1
+        return max(range(len(self.running)), key=lambda k: self.running[k].rank)
+
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.req_id)
         seq.num_computed = 0
         seq.preemptions += 1
         self.counters.preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def complete(self, plan: StepPlan, now: float) -> list[Sequence]:
         """Apply a step's results at model time ``now``; returns sequences that got a token."""

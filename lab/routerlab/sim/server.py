@@ -245,6 +245,8 @@ class Replica:
             if kind is None:
                 kind = api.request_kind(body)
             adapter, req = self._parse(body, kind)
+            if req.priority and self.profile.scheduling_policy != "priority":  # as vLLM's engine refuses it
+                raise api.ApiError(f"Got priority {req.priority} but Priority scheduling is not enabled.")
             return await self._run(request, req, adapter)
         except api.ApiError as e:
             return error_response(e)
@@ -281,7 +283,7 @@ class Replica:
                      max_tokens=req.max_tokens, extra_keys=keys, listener=listener,
                      tenant=request.headers.get(TENANT_HEADER, ""), cache_salt=req.cache_salt,
                      lora_id=0 if adapter is None else adapter.lora_id,
-                     lora_name=None if adapter is None else adapter.name)
+                     lora_name=None if adapter is None else adapter.name, priority=req.priority)
             for i, p in enumerate(req.prompts) for j in range(req.n)
         ]
         engine = self.engine  # a restart swaps the engine: abort on the one that has them

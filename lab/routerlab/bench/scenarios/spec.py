@@ -40,6 +40,7 @@ class FleetSpec:
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters every replica serves (vLLM's --lora-modules); none: no LoRA
     max_loras: int | None = None  # distinct adapters in one batch (vLLM's --max-loras)
     max_cpu_loras: int | None = None  # adapters kept in CPU memory (vLLM's --max-cpu-loras)
+    scheduling_policy: str | None = None  # vLLM's --scheduling-policy (None: fcfs, vLLM's default)
     # several base models: (model, replicas, profile) in replica order (the simulator's --pool); their
     # replicas add up to ``replicas``. Arms then route through envoy/multi-model.yaml's shape (a
     # cluster per model chosen by the model header) and pick arms get the router's --pools.
