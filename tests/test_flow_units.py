@@ -24,7 +24,7 @@ from extproc.pick.choice.saturation import UNBOUNDED, room
 from extproc.pick.choice.state import ReplicaState, Snapshot
 from extproc.pick.flow import fair_queue
 from extproc.pick.flow.fair_queue import FairQueue, Held
-from extproc.pick.flow.gate import GONE, HELD, LET_OUT, QUEUE_FULL, WAITED, FlowGate, Ticket
+from extproc.pick.flow.gate import ACTIVE_S, GONE, HELD, LET_OUT, QUEUE_FULL, WAITED, FlowGate, Ticket
 from extproc.pick.flow.request import OUTPUT_WEIGHT, tenant_of, tokens_of
 from extproc.pick.flow.room_share import PASS_S, Peer, Turns, room_share
 
@@ -582,6 +582,65 @@ async def test_pools_are_held_and_let_out_apart(gate: FlowGate, r: Room, clock: 
     r.pools["full"] = 1
     gate.kick()
     assert x.state == LET_OUT
+
+
+class QueueRoom(Room):
+    """Room that depends on the queue a request may find: ``value`` for the route's queue, ``strict``
+    for a worse class's (``flow_worse_queue_tokens``, 0 here)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.strict = 0
+        self.asked: list[int] = []
+
+    def __call__(self, pool: str, settings: RouteSettings) -> int:
+        self.asked.append(settings.flow_queue_tokens)
+        return self.strict if settings.flow_queue_tokens == 0 else self.value
+
+
+@gate_test(0)
+async def test_a_worse_class_keeps_the_headroom_of_a_better_class_while_it_is_active(
+        gate: FlowGate, r: Room, clock: Clock) -> None:
+    """Batch (5) alone counts the route's queue; once interactive (0) has come it counts the worse class's
+    (none queued) for ACTIVE_S, is held where interactive goes at once, and picks passing over saturated
+    replicas; after ACTIVE_S without interactive, the route's queue again."""
+    room = QueueRoom()
+    gate.room = room
+    room.value, room.strict = 1, 0
+    alone = gate.enter("pool", "batch", 5, 10, S)
+    assert alone.state == LET_OUT and not alone.yields and alone.settings is S and not alone.avoid_saturated
+    gate.done(alone)
+    interactive = gate.enter("pool", "app", 0, 10, S)
+    assert interactive.state == LET_OUT and interactive.settings is S  # no better class: the route's queue
+    gate.done(interactive)
+    batch = gate.enter("pool", "batch", 5, 10, S)
+    assert batch.state == HELD and batch.yields  # room for the route's queue, none for the worse class's
+    assert batch.settings.flow_queue_tokens == S.flow_worse_queue_tokens == 0
+    assert dataclasses.replace(batch.settings, flow_queue_tokens=S.flow_queue_tokens) == S  # nothing else
+    room.strict = 1  # a replica with nothing queued
+    gate.kick()
+    assert batch.state == LET_OUT and batch.avoid_saturated
+    gate.done(batch)
+    clock.now += ACTIVE_S + 0.1
+    room.strict = 0
+    later = gate.enter("pool", "batch", 5, 10, S)
+    assert later.state == LET_OUT and not later.yields and later.settings is S
+
+
+@gate_test(0)
+async def test_a_held_worse_request_counts_the_route_queue_again_once_the_better_class_went_quiet(
+        gate: FlowGate, r: Room, clock: Clock) -> None:
+    room = QueueRoom()
+    gate.room = room
+    gate.done(gate.enter("pool", "app", 0, 10, S))  # interactive comes (held: no room), its client goes
+    batch = gate.enter("pool", "batch", 5, 10, S)
+    assert batch.state == HELD and batch.yields
+    room.value = 1
+    gate.kick()
+    assert batch.state == HELD  # the route's queue has room, the worse class's none
+    clock.now += ACTIVE_S + 0.1
+    gate.kick()
+    assert batch.state == LET_OUT and not batch.yields and batch.settings is S
 
 
 @gate_test(0)

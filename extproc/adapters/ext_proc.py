@@ -124,8 +124,10 @@ class PrefixRouter(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # 
                             if ticket.shed:
                                 yield self.shed_reply(ticket)
                                 return
+                        if ticket is not None:  # a worse class's pick keeps a better class's headroom
+                            settings = ticket.settings
                         reply, picked = self.pick_reply(decision, settings, await service.prepare(decision, settings),
-                                                        avoid_saturated=ticket is not None and ticket.waited)
+                                                        avoid_saturated=ticket is not None and ticket.avoid_saturated)
                     finally:
                         if ticket is not None:
                             service.done(ticket)

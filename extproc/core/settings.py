@@ -71,6 +71,9 @@ class RouteSettings:
     # pool is saturated, hold requests in the router, release them fairly, shed them with 429 past a bound
     flow_control: bool = False
     flow_queue_tokens: int = 2048  # a replica is saturated with more prefill queued than this (prefill tokens) ...
+    # ... or, for a request while a better class than its own is active in its pool, more than this: a worse
+    # class takes only what the better leaves and never queues ahead of it on a replica
+    flow_worse_queue_tokens: int = 0
     flow_in_flight: int = 0  # ... or this many requests in flight (0: max_num_seqs)
     flow_max_wait: float = 10.0  # seconds a request may be held; then 429 (keep under Envoy's max_message_timeout)
     flow_max_queue: int = 1024  # requests held per pool at most; beyond it the lowest priority is shed
@@ -368,6 +371,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "model_header": _Spec(_optional(_header_name), "a lower-case HTTP header name, or empty for none"),
     "flow_control": _Spec(_switch, "on or off"),
     "flow_queue_tokens": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (prefill tokens)"),
+    "flow_worse_queue_tokens": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (prefill tokens)"),
     "flow_in_flight": _Spec(_number_in(int, 0, 1_000_000),
                             "an integer in 1..1000000 (requests in flight per replica), or 0 for max_num_seqs"),
     "flow_max_wait": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),

@@ -9,6 +9,12 @@ says so (``done``), which turns the room it reserved into the pick's own load. W
 replicas holding requests of the pool too (``elsewhere``), it takes the room in turns with them
 (extproc.pick.flow.room_share), and tells them what it holds and has let out (``tell``).
 
+Classes: while a better class than a request's own has come to its pool within ``ACTIVE_S``, the
+request counts a replica as saturated past ``flow_worse_queue_tokens`` of queued prefill instead of
+``flow_queue_tokens`` (its ``settings``, which the adapter then picks with): a worse class takes only
+what the better leaves, and never queues on a replica ahead of it. vLLM does not preempt a prefill
+that has begun for a better request, so room the worse class took is room the better one waits for.
+
 Asyncio state around the pure parts (the queue, the room), kept out of the pick core.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections import deque
@@ -35,13 +42,14 @@ WAITED: Final = "waited"  # held past flow_max_wait
 QUEUE_FULL: Final = "queue_full"  # flow_max_queue held; it was of the worst class
 SHED_REASONS: Final = (WAITED, QUEUE_FULL)
 _RATE_WINDOW: Final = 256  # the last let-outs that say how fast the queue drains (retry-after)
+ACTIVE_S: Final = 10.0  # a class that sent a request within this many seconds is expected to send again
 
 
 class Ticket:
     """One request through the gate."""
 
     __slots__ = ("pool", "tenant", "priority", "settings", "state", "future", "entered", "reserved", "entry",
-                 "labels")
+                 "labels", "yields", "route")
 
     def __init__(self, pool: str, tenant: str, priority: int, settings: RouteSettings, entered: float) -> None:
         self.pool = pool
@@ -54,6 +62,8 @@ class Ticket:
         self.reserved = False  # let out and counted in its pool's room until done()
         self.entry: Held[Ticket] | None = None  # its place in the queue, while held
         self.labels = (metrics.tenant_label(tenant), str(priority))  # its metrics' tenant and priority
+        self.yields = False  # a better class is active: its settings keep that class's headroom
+        self.route = settings  # the route's own (``settings`` may be them with the worse class's queue)
 
     @property
     def held(self) -> bool:
@@ -67,6 +77,12 @@ class Ticket:
     @property
     def shed(self) -> bool:
         return self.state in SHED_REASONS
+
+    @property
+    def avoid_saturated(self) -> bool:
+        """Its pick must pass over a saturated replica while another is not: it was let out into a
+        replica's room (held, or keeping a better class's headroom)."""
+        return self.waited or self.yields
 
 
 class FlowGate:
@@ -91,6 +107,7 @@ class FlowGate:
         self._weights: dict[str, tuple[tuple[str, float], ...]] = {}
         self._let_out: deque[float] = deque(maxlen=_RATE_WINDOW)
         self._ticker: asyncio.Task[None] | None = None
+        self._seen: dict[str, dict[int, float]] = {}  # per pool, when each class last came
 
     def _queue(self, pool: str, settings: RouteSettings) -> FairQueue[Ticket]:
         queue = self.queues.get(pool)
@@ -105,8 +122,10 @@ class FlowGate:
     def enter(self, pool: str, tenant: str, priority: int, tokens: float, settings: RouteSettings) -> Ticket:
         """A request of ``tenant`` (charged ``tokens`` when let out) wants a replica of ``pool``."""
         ticket = Ticket(pool, tenant, priority, settings, self.clock())
+        self._seen.setdefault(pool, {})[priority] = ticket.entered
         queue = self._queue(pool, settings)
-        if not queue and self._has_room(pool, settings) and not self._held_elsewhere(pool, priority):
+        if (not queue and self._has_room(pool, self._yielding(ticket))
+                and not self._held_elsewhere(pool, priority)):
             queue.charge(tenant, tokens)
             self._reserve(ticket)
             self._counted(pool, queue)
@@ -165,7 +184,7 @@ class FlowGate:
             while queue:
                 head = queue.peek()
                 assert head is not None  # the queue is not empty
-                if not self._has_room(pool, head.value.settings):
+                if not self._has_room(pool, self._yielding(head.value)):
                     break
                 turns = self._turns(pool)
                 if turns is not None and not turns.mine(queue.lengths(), self._elsewhere(pool), self.clock()):
@@ -210,6 +229,18 @@ class FlowGate:
         queue.remove(ticket.entry)
         self._forget(ticket)
         self._told(ticket.pool, queue)
+
+    def _yielding(self, ticket: Ticket) -> RouteSettings:
+        """``ticket``'s settings for the room and its pick, now: a better class active in its pool makes
+        it count the worse class's queue (``flow_worse_queue_tokens``)."""
+        now = self.clock()
+        better = any(p < ticket.priority and now - t <= ACTIVE_S for p, t in self._seen[ticket.pool].items())
+        if better != ticket.yields:
+            ticket.yields = better
+            route = ticket.route
+            ticket.settings = (dataclasses.replace(route, flow_queue_tokens=route.flow_worse_queue_tokens)
+                               if better else route)
+        return ticket.settings
 
     def _has_room(self, pool: str, settings: RouteSettings) -> bool:
         """The pool can start one more than this router let out and has not yet picked."""
