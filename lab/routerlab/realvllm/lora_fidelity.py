@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from routerlab.realvllm import lora_probes
-from routerlab.realvllm.fidelity import DEFAULT_MODEL_DIR, SimProcess, log
+from routerlab.realvllm.fidelity import DEFAULT_MODEL_DIR, SimProcess, comparison_lines, log
 from routerlab.realvllm.launcher import DEFAULT_VLLM_PYTHON, VllmFleet
 from routerlab.realvllm.lora_probes import Server
 from routerlab.realvllm.tiny_lora import ensure_tiny_loras
@@ -84,15 +84,7 @@ def _row(check: str, real: Any, sim: Any) -> dict[str, Any]:
 
 
 def markdown(table: list[dict[str, Any]], max_loras: int) -> str:
-    def cell(v: Any) -> str:
-        text = json.dumps(v, separators=(",", ":")) if not isinstance(v, str) else v
-        return text.replace("|", "\\|")[:400]
-
-    lines = [f"max_loras={max_loras}", "", "| check | real vLLM | simulator | same |", "|---|---|---|---|"]
-    for r in table:
-        same = {True: "yes", None: "(information)"}.get(r["same"]) or ("no (known)" if r["known"] else "**no**")
-        lines.append(f"| {r['check']} | {cell(r['real'])} | {cell(r['sim'])} | {same} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([f"max_loras={max_loras}", "", *comparison_lines(table)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from routerlab.realvllm.fidelity import SimProcess, log
+from routerlab.realvllm.fidelity import SimProcess, comparison_lines, log
 from routerlab.realvllm.launcher import DEFAULT_VLLM_PYTHON, VllmFleet
 from routerlab.realvllm.lora_probes import Server, Stream, _answer, _completion, prompt_ids
 from routerlab.realvllm.promtext import metric_sum
@@ -235,15 +235,7 @@ def differences(table: list[dict[str, Any]]) -> list[str]:
 
 
 def markdown(table: list[dict[str, Any]]) -> str:
-    def cell(v: Any) -> str:
-        text = v if isinstance(v, str) else json.dumps(v, separators=(", ", ":"))
-        return " ".join(text.split()).replace("|", "\\|")[:400]  # one line: a cell holds no newline
-
-    lines = ["| check | real vLLM | simulator | same |", "|---|---|---|---|"]
-    for r in table:
-        same = {True: "yes", False: "**no**", None: "(information)"}[r["same"]]
-        lines.append(f"| {r['check']} | {cell(r['real'])} | {cell(r['sim'])} | {same} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(comparison_lines(table)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,7 @@ class ParsedRequest:
     cache_salt: str | None
     request_id: str
     created: int
-    priority: int = 0  # vLLM's scheduling priority (lower first; only with --scheduling-policy priority)
+    priority: int = 0  # vLLM's scheduling priority (lower first; read only with --scheduling-policy priority)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -117,16 +117,6 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
         raise ApiError(f"'{name}' must be an integer", param=name)
     if v < minimum:
         raise ApiError(f"{name} must be at least {minimum}, got {v}.", param=name)
-    return v
-
-
-def _priority(body: dict[str, Any]) -> int:
-    """The body's ``priority`` (vLLM's field: any integer, default 0)."""
-    v = body.get("priority", 0)
-    if v is None:
-        return 0
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError("'priority' must be an integer", param="priority")
     return v
 
 
@@ -266,7 +256,6 @@ def parse(body: dict[str, Any], kind: str, served_model: str, max_model_len: int
         cache_salt=salt,
         request_id=prefix + uuid.uuid4().hex,
         created=int(time.time()),
-        priority=_priority(body),
     )
 
 

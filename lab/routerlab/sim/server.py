@@ -18,7 +18,7 @@ import orjson
 import zmq
 from aiohttp import web
 
-from routerlab.sim import api
+from routerlab.sim import api, validation
 from routerlab.sim.control import Control, ControlError
 from routerlab.sim.engine import Engine, Listener
 from routerlab.sim.kv_cache import extra_keys
@@ -245,8 +245,6 @@ class Replica:
             if kind is None:
                 kind = api.request_kind(body)
             adapter, req = self._parse(body, kind)
-            if req.priority and self.profile.scheduling_policy != "priority":  # as vLLM's engine refuses it
-                raise api.ApiError(f"Got priority {req.priority} but Priority scheduling is not enabled.")
             return await self._run(request, req, adapter)
         except api.ApiError as e:
             return error_response(e)
@@ -271,7 +269,9 @@ class Replica:
         model = body.get("model")
         adapter = None if model is None else self.served.resolve(model)
         served = self.model if adapter is None else adapter.name
-        return adapter, api.parse(body, kind, served, self.profile.max_model_len, self.tok)
+        req = api.parse(body, kind, served, self.profile.max_model_len, self.tok)
+        req.priority = validation.integer(body, "priority")  # vLLM 0.32 takes it under fcfs too, and ignores it
+        return adapter, req
 
     async def _run(self, request: web.Request, req: api.ParsedRequest,
                    adapter: Adapter | None = None) -> web.StreamResponse:

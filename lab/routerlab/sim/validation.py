@@ -4,7 +4,7 @@
 becomes a 400 whose type is ``"Bad Request"``, whose ``param`` is the first error's location
 (``body.FIELD``) and whose message is ``N validation error(s):`` then one line per error, the pydantic
 error dict with its input summarised (a container as ``<dict of N items>``). Only the field kinds the
-simulator's bodies use are modelled: required strings and lax booleans.
+simulator's bodies use are modelled: required strings, lax booleans and lax integers.
 """
 
 from __future__ import annotations
@@ -52,6 +52,27 @@ def check_body(body: dict[str, Any], required: tuple[str, ...], flags: tuple[str
         label = "error" if len(errors) == 1 else "errors"
         message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors[:10])
         raise ApiError(message.rstrip(), type_="Bad Request", param=errors[0]["loc"])
+
+
+def integer(body: dict[str, Any], name: str, default: int = 0) -> int:
+    """An integer field as pydantic's lax int reads it (an integral number, or a string of one); else
+    vLLM's 400 for it."""
+    value = body.get(name, default)
+    if isinstance(value, int):  # bool too: pydantic's lax int takes it
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, float):
+        kind, msg = "int_from_float", "Input should be a valid integer, got a number with a fractional part"
+    elif isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            kind, msg = "int_parsing", "Input should be a valid integer, unable to parse string as an integer"
+    else:
+        kind, msg = "int_type", "Input should be a valid integer"
+    error = {"type": kind, "loc": f"body.{name}", "msg": msg, "input": _summary(value)}
+    raise ApiError(f"1 validation error:\n  {error}", type_="Bad Request", param=error["loc"])
 
 
 def flag(body: dict[str, Any], name: str) -> bool:
