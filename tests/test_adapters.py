@@ -4,13 +4,12 @@ adapter-keyed blocks (pure: no sockets)."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 
 from extproc.core.decide import decide
 from extproc.core.settings import RouteSettings
-from extproc.pick.choice.adapters import AdapterSlots, bounded_homes, home_order
+from extproc.pick.choice.adapters import AdapterSlots, home_order
 from extproc.pick.choice.pools import Served
 from extproc.pick.choice.state import ReplicaState, Sample
 from extproc.pick.core import PickCore
@@ -104,61 +103,6 @@ def test_where_an_adapter_must_load_its_home_replicas_come_first_the_same_on_eve
     slots.scraped(full, sample(2, frozenset({"a", "b"})))
     assert slots.costs("sql", replicas, 2000, settings)[full] == 2000 + 500 + 4000  # beyond every free slot
     assert max(v for a, v in slots.costs("sql", replicas, 2000, settings).items() if a != full) < 2000 + 500 + 4000
-
-
-def test_homes_are_bounded_each_replica_home_to_at_most_its_share_the_same_on_every_router() -> None:
-    """40 adapters over 8 replicas: plain rendezvous makes some replica home to several more than 5; the
-    bounded homes give each exactly 5, the adapter's own first choice wherever that has room, and the
-    same homes whatever order the replicas come in."""
-    addresses = [f"10.0.2.{i}:8000" for i in range(8)]
-    adapters = [f"lora-{i:02d}" for i in range(40)]
-    plain = Counter(min(home_order(a, addresses).items(), key=lambda kv: kv[1])[0] for a in adapters)
-    assert max(plain.values()) > 5  # what the bound is for (this draw: a replica home to more)
-    homes = bounded_homes(adapters, addresses)
-    assert Counter(homes.values()) == {address: 5 for address in addresses}
-    assert bounded_homes(adapters, list(reversed(addresses))) == homes
-    first = [a for a in adapters if homes[a] == min(home_order(a, addresses).items(), key=lambda kv: kv[1])[0]]
-    assert len(first) >= 30  # most keep their rendezvous home
-    assert bounded_homes(adapters[:7], addresses[:3]) == bounded_homes(adapters[:7], addresses[:3])
-    assert max(Counter(bounded_homes(adapters[:7], addresses[:3]).values()).values()) == 3  # ceil(7 / 3)
-
-
-def test_an_adapters_bounded_home_comes_first_in_its_order_and_the_cost() -> None:
-    replicas = [ReplicaState(f"10.0.1.{i}:8000") for i in range(5)]
-    addresses = [r.address for r in replicas]
-    plain = home_order("sql", addresses)
-    moved = max(plain, key=plain.__getitem__)  # its last replica, made its home
-    order = home_order("sql", addresses, moved)
-    assert order[moved] == 0 and sorted(order.values()) == list(range(5))
-    assert [a for a in sorted(order, key=order.__getitem__)][1:] == [a for a in sorted(plain, key=plain.__getitem__)
-                                                                     if a != moved]  # the rest in its own order
-    slots = AdapterSlots()
-    for r in replicas:
-        slots.scraped(r.address, sample(2))
-    settings = RouteSettings(adapter_load_tokens=500, adapter_home_tokens=4000)
-    siblings = tuple(f"a{i}" for i in range(10)) + ("sql",)
-    home = slots.home("sql", siblings, tuple(addresses))
-    assert home == bounded_homes(siblings, addresses)["sql"]
-    costs = slots.costs("sql", replicas, 2000, settings, siblings)
-    assert min(costs, key=costs.__getitem__) == home and costs[home] == 500 + 1000
-    assert slots.home("sql", (), tuple(addresses)) is None  # not listed: the plain rendezvous order
-    assert slots.costs("sql", replicas, 2000, settings) == {a: 500 + 1000 * p + 1000 for a, p in plain.items()}
-
-
-def test_the_core_bounds_an_adapters_home_among_its_base_models_adapters() -> None:
-    core = PickCore(clock=lambda: 0.0)
-    addresses = [f"10.0.3.{i}:8000" for i in range(4)]
-    core.set_endpoints(addresses)
-    adapters = [f"tune-{i}" for i in range(8)]
-    for address in addresses:
-        core.on_models(address, [Served("llama")] + [Served(a, "llama") for a in adapters])
-        core.on_sample(address, sample(4))
-    assert core.pools.siblings("tune-3") == tuple(sorted(adapters)) and core.pools.siblings("llama") == ()
-    homes = bounded_homes(sorted(adapters), addresses)
-    for adapter in adapters:  # distinct prompts, nothing cached, nothing running: the home decides
-        choice = core.pick(decide(body(adapter, system=f"{adapter} own " * 60), {}, PICK), PICK)
-        assert choice.address == homes[adapter], adapter
-        core.release(choice)
 
 
 def lora_core() -> PickCore:

@@ -167,23 +167,16 @@ class PickCore:
         adapter = self._adapter(decision, settings)
         if match is None:  # the view cannot say: no replica holds any of it as far as the choice knows
             tokens = math.ceil(len(decision.normalized) / BYTES_PER_TOKEN)
-            slots = self._adapter_costs(adapter, snapshot, tokens, settings)
+            slots = self.adapters.costs(adapter, snapshot.replicas, tokens, settings) if adapter else None
             return choose(decision.key, tokens, {}, snapshot, settings, pool=pool, adapter=slots,
                           avoid_saturated=avoid_saturated), None
         if settle and match.runs and self.share is not None:
             if sum(self.share.continued(run) for run in match.runs):
                 snapshot = self._snapshot(pool)
-        slots = self._adapter_costs(adapter, snapshot, match.prompt_tokens, settings)
+        slots = self.adapters.costs(adapter, snapshot.replicas, match.prompt_tokens, settings) if adapter else None
         choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views, pool, slots,
                         avoid_saturated)
         return choice, match
-
-    def _adapter_costs(self, adapter: str | None, snapshot: Snapshot, tokens: int,
-                       settings: RouteSettings) -> dict[str, int] | None:
-        """Each replica's adapter term (extproc.pick.choice.adapters); None for a base model."""
-        if adapter is None:
-            return None
-        return self.adapters.costs(adapter, snapshot.replicas, tokens, settings, self.pools.siblings(adapter))
 
     def _adapter(self, decision: Decision, settings: RouteSettings) -> str | None:
         """The LoRA adapter the request runs, when the choice prices adapters (None: a base model)."""

@@ -13,8 +13,8 @@ not among those scheduled this step, when they already number ``max_loras``, is 
     every slot of r is taken by other adapters                              request time of r + the load
                                                                             + adapter_home_tokens
 
-    home(a, r) = adapter_home_tokens x r's place in a's order of the pool's replicas / (replicas - 1):
-                 0 at the adapter's home, adapter_home_tokens at its last
+    home(a, r) = adapter_home_tokens x r's place in a's rendezvous order of the pool's replicas
+                 / (replicas - 1): 0 at the adapter's home, adapter_home_tokens at its last
 
 A replica already running the adapter costs nothing extra; a free slot costs the adapter's load
 and the share of r's adapter slots the request then holds for its time (other adapters' requests
@@ -23,21 +23,15 @@ end (a request's time there, measured, extproc.pick.choice.speed; the prompt's o
 measured), then the load. The term adds to the prefix and load terms, so a hot adapter stays on
 the replicas running it until their queues cost more than loading it on another, and one spread
 over every replica is not pushed into full slot sets. Where the adapter must be loaded anyway, its
-home term orders the replicas the same way for every request of it and on every router: an adapter
-whose requests come and go loads again where it loaded before, whose slot it is likely still in,
-instead of wherever the load is lightest at that moment. The order is a rendezvous hash of adapter
-and replica (as KubeAI hashes the adapter), with the home itself bounded: the base model's adapters,
-in name order, each take the first replica of their order that is home to fewer than
-ceil(adapters / replicas) of them (consistent hashing with bounded loads). Each replica's GPU slots
-are an LRU, so what churns them is how many adapters come to it: by plain rendezvous some replicas
-are home to twice the mean, and they load and evict all the time. Every router lists the same
-adapters (the replicas' ``/v1/models``), so every router draws the same homes. Pure: the scraped
-``vllm:lora_requests_info`` and this router's own requests in.
+home term orders the replicas the same way for every request of it and on every router (a
+rendezvous hash of adapter and replica, as KubeAI hashes the adapter): an adapter whose requests
+come and go loads again where it loaded before, whose slot it is likely still in, instead of
+wherever the load is lightest at that moment. Pure: the scraped ``vllm:lora_requests_info`` and
+this router's own requests in.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -47,35 +41,11 @@ from extproc.pick.choice.choose import rendezvous
 from extproc.pick.choice.state import ReplicaState, Sample
 
 _RECENT = 64  # adapters remembered per replica (far above any max_loras)
-_DRAWS_KEPT = 16  # homes drawn and kept (one per pool, and a few stale after a change)
 
 
-def _ranked(adapter: str, addresses: Sequence[str]) -> list[str]:
-    return sorted(addresses, key=lambda address: -rendezvous(adapter, address))
-
-
-def bounded_homes(adapters: Sequence[str], addresses: Sequence[str]) -> dict[str, str]:
-    """Each adapter's home: in the order given, the first replica of its rendezvous order that is home
-    to fewer than ceil(adapters / replicas) of them, so no replica is home to more than that."""
-    if not addresses:
-        return {}
-    cap = math.ceil(len(adapters) / len(addresses))
-    homes: dict[str, str] = {}
-    count: Counter[str] = Counter()
-    for adapter in adapters:
-        home = next(address for address in _ranked(adapter, addresses) if count[address] < cap)
-        homes[adapter] = home
-        count[home] += 1
-    return homes
-
-
-def home_order(adapter: str, addresses: Sequence[str], home: str | None = None) -> dict[str, int]:
-    """Each replica's place in ``adapter``'s order (0: its home, ``home`` when given, then the rest in
-    its rendezvous order), the same on every router."""
-    ranked = _ranked(adapter, addresses)
-    if home is not None and home in ranked:
-        ranked.remove(home)
-        ranked.insert(0, home)
+def home_order(adapter: str, addresses: Sequence[str]) -> dict[str, int]:
+    """Each replica's place in ``adapter``'s rendezvous order (0: its home), the same on every router."""
+    ranked = sorted(addresses, key=lambda address: -rendezvous(adapter, address))
     return {address: place for place, address in enumerate(ranked)}
 
 
@@ -89,7 +59,6 @@ class AdapterSlots:
         # per replica, the adapters it ran, least recently first: vLLM keeps the last max_loras of them
         # in its GPU slots (an LRU), so one of those runs again without a load
         self._recent: dict[str, OrderedDict[str, None]] = {}
-        self._homes: dict[tuple[tuple[str, ...], tuple[str, ...]], dict[str, str]] = {}  # drawn, per pool
 
     def scraped(self, address: str, sample: Sample) -> None:
         self._scraped[address] = sample
@@ -135,27 +104,12 @@ class AdapterSlots:
         wanting = running + ours
         return wanting[:max_lora], len(wanting)
 
-    def home(self, adapter: str, siblings: tuple[str, ...], addresses: tuple[str, ...]) -> str | None:
-        """``adapter``'s bounded home among ``addresses`` (``siblings``: its base model's adapters), drawn
-        again only when either changes."""
-        key = (siblings, tuple(sorted(addresses)))
-        homes = self._homes.get(key)
-        if homes is None:
-            if len(self._homes) >= _DRAWS_KEPT:
-                self._homes.clear()
-            homes = self._homes[key] = bounded_homes(*key)
-        return homes.get(adapter)
-
     def costs(self, adapter: str, replicas: Sequence[ReplicaState], prompt_tokens: int,
-              settings: RouteSettings, siblings: tuple[str, ...] = ()) -> dict[str, int]:
-        """Each replica's adapter term for a request of ``adapter`` (the table above; ``siblings``: its
-        base model's adapters, whose homes are bounded together); a replica that says nothing of LoRA
-        (no ``vllm:lora_requests_info``) costs nothing extra."""
+              settings: RouteSettings) -> dict[str, int]:
+        """Each replica's adapter term for a request of ``adapter`` (the table above); a replica
+        that says nothing of LoRA (no ``vllm:lora_requests_info``) costs nothing extra."""
         out: dict[str, int] = {}
-        home: dict[str, int] = {}
-        if settings.adapter_home_tokens:
-            addresses = tuple(r.address for r in replicas)
-            home = home_order(adapter, addresses, self.home(adapter, siblings, addresses))
+        home = home_order(adapter, [r.address for r in replicas]) if settings.adapter_home_tokens else {}
         last = max(len(replicas) - 1, 1)
         load, home_tokens = settings.adapter_load_tokens, settings.adapter_home_tokens
         for r in replicas:

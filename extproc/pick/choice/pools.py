@@ -42,7 +42,6 @@ class Pools:
         self.models: dict[str, tuple[Served, ...]] = {}  # replica -> what its /v1/models lists
         self._names: dict[str, str] = {}
         self._parents: dict[str, str] = {}  # adapter -> its base model
-        self._siblings: dict[str, tuple[str, ...]] = {}  # base model -> its adapters, sorted
         self._rebuild()
 
     def set_members(self, pool: str, addresses: Iterable[str]) -> None:
@@ -80,11 +79,6 @@ class Pools:
         """The base model of the LoRA adapter ``model`` (None: not an adapter any replica lists)."""
         return self._parents.get(model)
 
-    def siblings(self, adapter: str) -> tuple[str, ...]:
-        """Every adapter of ``adapter``'s base model that a replica lists, sorted (empty: not an adapter)."""
-        base = self._parents.get(adapter)
-        return self._siblings.get(base, ()) if base is not None else ()
-
     def _rebuild(self) -> None:
         names: dict[str, str] = {}
         parents: dict[str, str] = {}
@@ -97,11 +91,7 @@ class Pools:
                     names.setdefault(card.id, pool)
                     if card.parent is not None:
                         parents.setdefault(card.id, card.parent)
-        siblings: dict[str, list[str]] = {}
-        for adapter, base in parents.items():
-            siblings.setdefault(base, []).append(adapter)
         self._names, self._parents = names, parents
-        self._siblings = {base: tuple(sorted(adapters)) for base, adapters in siblings.items()}
 
     def state(self) -> dict[str, object]:
         """The pools as JSON (``/debug/state``)."""
