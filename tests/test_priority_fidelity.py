@@ -8,7 +8,7 @@ from itertools import permutations
 from routerlab.realvllm import priority_fidelity as pf
 
 
-def test_first_token_order_and_gaps():
+def test_first_token_order_and_gaps() -> None:
     times = {"B": [3.0, 3.5], "C": [1.0, 1.2], "D": [2.0], "E": []}
     order = pf.first_token_order(times)
     assert order == ["C", "D", "B"]  # E got no chunk: left out
@@ -17,8 +17,8 @@ def test_first_token_order_and_gaps():
     assert not pf.one_at_a_time([(1.0, 2.5), (2.0, 2.0)])
 
 
-def test_expected_cached_tells_orders_apart_but_one_pair():
-    seen = {}
+def test_expected_cached_tells_orders_apart_but_one_pair() -> None:
+    seen: dict[tuple[int, ...], list[str]] = {}
     for order in permutations("BCD"):
         want = pf.expected_cached(list(order), pf.CHAINS, 128)
         seen.setdefault(tuple(want[n] for n in "BCD"), []).append("".join(order))
@@ -27,7 +27,7 @@ def test_expected_cached_tells_orders_apart_but_one_pair():
     assert sum(len(v) > 1 for v in seen.values()) == 2  # C,B,D / C,D,B alike too
 
 
-def test_order_prompts_share_the_chain_only():
+def test_order_prompts_share_the_chain_only() -> None:
     prompts = pf.order_prompts(7, pf.CHAINS, 128)
     assert [len(prompts[n]) for n in "BCD"] == [138, 266, 394]
     assert prompts["B"][:128] == prompts["C"][:128] == prompts["D"][:128]
@@ -35,11 +35,12 @@ def test_order_prompts_share_the_chain_only():
     assert pf.order_prompts(8, pf.CHAINS, 128)["B"][:128] != prompts["B"][:128]
 
 
-def _obs(order, cached, waited=(1.0, 2.0, 3.0), one=True):
+def _obs(order: list[str], cached: list[int | None], waited: tuple[float | None, ...] = (1.0, 2.0, 3.0),
+         one: bool = True) -> dict[str, object]:
     return {pf.WAITED: list(waited), pf.A_RAN: True, pf.ORDER: order, pf.CACHED: cached, pf.ONE_AT_A_TIME: one}
 
 
-def test_attempt_valid():
+def test_attempt_valid() -> None:
     assert pf.attempt_valid(_obs(["B", "C", "D"], [0, 128, 256]))
     assert pf.attempt_valid(_obs(["D", "C", "B"], [128, 256, 0]))
     assert not pf.attempt_valid(_obs(["C", "B", "D"], [0, 128, 256]))  # the client saw chunks out of order
@@ -48,7 +49,7 @@ def test_attempt_valid():
     assert not pf.attempt_valid(_obs(["B", "C"], [0, 128, None]))
 
 
-def test_rows_compare_all_but_information():
+def test_rows_compare_all_but_information() -> None:
     real = {"fcfs": {"chat priority \"high\"": {"status": 400, "type": "Bad Request", "message": "two\n  lines"},
                      "order": {pf.ORDER: ["B", "C", "D"], "attempts": 1, "gaps between first chunks in that order, ms":
                                [1.0, 2.0]}}}
@@ -69,6 +70,6 @@ def test_rows_compare_all_but_information():
     assert "| **no** |" in text and text.count("\n") == len(table) + 2 and "| two lines |" in text
 
 
-def test_server_flags():
+def test_server_flags() -> None:
     assert pf.server_flags("fcfs") == []
     assert pf.server_flags("priority") == ["--scheduling-policy", "priority"]

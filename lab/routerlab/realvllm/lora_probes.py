@@ -59,7 +59,7 @@ class Server:
         return [re.sub(r"\} \S+$", "} <time>", ln) for ln in lines]
 
 
-def _completion(model: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+def completion_body(model: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
     # the tiny model's text means nothing: ignore_eos and min_tokens make real vLLM produce every token
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, **extra}
@@ -84,7 +84,7 @@ def _normalise(doc: Any) -> Any:
     return doc
 
 
-def _answer(status: int, body: bytes) -> dict[str, Any]:
+def answer_of(status: int, body: bytes) -> dict[str, Any]:
     """A status and body as compared: an error's type and message, or the text."""
     try:
         doc = json.loads(body)
@@ -111,7 +111,7 @@ def keyed_blocks(server: Server, tokens: int = 300) -> list[dict[str, Any]]:
     out = []
     for model in ("a", "b", server.model, "a", "b", server.model):
         name = model if model in server.adapters else "<base>"
-        status, body = server.call("POST", "/v1/completions", _completion(model, prompt, 1))
+        status, body = server.call("POST", "/v1/completions", completion_body(model, prompt, 1))
         usage = json.loads(body).get("usage", {}) if status == 200 else {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         out.append({"model": name, "status": status, "cached_tokens": cached})
@@ -170,9 +170,9 @@ def batch(server: Server, long_tokens: int = 64) -> dict[str, Any]:
     ``vllm:num_requests_waiting_by_reason{reason="deferred"}`` seen then, the newest labels at the end,
     every label set, and, as seen by this client's threads (milliseconds of noise), the time from A's
     last chunk to B's first."""
-    a = Stream(server, _completion("a", prompt_ids(2, 64), long_tokens))
+    a = Stream(server, completion_body("a", prompt_ids(2, 64), long_tokens))
     a.first_token()
-    b = Stream(server, _completion("b", prompt_ids(3, 64), long_tokens // 2))
+    b = Stream(server, completion_body("b", prompt_ids(3, 64), long_tokens // 2))
     seen: list[str] = []
     deferred = 0.0
     deadline = time.monotonic() + 120
@@ -225,18 +225,18 @@ def load_unload(server: Server, c_path: str) -> list[dict[str, Any]]:
         ("load c", "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": c_path}),
         ("load c again", "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": c_path}),
         ("load c in place", "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": c_path, "load_inplace": True}),
-        ("request c", "/v1/completions", _completion("c", prompt_ids(4, 16), 1)),
+        ("request c", "/v1/completions", completion_body("c", prompt_ids(4, 16), 1)),
         ("unload c", "/v1/unload_lora_adapter", {"lora_name": "c"}),
         ("unload c again", "/v1/unload_lora_adapter", {"lora_name": "c"}),
         ("unload: empty name", "/v1/unload_lora_adapter", {"lora_name": ""}),
-        ("request c after unload", "/v1/completions", _completion("c", prompt_ids(4, 16), 1)),
+        ("request c after unload", "/v1/completions", completion_body("c", prompt_ids(4, 16), 1)),
         ("load: load_inplace not a boolean", "/v1/load_lora_adapter",
          {"lora_name": "d", "lora_path": c_path, "load_inplace": "maybe"}),
     ]
     out = []
     for what, path, body in steps:
         status, raw = server.call("POST", path, body)
-        out.append({"step": what, **_answer(status, raw)})
+        out.append({"step": what, **answer_of(status, raw)})
     status, raw = server.call("GET", "/v1/models")
     out.append({"step": "models after", "ids": [m["id"] if m["id"] != server.model else "<base>"
                                                 for m in json.loads(raw)["data"]]})
@@ -246,7 +246,7 @@ def load_unload(server: Server, c_path: str) -> list[dict[str, Any]]:
 def missing_path(server: Server) -> dict[str, Any]:
     """Loading from a path that does not exist (the simulator never reads paths: run it last)."""
     status, raw = server.call("POST", "/v1/load_lora_adapter", {"lora_name": "ghost", "lora_path": "/nonexistent/x"})
-    return _answer(status, raw)
+    return answer_of(status, raw)
 
 
 def load_times(server: Server) -> dict[str, float]:
@@ -257,7 +257,7 @@ def load_times(server: Server) -> dict[str, float]:
     and the simulator prices a GPU's copies."""
     def ms(model: str) -> float:
         start = time.monotonic()
-        status, _ = server.call("POST", "/v1/completions", _completion(model, prompt_ids(5, 16), 1))
+        status, _ = server.call("POST", "/v1/completions", completion_body(model, prompt_ids(5, 16), 1))
         return round((time.monotonic() - start) * 1000, 1) if status == 200 else -status
 
     out = {"base model (median of 5)": sorted(ms(server.model) for _ in range(5))[2]}

@@ -37,7 +37,7 @@ from typing import Any
 
 from routerlab.realvllm.fidelity import SimProcess, comparison_lines, log
 from routerlab.realvllm.launcher import DEFAULT_VLLM_PYTHON, VllmFleet
-from routerlab.realvllm.lora_probes import Server, Stream, _answer, _completion, prompt_ids
+from routerlab.realvllm.lora_probes import Server, Stream, answer_of, completion_body, prompt_ids
 from routerlab.realvllm.promtext import metric_sum
 from routerlab.realvllm.tiny_model import is_complete
 
@@ -78,7 +78,7 @@ def chat(server: Server, priority: Any) -> dict[str, Any]:
     body = {"model": server.model, "messages": [{"role": "user", "content": "Hello there."}],
             "max_tokens": 1, "temperature": 0, "priority": priority}
     status, raw = server.call("POST", "/v1/chat/completions", body)
-    answer = _answer(status, raw)
+    answer = answer_of(status, raw)
     answer.pop("json", None)  # a success's body (generated text) is not compared
     return answer
 
@@ -131,7 +131,7 @@ def order_attempt(server: Server, priorities: dict[str, int | None], long_tokens
 
     def body(name: str, prompt: list[int], tokens: int) -> dict[str, Any]:
         p = priorities[name]
-        return _completion(server.model, prompt, tokens, **({} if p is None else {"priority": p}))
+        return completion_body(server.model, prompt, tokens, **({} if p is None else {"priority": p}))
 
     streams = {"A": Stream(server, body("A", prompt_ids(seed + 50, 32), long_tokens)).first_token()}
     waiting_after: list[float | None] = []

@@ -129,6 +129,15 @@ def _is_decode(seq: Sequence, n: int) -> bool:
     return bool(seq.outputs) and n == 1 and seq.num_computed == len(seq.tokens) - 1
 
 
+def _unschedule(scheduled: list[tuple[Sequence, int]], seq: Sequence) -> int:
+    """Take ``seq`` out of a step being planned; the tokens it was scheduled (0: it was not)."""
+    for k, (other, n) in enumerate(scheduled):
+        if other is seq:
+            del scheduled[k]
+            return n
+    return 0
+
+
 def seq_lora(seq: Sequence) -> dict[str, Any]:
     """The adapter fields of a sequence's KV events (none for the base model)."""
     return {"lora_id": seq.lora_id, "lora_name": seq.lora_name} if seq.lora_id else {}
@@ -163,8 +172,7 @@ class Scheduler:
         if not self.by_priority:
             self.waiting.append(seq)
             return
-        at = bisect.bisect_right([s.rank for s in self.waiting], seq.rank)
-        self.waiting.insert(at, seq)
+        self.waiting.insert(bisect.bisect_right(self.waiting, seq.rank, key=lambda s: s.rank), seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence (client went away); frees its blocks."""
@@ -209,15 +217,12 @@ class Scheduler:
                 victim = self.running.pop(at)
                 if at < i:  # ahead of this one in the step: give back what it was scheduled
                     i -= 1
-                    for k, (other, done) in enumerate(scheduled):
-                        if other is victim:
-                            del scheduled[k]
-                            budget += done
-                            if _is_decode(victim, done):
-                                decodes -= 1
-                            else:
-                                prefill -= done
-                            break
+                    done = _unschedule(scheduled, victim)
+                    budget += done
+                    if _is_decode(victim, done):
+                        decodes -= 1
+                    else:
+                        prefill -= done
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
