@@ -354,6 +354,19 @@ def test_a_replica_with_too_much_prefill_queued_gives_no_room() -> None:
     assert room(Snapshot((replica(1, backlog_tokens=101), replica(2, in_flight=1))), s) == 1
 
 
+def test_room_leaves_the_replicas_kept_free_and_never_the_last_one() -> None:
+    """``keep`` free replicas stay free (the worse class's reserve for a better one); a pool keeps at
+    most all but one, so a worse class is never shut out of a replica alone; saturated ones are not free."""
+    s = RouteSettings(flow_in_flight=4, flow_queue_tokens=0)
+    four = Snapshot(tuple(replica(n) for n in range(1, 5)))
+    assert [room(four, s, keep) for keep in (0, 1, 2, 3, 4, 9)] == [4, 3, 2, 1, 1, 1]
+    busy = Snapshot((replica(1, backlog_tokens=10), replica(2, in_flight=4), replica(3), replica(4)))
+    assert [room(busy, s, keep) for keep in (0, 1, 2, 3)] == [2, 1, 0, 0]
+    assert room(Snapshot((replica(1),)), s, 1) == 1  # alone: nothing to keep
+    assert room(Snapshot((replica(1), replica(2, healthy=False))), s, 1) == 1  # the healthy ones count
+    assert room(Snapshot((replica(1, healthy=False),)), s, 1) == UNBOUNDED
+
+
 def test_a_request_let_out_of_the_queue_passes_over_a_saturated_replica() -> None:
     """The replica holding the prompt has too much prefill queued: the cost may still choose it (its cache
     saves more than the queue costs), and does for a request that never waited; one flow control held and
@@ -453,7 +466,7 @@ class Room:
         self.pools: dict[str, int] = {}
         self.calls = 0
 
-    def __call__(self, pool: str, settings: RouteSettings) -> int:
+    def __call__(self, pool: str, settings: RouteSettings, keep: int = 0) -> int:
         self.calls += 1
         return self.pools.get(pool, self.value)
 
@@ -593,7 +606,7 @@ class QueueRoom(Room):
         self.strict = 0
         self.asked: list[int] = []
 
-    def __call__(self, pool: str, settings: RouteSettings) -> int:
+    def __call__(self, pool: str, settings: RouteSettings, keep: int = 0) -> int:
         self.asked.append(settings.flow_queue_tokens)
         return self.strict if settings.flow_queue_tokens == 0 else self.value
 
@@ -625,6 +638,62 @@ async def test_a_worse_class_keeps_the_headroom_of_a_better_class_while_it_is_ac
     room.strict = 0
     later = gate.enter("pool", "batch", 5, 10, S)
     assert later.state == LET_OUT and not later.yields and later.settings is S
+
+
+class KeepRoom(Room):
+    """Room that depends on the replicas a request must keep free: ``value`` less ``keep``."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.kept: list[int] = []
+
+    def __call__(self, pool: str, settings: RouteSettings, keep: int = 0) -> int:
+        self.kept.append(keep)
+        return max(0, self.value - keep)
+
+
+@gate_test(0)
+async def test_a_worse_class_keeps_replicas_free_for_a_better_class_while_it_is_active(
+        gate: FlowGate, r: Room, clock: Clock) -> None:
+    """Batch alone keeps nothing free; while interactive is active it keeps ``flow_reserve_replicas``
+    (2 here) free: held with two replicas free, let out with three; interactive keeps none."""
+    room = KeepRoom()
+    gate.room = room
+    settings = dataclasses.replace(S, flow_reserve_replicas=2)
+    room.value = 1
+    alone = gate.enter("pool", "batch", 5, 10, settings)
+    assert alone.state == LET_OUT and room.kept == [0]
+    gate.done(alone)
+    room.value = 2
+    interactive = gate.enter("pool", "app", 0, 10, settings)
+    assert interactive.state == LET_OUT and room.kept[-1] == 0
+    gate.done(interactive)
+    batch = gate.enter("pool", "batch", 5, 10, settings)
+    assert batch.state == HELD and room.kept[-1] == 2
+    room.value = 3
+    gate.kick()
+    assert batch.state == LET_OUT and batch.avoid_saturated
+    gate.done(batch)
+
+
+@gate_test(0)
+async def test_a_better_request_goes_at_once_past_worse_ones_held(gate: FlowGate, r: Room, clock: Clock) -> None:
+    """Batch requests are held; an interactive one that comes to a replica's room goes at once (the
+    ticker, an hour here, is not what lets it out); one that comes to none is held ahead of them."""
+    room = KeepRoom()
+    gate.room = room
+    gate.done(gate.enter("pool", "app", 0, 10, S))  # interactive is active
+    held = [gate.enter("pool", "batch", 5, 10, S) for _ in range(3)]
+    assert all(t.state == HELD for t in held)
+    room.value = S.flow_reserve_replicas  # room only for what the batch keeps free
+    interactive = gate.enter("pool", "app", 0, 10, S)
+    assert interactive.state == LET_OUT and all(t.state == HELD for t in held)
+    gate.done(interactive)
+    room.value = 0
+    late = gate.enter("pool", "app", 0, 10, S)
+    assert late.state == HELD and gate.queues["pool"].peek().value is late  # type: ignore[union-attr]
+    gate.done(late)
+    assert gate.held_count() == 3
 
 
 @gate_test(0)

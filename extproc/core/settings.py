@@ -74,6 +74,8 @@ class RouteSettings:
     # ... or, for a request while a better class than its own is active in its pool, more than this: a worse
     # class takes only what the better leaves and never queues ahead of it on a replica
     flow_worse_queue_tokens: int = 0
+    # ... and leaves this many of the pool's replicas free for the better class (at most all but one)
+    flow_reserve_replicas: int = 1
     flow_in_flight: int = 0  # ... or this many requests in flight (0: max_num_seqs)
     flow_max_wait: float = 10.0  # seconds a request may be held; then 429 (keep under Envoy's max_message_timeout)
     flow_max_queue: int = 1024  # requests held per pool at most; beyond it the lowest priority is shed
@@ -372,6 +374,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "flow_control": _Spec(_switch, "on or off"),
     "flow_queue_tokens": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (prefill tokens)"),
     "flow_worse_queue_tokens": _Spec(_number_in(int, 0, 10**9), "an integer in 0..1000000000 (prefill tokens)"),
+    "flow_reserve_replicas": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (replicas)"),
     "flow_in_flight": _Spec(_number_in(int, 0, 1_000_000),
                             "an integer in 1..1000000 (requests in flight per replica), or 0 for max_num_seqs"),
     "flow_max_wait": _Spec(_number_in(float, 0.0, 3600.0), "seconds in 0..3600"),

@@ -204,9 +204,10 @@ class PickCore:
         """The pool the request is picked in (None: it is not picked: no model, or one no pool serves)."""
         return self.pools.resolve(decision.model)[0]
 
-    def room(self, pool: str, settings: RouteSettings) -> int:
-        """Requests ``pool`` can start soon (extproc.pick.choice.saturation): flow control holds the rest."""
-        return saturation.room(self._snapshot(pool), settings)
+    def room(self, pool: str, settings: RouteSettings, keep: int = 0) -> int:
+        """Requests ``pool`` can start soon, ``keep`` of its free replicas left free
+        (extproc.pick.choice.saturation): flow control holds the rest."""
+        return saturation.room(self._snapshot(pool), settings, keep)
 
     def ahead_work(self, decision: Decision, settings: RouteSettings) -> object | None:
         """Before ``pick``, on the event loop: what must happen off it first (``run_ahead``), or None.

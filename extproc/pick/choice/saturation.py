@@ -30,7 +30,10 @@ def saturated(r: ReplicaState, settings: RouteSettings) -> bool:
             or r.token_cost * r.backlog_tokens > settings.flow_queue_tokens)
 
 
-def room(snapshot: Snapshot, settings: RouteSettings) -> int:
-    """Requests the pool in ``snapshot`` may send now: its healthy replicas that are not saturated."""
+def room(snapshot: Snapshot, settings: RouteSettings, keep: int = 0) -> int:
+    """Requests the pool in ``snapshot`` may send now: its healthy replicas that are not saturated,
+    less ``keep`` of them left free for others (at most all but one)."""
     healthy = [r for r in snapshot.replicas if r.healthy]
-    return sum(not saturated(r, settings) for r in healthy) if healthy else UNBOUNDED
+    if not healthy:
+        return UNBOUNDED
+    return max(0, sum(not saturated(r, settings) for r in healthy) - min(keep, len(healthy) - 1))

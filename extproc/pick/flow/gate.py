@@ -11,9 +11,11 @@ replicas holding requests of the pool too (``elsewhere``), it takes the room in 
 
 Classes: while a better class than a request's own has come to its pool within ``ACTIVE_S``, the
 request counts a replica as saturated past ``flow_worse_queue_tokens`` of queued prefill instead of
-``flow_queue_tokens`` (its ``settings``, which the adapter then picks with): a worse class takes only
-what the better leaves, and never queues on a replica ahead of it. vLLM does not preempt a prefill
-that has begun for a better request, so room the worse class took is room the better one waits for.
+``flow_queue_tokens`` (its ``settings``, which the adapter then picks with), and leaves
+``flow_reserve_replicas`` of the free replicas free: a worse class takes only what the better leaves,
+never queues on a replica ahead of it, and the better class finds a replica free when it comes. vLLM
+does not preempt a prefill that has begun for a better request, so room the worse class took is room
+the better one waits for.
 
 Asyncio state around the pure parts (the queue, the room), kept out of the pick core.
 """
@@ -86,12 +88,13 @@ class Ticket:
 
 
 class FlowGate:
-    """``room(pool, settings)``: requests the pool can start soon; ``tick``: how often held requests
-    are reconsidered besides each request's end; ``elsewhere(pool)``: what each other router replica
-    holds of the pool and has let out; ``tell(pool, counts, let_out)``: what this one holds (per class)
-    and has let out, each time that changes."""
+    """``room(pool, settings, keep)``: requests the pool can start soon with ``keep`` free replicas left
+    free; ``tick``: how often held requests are reconsidered besides each request's end;
+    ``elsewhere(pool)``: what each other router replica holds of the pool and has let out;
+    ``tell(pool, counts, let_out)``: what this one holds (per class) and has let out, each time that
+    changes."""
 
-    def __init__(self, room: Callable[[str, RouteSettings], int], *, tick: float = 0.01,
+    def __init__(self, room: Callable[[str, RouteSettings, int], int], *, tick: float = 0.01,
                  clock: Callable[[], float] = time.monotonic,
                  elsewhere: Callable[[str], list[Peer]] | None = None,
                  tell: Callable[[str, Counts, int], None] | None = None) -> None:
@@ -124,8 +127,7 @@ class FlowGate:
         ticket = Ticket(pool, tenant, priority, settings, self.clock())
         self._seen.setdefault(pool, {})[priority] = ticket.entered
         queue = self._queue(pool, settings)
-        if (not queue and self._has_room(pool, self._yielding(ticket))
-                and not self._held_elsewhere(pool, priority)):
+        if not queue and self._has_room(ticket) and not self._held_elsewhere(pool, priority):
             queue.charge(tenant, tokens)
             self._reserve(ticket)
             self._counted(pool, queue)
@@ -146,6 +148,8 @@ class FlowGate:
         metrics.FLOW_HELD.labels(pool, *ticket.labels).inc()
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        if len(queue) > 1 and queue.peek() is held:  # only worse classes were held: no wait for the ticker
+            self.kick()
         return ticket
 
     async def wait(self, ticket: Ticket) -> str:
@@ -184,7 +188,7 @@ class FlowGate:
             while queue:
                 head = queue.peek()
                 assert head is not None  # the queue is not empty
-                if not self._has_room(pool, self._yielding(head.value)):
+                if not self._has_room(head.value):
                     break
                 turns = self._turns(pool)
                 if turns is not None and not turns.mine(queue.lengths(), self._elsewhere(pool), self.clock()):
@@ -242,9 +246,12 @@ class FlowGate:
                                if better else route)
         return ticket.settings
 
-    def _has_room(self, pool: str, settings: RouteSettings) -> bool:
-        """The pool can start one more than this router let out and has not yet picked."""
-        return self.room(pool, settings) > self._reserved.get(pool, 0)
+    def _has_room(self, ticket: Ticket) -> bool:
+        """``ticket``'s pool can start one more than this router let out and has not yet picked (for a
+        worse class while a better one is active: with ``flow_reserve_replicas`` free replicas kept)."""
+        settings = self._yielding(ticket)
+        keep = ticket.route.flow_reserve_replicas if ticket.yields else 0
+        return self.room(ticket.pool, settings, keep) > self._reserved.get(ticket.pool, 0)
 
     def _elsewhere(self, pool: str) -> list[Peer]:
         return self.elsewhere(pool) if self.elsewhere is not None else []
