@@ -58,7 +58,9 @@ class RouteSettings:
     tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
     max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
     adapter_affinity: bool = True  # pick mode: price a LoRA adapter's slot in the choice (extproc.pick.choice.adapters)
-    adapter_load_tokens: int = 1024  # pick mode: the cost of loading an adapter into a free slot, in prefill tokens
+    # pick mode: the cost of loading an adapter into a free slot, in prefill tokens: its load and the adapter it
+    # evicts, loaded again later (16384: fewer loads than 1024 at the same TTFT on multi-lora, docs/results/multi-lora)
+    adapter_load_tokens: int = 16384
     # pick mode: where an adapter must be loaded, up to this much more the farther the replica is in the
     # adapter's rendezvous order (its home first), so each adapter loads on a few replicas, the same on every router
     adapter_home_tokens: int = 65536
