@@ -640,31 +640,6 @@ async def test_a_worse_class_keeps_the_headroom_of_a_better_class_while_it_is_ac
     assert later.state == LET_OUT and not later.yields and later.settings is S
 
 
-@gate_test(0)
-async def test_a_backlogged_tenant_keeps_the_headroom_of_the_others_while_they_are_active(
-        gate: FlowGate, r: Room, clock: Clock) -> None:
-    """Within one class, a tenant with more requests held counts the worse class's queue while another
-    tenant has come within ACTIVE_S (and keeps no replica free); alone, or its last request, the route's."""
-    room = QueueRoom()
-    gate.room = room
-    f1, f2, f3 = (gate.enter("pool", "flood", 0, 10, S) for _ in range(3))
-    gate.done(gate.enter("pool", "a", 0, 10, S))  # another tenant comes (held: no room), its client goes
-    room.value = 1  # room for the route's queue, none for the worse class's
-    gate.kick()
-    assert f1.state == HELD and f1.yields and f1.keep == 0
-    room.strict = 1
-    gate.kick()
-    assert f1.state == LET_OUT and f1.avoid_saturated and f2.state == HELD and f2.yields
-    gate.done(f1)
-    clock.now += ACTIVE_S + 0.1  # the other tenant went quiet
-    room.strict = 0
-    gate.kick()
-    assert f2.state == LET_OUT and not f2.yields and f2.settings is S
-    gate.done(f2)
-    gate.kick()
-    assert f3.state == LET_OUT and not f3.yields  # the last one held is not backlogged either
-
-
 class KeepRoom(Room):
     """Room that depends on the replicas a request must keep free: ``value`` less ``keep``."""
 

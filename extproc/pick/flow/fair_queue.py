@@ -68,10 +68,6 @@ class FairQueue(Generic[T]):
             for flow in band.values():
                 yield from flow
 
-    def waiting(self, tenant: str) -> int:
-        """``tenant``'s held requests (every class)."""
-        return self._waiting.get(tenant, 0)
-
     def lengths(self) -> dict[int, int]:
         """Held requests per priority class."""
         return {p: sum(map(len, band.values())) for p, band in self._bands.items()}

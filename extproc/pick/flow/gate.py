@@ -15,9 +15,7 @@ request counts a replica as saturated past ``flow_worse_queue_tokens`` of queued
 ``flow_reserve_replicas`` of the free replicas free: a worse class takes only what the better leaves,
 never queues on a replica ahead of it, and the better class finds a replica free when it comes. vLLM
 does not preempt a prefill that has begun for a better request, so room the worse class took is room
-the better one waits for. Within a class, a tenant with more requests held, while another tenant has
-come within ``ACTIVE_S``, counts the worse class's queue too (no replicas kept): a tenant over its
-share never queues on a replica ahead of the next request of one under it.
+the better one waits for.
 
 Asyncio state around the pure parts (the queue, the room), kept out of the pick core.
 """
@@ -53,7 +51,7 @@ class Ticket:
     """One request through the gate."""
 
     __slots__ = ("pool", "tenant", "priority", "settings", "state", "future", "entered", "reserved", "entry",
-                 "labels", "yields", "route", "keep")
+                 "labels", "yields", "route")
 
     def __init__(self, pool: str, tenant: str, priority: int, settings: RouteSettings, entered: float) -> None:
         self.pool = pool
@@ -68,7 +66,6 @@ class Ticket:
         self.labels = (metrics.tenant_label(tenant), str(priority))  # its metrics' tenant and priority
         self.yields = False  # a better class is active: its settings keep that class's headroom
         self.route = settings  # the route's own (``settings`` may be them with the worse class's queue)
-        self.keep = 0  # free replicas it must leave free (a better class is active)
 
     @property
     def held(self) -> bool:
@@ -114,9 +111,6 @@ class FlowGate:
         self._let_out: deque[float] = deque(maxlen=_RATE_WINDOW)
         self._ticker: asyncio.Task[None] | None = None
         self._seen: dict[str, dict[int, float]] = {}  # per pool, when each class last came
-        # per pool, the tenant that came last and when, and the last one before it of another tenant
-        self._last: dict[str, tuple[str, float]] = {}
-        self._other: dict[str, tuple[str, float]] = {}
 
     def _queue(self, pool: str, settings: RouteSettings) -> FairQueue[Ticket]:
         queue = self.queues.get(pool)
@@ -132,10 +126,6 @@ class FlowGate:
         """A request of ``tenant`` (charged ``tokens`` when let out) wants a replica of ``pool``."""
         ticket = Ticket(pool, tenant, priority, settings, self.clock())
         self._seen.setdefault(pool, {})[priority] = ticket.entered
-        last = self._last.get(pool)
-        if last is not None and last[0] != tenant:
-            self._other[pool] = last
-        self._last[pool] = (tenant, ticket.entered)
         queue = self._queue(pool, settings)
         if not queue and self._has_room(ticket) and not self._held_elsewhere(pool, priority):
             queue.charge(tenant, tokens)
@@ -245,39 +235,23 @@ class FlowGate:
         self._told(ticket.pool, queue)
 
     def _yielding(self, ticket: Ticket) -> RouteSettings:
-        """``ticket``'s settings for the room and its pick, now: a better class active in its pool, or its
-        tenant backlogged while another is active, makes it count the worse class's queue
-        (``flow_worse_queue_tokens``); the better class also makes it keep replicas free (``keep``)."""
+        """``ticket``'s settings for the room and its pick, now: a better class active in its pool makes
+        it count the worse class's queue (``flow_worse_queue_tokens``)."""
         now = self.clock()
-        pool = ticket.pool
-        better = any(p < ticket.priority and now - t <= ACTIVE_S for p, t in self._seen[pool].items())
-        ticket.keep = ticket.route.flow_reserve_replicas if better else 0
-        yields = better or (self._backlogged(ticket) and self._other_active(pool, ticket.tenant, now))
-        if yields != ticket.yields:
-            ticket.yields = yields
+        better = any(p < ticket.priority and now - t <= ACTIVE_S for p, t in self._seen[ticket.pool].items())
+        if better != ticket.yields:
+            ticket.yields = better
             route = ticket.route
             ticket.settings = (dataclasses.replace(route, flow_queue_tokens=route.flow_worse_queue_tokens)
-                               if yields else route)
+                               if better else route)
         return ticket.settings
 
-    def _backlogged(self, ticket: Ticket) -> bool:
-        """``ticket``'s tenant has other requests held in its pool."""
-        queue = self.queues.get(ticket.pool)
-        held = queue.waiting(ticket.tenant) if queue is not None else 0
-        return held - (ticket.entry is not None) > 0
-
-    def _other_active(self, pool: str, tenant: str, now: float) -> bool:
-        """A tenant other than ``tenant`` came to ``pool`` within ``ACTIVE_S``."""
-        for seen in (self._last.get(pool), self._other.get(pool)):
-            if seen is not None and seen[0] != tenant:
-                return now - seen[1] <= ACTIVE_S
-        return False
-
     def _has_room(self, ticket: Ticket) -> bool:
-        """``ticket``'s pool can start one more than this router let out and has not yet picked (with
-        ``keep`` free replicas left free)."""
+        """``ticket``'s pool can start one more than this router let out and has not yet picked (for a
+        worse class while a better one is active: with ``flow_reserve_replicas`` free replicas kept)."""
         settings = self._yielding(ticket)
-        return self.room(ticket.pool, settings, ticket.keep) > self._reserved.get(ticket.pool, 0)
+        keep = ticket.route.flow_reserve_replicas if ticket.yields else 0
+        return self.room(ticket.pool, settings, keep) > self._reserved.get(ticket.pool, 0)
 
     def _elsewhere(self, pool: str) -> list[Peer]:
         return self.elsewhere(pool) if self.elsewhere is not None else []
