@@ -267,9 +267,8 @@ def test_a_scrape_of_requests_waiting_puts_a_floor_under_the_queue() -> None:
 
 def test_the_wait_for_first_tokens_puts_a_floor_under_the_queue() -> None:
     """vLLM's V1 scheduler runs a request whose prefill has barely begun, so nothing says it waits: the
-    requests that had their first token since the last scrape, a second ago, waited 12 s on average, one
-    prefill of 5000 tokens (1000 a second) of it their own, and half a second of queue was computed
-    since their first tokens on average, so 6500 tokens are still queued at least."""
+    requests that had their first token since the last scrape waited 12 s on average, one prefill of
+    5000 tokens (1000 a second) of it their own, so 7000 tokens are still queued at least."""
     t = LoadTracker(prefill_tokens_per_s=1000)
     t.set_addresses([A])
     for _ in range(4):
@@ -278,16 +277,14 @@ def test_the_wait_for_first_tokens_puts_a_floor_under_the_queue() -> None:
     t.scraped(A, page(3.0, 1), own_at_scrape=4, now=30.0)  # the first page: no interval yet
     assert t.snapshot(now=30.0).by_address()[A].backlog_tokens == 0
     t.scraped(A, page(27.0, 3), own_at_scrape=4, now=31.0)  # two first tokens after 24 s in all
-    assert t.snapshot(now=31.0).by_address()[A].backlog_tokens == 6500
-    assert t.snapshot(now=32.0).by_address()[A].backlog_tokens == 5500  # draining from then
+    assert t.snapshot(now=31.0).by_address()[A].backlog_tokens == 7000
+    assert t.snapshot(now=32.0).by_address()[A].backlog_tokens == 6000  # draining from then
     t.scraped(A, page(27.0, 3), own_at_scrape=4, now=32.0)  # no first token since: no floor
-    assert t.snapshot(now=33.0).by_address()[A].backlog_tokens == 4500
+    assert t.snapshot(now=33.0).by_address()[A].backlog_tokens == 5000
     t.scraped(A, page(29.0, 4), own_at_scrape=4, now=33.0)  # one, quick: under the estimate, no cut
-    assert t.snapshot(now=33.0).by_address()[A].backlog_tokens == 4500
+    assert t.snapshot(now=33.0).by_address()[A].backlog_tokens == 5000
     t.scraped(A, page(0.5, 1), own_at_scrape=4, now=34.0)  # the counters went back (a restart): no floor
-    assert t.snapshot(now=34.0).by_address()[A].backlog_tokens == 3500
-    t.scraped(A, page(23.5, 3), own_at_scrape=4, now=44.0)  # two waited 11.5 s, 10 s since the last scrape
-    assert t.snapshot(now=44.0).by_address()[A].backlog_tokens == 11500 - 5000 - 5000  # 5 s computed since
+    assert t.snapshot(now=34.0).by_address()[A].backlog_tokens == 4000
 
 
 def test_speed_is_measured_from_the_counters_over_windows_and_survives_a_restart() -> None:

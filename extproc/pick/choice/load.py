@@ -44,7 +44,6 @@ class _Replica:
     backlog: float = 0.0  # prefill tokens queued at ``backlog_at``
     backlog_at: float = 0.0
     own_prefill: int = 0  # prefill tokens this router's requests in flight brought
-    scraped_at: float = -1.0  # when its last scrape was taken (-1: none yet)
     speed: Speed = field(default_factory=Speed)  # its measured prefill rate and request time
 
 
@@ -135,29 +134,24 @@ class LoadTracker:
             r.own_at_scrape = own_at_scrape
             if now is not None:
                 r.speed.update(sample, now)
-                self._anchor(r, sample, now, now - r.scraped_at if r.scraped_at >= 0 else 0.0)
-                r.scraped_at = now
+                self._anchor(r, sample, now)
         self._refresh(address)
 
-    def _anchor(self, r: _Replica, sample: Sample, now: float, since: float) -> None:
+    def _anchor(self, r: _Replica, sample: Sample, now: float) -> None:
         """Two floors under the estimate at every scrape, as a fluid estimate drifts (a prefill rate
         measured a little high, prompts sized wrong):
 
         - the replica says how many requests wait unstarted: at least that many of this router's
           requests' prefill is still queued there;
-        - the requests that had their first token since the last scrape (``since`` seconds ago) waited
-          ``recent_ttft`` on average, one average prefill of its own included: the queue they waited
-          for, less what the replica has computed since their first tokens (half of ``since`` on
-          average), is still queued. vLLM's V1 scheduler admits a request into the running batch
+        - the requests that had their first token since the last scrape waited ``recent_ttft`` on
+          average, one average prefill of its own included: what the rest of that wait took at its
+          prefill rate is still queued. vLLM's V1 scheduler admits a request into the running batch
           as soon as a step has any of its token budget left, so a request whose prefill has barely
-          begun is running, not waiting, and the first floor alone missed seconds of queue; counted
-          whole, the queue they waited for held a replica saturated that had little left to do."""
+          begun is running, not waiting, and the first floor alone missed seconds of queue."""
         if not self.prefill_rate or not r.own:
             return
         own_prefill = r.own_prefill / r.own
-        rate = self._rate(r)
-        floor = max(min(sample.waiting, r.own) * own_prefill,
-                    r.speed.recent_ttft * rate - own_prefill - rate * since / 2)
+        floor = max(min(sample.waiting, r.own) * own_prefill, r.speed.recent_ttft * self._rate(r) - own_prefill)
         drained = self._drained(r, now)
         if floor > drained:
             r.backlog, r.backlog_at = floor, now
