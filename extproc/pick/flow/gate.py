@@ -148,7 +148,8 @@ class FlowGate:
         metrics.FLOW_HELD.labels(pool, *ticket.labels).inc()
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
-        if len(queue) > 1 and queue.peek() is held:  # only worse classes were held: no wait for the ticker
+        # it goes before those already held (a better class, a tenant under its share): not at the next tick
+        if len(queue) > 1 and queue.peek() is held:
             self.kick()
         return ticket
 
