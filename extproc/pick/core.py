@@ -167,16 +167,21 @@ class PickCore:
         adapter = self._adapter(decision, settings)
         if match is None:  # the view cannot say: no replica holds any of it as far as the choice knows
             tokens = math.ceil(len(decision.normalized) / BYTES_PER_TOKEN)
-            slots = self.adapters.costs(adapter, snapshot.replicas, tokens, settings) if adapter else None
+            slots = self._adapter_costs(adapter, snapshot, tokens, settings)
             return choose(decision.key, tokens, {}, snapshot, settings, pool=pool, adapter=slots,
                           avoid_saturated=avoid_saturated), None
         if settle and match.runs and self.share is not None:
             if sum(self.share.continued(run) for run in match.runs):
                 snapshot = self._snapshot(pool)
-        slots = self.adapters.costs(adapter, snapshot.replicas, match.prompt_tokens, settings) if adapter else None
+        slots = self._adapter_costs(adapter, snapshot, match.prompt_tokens, settings)
         choice = choose(decision.key, match.prompt_tokens, match.cached, snapshot, settings, match.views, pool, slots,
                         avoid_saturated)
         return choice, match
+
+    def _adapter_costs(self, adapter: str | None, snapshot: Snapshot, tokens: int,
+                       settings: RouteSettings) -> dict[str, int] | None:
+        """Each replica's adapter term (extproc.pick.choice.adapters); None for a base model."""
+        return None if adapter is None else self.adapters.costs(adapter, snapshot.replicas, tokens, settings)
 
     def _adapter(self, decision: Decision, settings: RouteSettings) -> str | None:
         """The LoRA adapter the request runs, when the choice prices adapters (None: a base model)."""

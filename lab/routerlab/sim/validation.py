@@ -9,7 +9,7 @@ simulator's bodies use are modelled: required strings, lax booleans and lax inte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from routerlab.sim.api import ApiError
 
@@ -49,9 +49,14 @@ def check_body(body: dict[str, Any], required: tuple[str, ...], flags: tuple[str
         if bad is not None:
             errors.append({"type": bad[0], "loc": f"body.{name}", "msg": bad[1], "input": _summary(body[name])})
     if errors:
-        label = "error" if len(errors) == 1 else "errors"
-        message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors[:10])
-        raise ApiError(message.rstrip(), type_="Bad Request", param=errors[0]["loc"])
+        _reject(errors)
+
+
+def _reject(errors: list[dict[str, Any]]) -> NoReturn:
+    """vLLM's 400 for pydantic's ``errors`` (at most 10 listed)."""
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors[:10])
+    raise ApiError(message.rstrip(), type_="Bad Request", param=errors[0]["loc"])
 
 
 def integer(body: dict[str, Any], name: str, default: int = 0) -> int:
@@ -71,8 +76,7 @@ def integer(body: dict[str, Any], name: str, default: int = 0) -> int:
             kind, msg = "int_parsing", "Input should be a valid integer, unable to parse string as an integer"
     else:
         kind, msg = "int_type", "Input should be a valid integer"
-    error = {"type": kind, "loc": f"body.{name}", "msg": msg, "input": _summary(value)}
-    raise ApiError(f"1 validation error:\n  {error}", type_="Bad Request", param=error["loc"])
+    _reject([{"type": kind, "loc": f"body.{name}", "msg": msg, "input": _summary(value)}])
 
 
 def flag(body: dict[str, Any], name: str) -> bool:
