@@ -6,45 +6,61 @@ prefill time sum) against the replica's prefill tokens per second of wall time.
     prefix-router sim --profile llama-3.1-70b-h100-tp8 --base-port 8190 --max-num-seqs 64 &
     .venv/bin/python docs/results/overload/tenant-headroom/rate_probe.py http://127.0.0.1:8190
 """
-import asyncio, re, sys, time, random
+
+import asyncio
+import random
+import re
+import sys
+import time
+
 import aiohttp
 
 URL = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8190"
 
-def metric(text, name):
+
+def metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
-async def scrape(s):
-    async with s.get(URL + "/metrics") as r:
-        t = await r.text()
-    return (metric(t, "vllm:request_prefill_kv_computed_tokens_sum"), metric(t, "vllm:request_prefill_time_seconds_sum"))
 
-async def one(s, rng, model):
+async def scrape(s: aiohttp.ClientSession) -> tuple[float, float]:
+    """The replica's prefill KV tokens and prefill seconds so far (sums of vLLM's histograms)."""
+    async with s.get(URL + "/metrics") as r:
+        text = await r.text()
+    return (metric(text, "vllm:request_prefill_kv_computed_tokens_sum"),
+            metric(text, "vllm:request_prefill_time_seconds_sum"))
+
+
+async def one(s: aiohttp.ClientSession, rng: random.Random, model: str) -> int:
     words = " ".join(f"w{rng.randrange(10**9)}" for _ in range(3500))
     body = {"model": model, "messages": [{"role": "user", "content": words}], "max_tokens": 16, "stream": False}
     async with s.post(URL + "/v1/chat/completions", json=body) as r:
-        d = await r.json()
-    return d["usage"]["prompt_tokens"]
+        return (await r.json())["usage"]["prompt_tokens"]
 
-async def loop(s, n, seconds, rng, model):
+
+async def closed_loop(s: aiohttp.ClientSession, n: int, seconds: float, rng: random.Random, model: str) -> None:
     end = time.monotonic() + seconds
-    async def worker():
+
+    async def worker() -> None:
         while time.monotonic() < end:
             await one(s, rng, model)
+
     await asyncio.gather(*(worker() for _ in range(n)))
 
-async def main():
+
+async def main() -> None:
     rng = random.Random(0)
     async with aiohttp.ClientSession() as s:
         async with s.get(URL + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         print("prompt tokens of one request:", await one(s, rng, model))
         for n in (1, 2, 4):
-            k0, t0 = await scrape(s); w0 = time.monotonic()
-            await loop(s, n, 20, rng, model)
-            k1, t1 = await scrape(s); w1 = time.monotonic()
-            print(f"{n} in flight: measured rate {(k1 - k0) / (t1 - t0):,.0f} tok/s; "
-                  f"prefill tokens per wall second {(k1 - k0) / (w1 - w0):,.0f}")
+            (tokens0, seconds0), wall0 = await scrape(s), time.monotonic()
+            await closed_loop(s, n, 20, rng, model)
+            (tokens1, seconds1), wall1 = await scrape(s), time.monotonic()
+            print(f"{n} in flight: measured rate {(tokens1 - tokens0) / (seconds1 - seconds0):,.0f} tok/s; "
+                  f"prefill tokens per wall second {(tokens1 - tokens0) / (wall1 - wall0):,.0f}")
 
-asyncio.run(main())
+
+if __name__ == "__main__":
+    asyncio.run(main())
