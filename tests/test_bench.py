@@ -106,7 +106,7 @@ def test_zipf_chat_quick_pick_keeps_hits_and_spreads_load() -> None:
 def test_shared_prefix_quick_writes_each_request_and_the_tail_analysis_accounts_for_every_one(tmp_path: Path) -> None:
     report = run_bench(BenchConfig(scenario="shared-prefix", quick=True, out=tmp_path, plots=False,
                                    arms=["round-robin", "prefix-pick", "prefix-precise"]))
-    assert report.load["router_settings"]["max-num-seqs"] == "64"  # the fleet's, as an operator sets it
+    assert report.load["router_settings"]["max_num_seqs"] == "64"  # the fleet's, as an operator sets it
     summaries = tail.analyse(tmp_path, against="round-robin")
     assert set(summaries) == {"round-robin", "prefix-pick", "prefix-precise"}
     def records_of(name: str) -> list[dict]:
@@ -143,7 +143,7 @@ def test_multi_lora_quick_reports_adapter_loads_and_each_class_of_adapter(tmp_pa
         assert set(classes) == {"shared", "unshared"}
         assert sum(c["requests"] for c in classes.values()) == arm["ok"]
         assert arm["adapter_loads_per_min"] > 0 and arm["adapter_slot_waits"] >= 0
-    assert report.load["router_settings"]["max-num-seqs"] == "32"
+    assert report.load["router_settings"]["max_num_seqs"] == "32"
     text = (tmp_path / "report.md").read_text()
     assert "adapter loads / min" in text
 

@@ -15,7 +15,7 @@ from routerlab.bench.oracle import oracle
 from routerlab.bench.oracle import parse as oracle_parse
 from routerlab.bench.replica_metrics import FleetDelta, ReplicaCounters, parse
 from routerlab.bench.report import Report, markdown_table, prediction, summarize
-from routerlab.bench.runner import _histogram_part
+from routerlab.bench.runner import _histogram_part, with_fleet_slots
 from routerlab.bench.scenarios.adapters import UNSHARED
 from routerlab.bench.trace import Request, TextSource, chat_body, encode
 from routerlab.harness import envoy_config
@@ -355,3 +355,9 @@ def test_the_report_reads_the_flow_wait_and_sharing_delay_histograms_by_their_su
     assert _histogram_part("prefix_router_in_flight_sharing_delay_seconds_count") == "sharing_delay_count"
     assert _histogram_part("prefix_router_flow_wait_seconds_bucket") is None
     assert _histogram_part("prefix_router_decision_seconds_sum") is None
+
+
+def test_the_fleet_slots_give_way_to_a_router_setting() -> None:
+    assert with_fleet_slots({}, 8) == {"max_num_seqs": "8"}
+    assert with_fleet_slots({"max_num_seqs": "100000", "slot_weight": "0"}, 8) == {"max_num_seqs": "100000",
+                                                                                   "slot_weight": "0"}

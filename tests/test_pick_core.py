@@ -119,7 +119,7 @@ def test_cost_is_uncached_prefill_plus_queued_work() -> None:
 
 
 def test_a_replica_full_of_sequences_charges_the_wait_for_a_slot() -> None:
-    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0, max_num_seqs=4)
+    s = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0, max_num_seqs=4, slot_weight=1.0)
     stay = 2000  # a request stays 2000 configured-rate tokens' worth of time on it: a slot frees every 500
     assert cost(5000, 4000, ReplicaState(A, in_flight=3, request_tokens=stay), s) == 1000  # a slot free
     assert cost(5000, 4000, ReplicaState(A, in_flight=4, request_tokens=stay), s) == 1000 + 500
@@ -127,6 +127,8 @@ def test_a_replica_full_of_sequences_charges_the_wait_for_a_slot() -> None:
     assert cost(5000, 4000, ReplicaState(A, in_flight=6), s) == 1000  # its request time not measured yet
     unknown = RouteSettings(mode="pick", load_tokens=0, stall_weight=0, max_num_seqs=0)
     assert cost(5000, 4000, ReplicaState(A, in_flight=60, request_tokens=stay), unknown) == 1000
+    shipped = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0, max_num_seqs=4)
+    assert cost(5000, 4000, ReplicaState(A, in_flight=6, request_tokens=stay), shipped) == 1000 + 3 * 500 // 4
 
 
 def test_a_prefill_is_charged_the_stall_it_gives_the_requests_running_there() -> None:
@@ -137,7 +139,8 @@ def test_a_prefill_is_charged_the_stall_it_gives_the_requests_running_there() ->
     assert choose("ab", 5000, {}, fleet, s).address == B  # cold: the replica not busy decoding, despite its queue
     assert choose("ab", 5000, {A: 4800}, fleet, s).address == A  # a hit joins the busy one
     full = RouteSettings(mode="pick", load_tokens=0, stall_weight=0.25, max_num_seqs=4)
-    assert cost(5000, 0, ReplicaState(A, in_flight=10), full) == 5000 * 2  # 4 running; those waiting are not stalled
+    # 4 running and 6 waiting for a slot: their slots free a prefill later, so all 10 wait for it
+    assert cost(5000, 0, ReplicaState(A, in_flight=10), full) == 5000 * (1 + 10 / 4)
 
 
 def test_a_slower_replica_prices_its_prefill_and_queue_in_time() -> None:

@@ -4,9 +4,10 @@ Estimated cost of serving the request on replica r, in prefill tokens at the con
 rate (``prefill_tokens_per_s``), so in effect a time:
 
     cost(r) = token_cost(r) x ( max(prompt_tokens - cached_tokens(r), 1)    prefill it must compute
-                                x (1 + stall_weight x running(r))           ... stalling those running there
+                                x (1 + stall_weight x in_flight(r))         ... delaying every request there
                               + backlog_weight x backlog(r) )               prefill queued ahead of it
-            + max(in_flight(r) + 1 - max_num_seqs, 0) x request_tokens(r) / max_num_seqs   the wait for a slot
+            + slot_weight x max(in_flight(r) + 1 - max_num_seqs, 0)        the wait for a slot
+                          x request_tokens(r) / max_num_seqs
             + load_tokens x in_flight(r)                                    every request it runs
             + adapter(r)                                                    its LoRA adapter's slot
 
@@ -19,10 +20,13 @@ is the wait on a replica whose ``max_num_seqs`` slots are all taken: a slot free
 time / max_num_seqs (its request time measured, in configured-rate tokens). Not fewer slots
 where the KV holds fewer requests of the prompt's size: a request whose history is cached needs
 few new blocks, and counting its whole prompt drove conversations off the replica holding it.
-``stall_weight`` charges what the prefill does to the requests already running there: chunked
-prefill puts it in the same steps as their decodes, so each waits for it too (running(r): its
-requests in flight, at most max_num_seqs; those waiting for a slot are not stalled). The last term
-charges each request in flight a flat amount (off by default: the stall and slot terms price it).
+``slot_weight`` is below 1 because on a pool whose every slot is taken a request sent to the
+shorter queue takes the slot the next arrival there would have had: the wait moves more than it
+goes away, while the prefill it computes there is capacity lost to all. ``stall_weight`` charges
+what the prefill does to the other requests there: chunked prefill puts it in the same steps as
+the decodes of those running, and those waiting for a slot get theirs that much later, so each
+waits for it too. The last term charges each request in flight a flat amount (off by default:
+the stall and slot terms price it).
 ``adapter`` is a LoRA request's slot: nothing where its adapter runs, the load where a slot is
 free, the wait for one where every slot is taken (extproc.pick.choice.adapters).
 Dynamo's KV router weighs prefill blocks against active blocks the same way; docs/pick-mode.md
@@ -105,13 +109,13 @@ def _costs(prompt_tokens: int, cached: Mapping[str, int], replicas: Sequence[Rep
     """Each replica's cost (the formula above), in one comprehension: the choice prices every
     replica of the fleet per request, so a call per replica would cost more than the sums."""
     get, weight, per_request, stall = cached.get, settings.backlog_weight, settings.load_tokens, settings.stall_weight
-    slots = settings.max_num_seqs
-    running = slots or 1 << 30  # a prefill stalls the requests running, not those waiting for a slot
+    slots, slot_weight = settings.max_num_seqs, settings.slot_weight
     return [round(r.token_cost * (max(prompt_tokens - get(r.address, 0), 1)
-                                  * (1 + stall * (r.in_flight if r.in_flight < running else running))
-                                  + weight * r.backlog_tokens))
+                                  * (1 + stall * r.in_flight)
+                                  + weight * r.backlog_tokens)
+                  + (slot_weight * max(r.in_flight + 1 - slots, 0) * r.request_tokens / slots
+                     if slots and r.request_tokens else 0))
             + per_request * r.in_flight
-            + (max(r.in_flight + 1 - slots, 0) * r.request_tokens // slots if slots and r.request_tokens else 0)
             for r in replicas]
 
 

@@ -139,6 +139,12 @@ def with_real_tokenizer(spec: FleetSpec, trace: Trace, sample: int = 64) -> Flee
     return dataclasses.replace(spec, tokenizer=tokenizer, kv_events=True, num_blocks=blocks)
 
 
+def with_fleet_slots(settings: Mapping[str, str], slots: int) -> dict[str, str]:
+    """The router settings with the fleet's ``--max-num-seqs``, unless they set it themselves (keys as
+    ``--router-setting`` normalises them: underscores)."""
+    return {"max_num_seqs": str(slots), **settings}
+
+
 def run_bench(cfg: BenchConfig) -> report_mod.Report:
     scenario = get_scenario(cfg.scenario)
     params = scenario_params(scenario, cfg)
@@ -152,8 +158,7 @@ def run_bench(cfg: BenchConfig) -> report_mod.Report:
     if (spec.tokenizer or any(arms_mod.get(n).precise for n in names)) and not cfg.backend_urls:
         spec = with_real_tokenizer(spec, trace)
     if not cfg.backend_urls:  # what an operator sets from vLLM's --max-num-seqs (docs/pick-mode.md)
-        cfg = dataclasses.replace(cfg, router_settings={"max-num-seqs": str(_max_num_seqs(spec)),
-                                                        **cfg.router_settings})
+        cfg = dataclasses.replace(cfg, router_settings=with_fleet_slots(cfg.router_settings, _max_num_seqs(spec)))
     best = oracle(trace.requests, spec.block_size, spec.tokenizer).hit_rate
     pool_best = {m: oracle([r for r in trace.requests if scenario.classes and scenario.classes(r.group) == m],
                            spec.block_size, spec.tokenizer).hit_rate for m in spec.members()}
