@@ -1,5 +1,6 @@
 """Per variant of the router, one arm over seeds: hit rate of the oracle's, TTFT p50 / p90, req/s, per
-seed and the seeds' mean with a 95 % t interval, as a markdown table and a figure (means and intervals).
+seed and the seeds' mean with a 95 % t interval, as a markdown table and a figure (means and intervals);
+then each variant against the first, seed by seed (hit rate: the difference; the others: in per cent).
 
     python table.py OUT ARM VARIANT [VARIANT ...]     # reads OUT/VARIANT/seed-N/report.json, writes OUT/ARM.png
 """
@@ -25,6 +26,7 @@ def main() -> None:
     out, arm, variants = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     print("| variant | " + " | ".join(name for name, _, _ in METRICS) + " |")
     print("|---" * (len(METRICS) + 1) + "|")
+    table: list[list[dict]] = []
     figure, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.6))
     for position, variant in enumerate(variants):
         runs = [json.loads(p.read_text())["arms"][arm] for p in sorted((out / variant).glob("seed-*/report.json"))]
@@ -37,6 +39,19 @@ def main() -> None:
             axis.bar(position, mean, yerr=[[mean - low], [high - mean]], capsize=4, color=f"C{position}")
             axis.plot([position] * len(values), values, "k.", markersize=4)
             axis.set_title(name)
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+        table.append(runs)
+    print()
+    print(f"| against {variants[0]}, seed by seed | " + " | ".join(name for name, _, _ in METRICS) + " |")
+    print("|---" * (len(METRICS) + 1) + "|")
+    for variant, runs in zip(variants[1:], table[1:]):
+        cells = []
+        for index, (_, get, _) in enumerate(METRICS):
+            pairs = list(zip((get(a) for a in table[0]), (get(a) for a in runs)))
+            change = [b - a if index == 0 else 100 * (b / a - 1) for a, b in pairs]
+            mean, low, high = interval(change) if len(change) > 1 else (change[0],) * 3
+            fmt = "{:+.3f}" if index == 0 else "{:+.1f} %"
+            cells.append(f"{fmt.format(mean)} ({fmt.format(low)}..{fmt.format(high)})")
         print(f"| {variant} | " + " | ".join(cells) + " |")
     for axis in axes:
         axis.set_xticks(range(len(variants)), variants, rotation=30, ha="right")
