@@ -453,7 +453,7 @@ def test_a_replica_whose_hit_counter_went_back_restarted_and_its_learned_view_is
     assert all(c.cached_tokens == 0 for c in again.candidates)
 
 
-def test_bytes_per_token_is_measured_from_the_replicas_counters_and_our_share_of_their_requests() -> None:
+def test_bytes_per_token_is_measured_per_request_from_the_replicas_counters() -> None:
     ratio = TokenRatio(4.0)
     page = lambda tokens, done: Sample(1, 0, 0, 0, prompt_tokens=tokens, requests_done=done)  # noqa: E731
     assert not ratio.sampled(A, page(1000, 5))  # opens the window
@@ -467,6 +467,20 @@ def test_bytes_per_token_is_measured_from_the_replicas_counters_and_our_share_of
         ratio.sent(A, 3800)
     assert ratio.sampled(A, page(10 + 40000, 1 + 16))  # ours alone: 1.52 bytes per token
     assert ratio.value == 4.0 + 0.5 * (1.52 - 4.0)
+
+
+def test_bytes_per_token_counts_requests_by_first_tokens_as_the_prompt_tokens_are_counted() -> None:
+    """vLLM counts a prompt's tokens at its first token: in a window where 20 requests had theirs and 16
+    finished (seconds of decoding between), the 16 of ours sent then are 4000 bytes of 1000 tokens each."""
+    ratio = TokenRatio(2.0)
+    page = lambda tokens, first, done: Sample(1, 0, 0, 0, prompt_tokens=tokens, first_tokens=first,  # noqa: E731
+                                               requests_done=done)
+    assert not ratio.sampled(A, page(0, 0, 0))  # no first-token count yet: counts finished requests
+    assert not ratio.sampled(A, page(500, 1, 0))  # the count appears: a new window, by first tokens
+    for _ in range(16):
+        ratio.sent(A, 4000)
+    assert ratio.sampled(A, page(500 + 20 * 1000, 1 + 20, 16))
+    assert ratio.value == 4.0  # counting the 16 finished against 20 first tokens' tokens said 3.2
 
 
 def test_the_learned_view_counts_tokens_with_the_measured_ratio() -> None:
