@@ -23,7 +23,7 @@ from typing import Final
 from extproc.pick.choice.speed import smooth
 from extproc.pick.choice.state import Sample
 
-MIN_REQUESTS: Final = 16  # requests a replica finished in a window before it is measured
+MIN_REQUESTS: Final = 16  # requests a replica counted (first tokens) in a window before it is measured
 BOUNDS: Final = (0.5, 64.0)  # what --bytes-per-token allows; a measurement outside is ignored
 
 
