@@ -32,7 +32,7 @@ class _Window:
     sent_bytes: int = 0
     sent: int = 0
     tokens: float = -1.0  # the replica's counters at the window's start (-1: no window yet)
-    done: float = -1.0  # its requests counted: first tokens, or finished where it exports no first-token count
+    counted: float = -1.0  # its requests counted: first tokens, or finished where it exports no first-token count
     by_first: bool = False  # which of the two
 
 
@@ -55,14 +55,14 @@ class TokenRatio:
         """A scrape of ``address``; returns whether the ratio changed."""
         w = self._windows.setdefault(address, _Window())
         counted, by_first = _counted(sample)
-        tokens, done = sample.prompt_tokens - w.tokens, counted - w.done
-        if w.tokens < 0 or tokens < 0 or done < 0 or by_first != w.by_first:  # a first sample, a restart
-            self._windows[address] = _Window(tokens=sample.prompt_tokens, done=counted, by_first=by_first)
+        tokens, requests = sample.prompt_tokens - w.tokens, counted - w.counted
+        if w.tokens < 0 or tokens < 0 or requests < 0 or by_first != w.by_first:  # a first sample, a restart
+            self._windows[address] = _Window(tokens=sample.prompt_tokens, counted=counted, by_first=by_first)
             return False
-        if done < MIN_REQUESTS or 2 * w.sent < MIN_REQUESTS or tokens <= 0:
+        if requests < MIN_REQUESTS or 2 * w.sent < MIN_REQUESTS or tokens <= 0:
             return False
-        ratio = (w.sent_bytes / w.sent) / (tokens / done)
-        self._windows[address] = _Window(tokens=sample.prompt_tokens, done=counted, by_first=by_first)
+        ratio = (w.sent_bytes / w.sent) / (tokens / requests)
+        self._windows[address] = _Window(tokens=sample.prompt_tokens, counted=counted, by_first=by_first)
         if not BOUNDS[0] <= ratio <= BOUNDS[1]:
             return False
         self.value = smooth(self.value if self.measured else 0.0, ratio)
