@@ -460,12 +460,12 @@ def test_bytes_per_token_is_measured_per_request_from_the_replicas_counters() ->
     for _ in range(8):
         ratio.sent(A, 4000)  # 8 of ours, 32000 bytes
     assert not ratio.sampled(A, page(1000 + 8000, 5 + 10))  # 10 finished: too few yet
-    assert ratio.sampled(A, page(1000 + 16000, 5 + 16))  # 16 finished, 8 of them ours: half the tokens
-    assert ratio.value == 32000 / (16000 * 0.5) and ratio.measured
+    assert ratio.sampled(A, page(1000 + 16000, 5 + 16))  # 16 counted, 8 of them ours: theirs are like ours
+    assert ratio.value == (32000 / 8) / (16000 / 16) and ratio.measured  # bytes per request over tokens per request
     assert not ratio.sampled(A, page(10, 1))  # counters went back: a restarted replica, a new window
     for _ in range(16):
         ratio.sent(A, 3800)
-    assert ratio.sampled(A, page(10 + 40000, 1 + 16))  # ours alone: 1.52 bytes per token
+    assert ratio.sampled(A, page(10 + 40000, 1 + 16))  # 3800 bytes of 2500 tokens a request: 1.52
     assert ratio.value == 4.0 + 0.5 * (1.52 - 4.0)
 
 
