@@ -682,15 +682,16 @@ async def test_a_better_request_goes_at_once_past_worse_ones_held(gate: FlowGate
     ticker, an hour here, is not what lets it out); one that comes to none is held ahead of them."""
     room = KeepRoom()
     gate.room = room
-    gate.done(gate.enter("pool", "app", 0, 10, S))  # interactive is active
-    held = [gate.enter("pool", "batch", 5, 10, S) for _ in range(3)]
+    keep = dataclasses.replace(S, flow_reserve_replicas=1)
+    gate.done(gate.enter("pool", "app", 0, 10, keep))  # interactive is active
+    held = [gate.enter("pool", "batch", 5, 10, keep) for _ in range(3)]
     assert all(t.state == HELD for t in held)
-    room.value = S.flow_reserve_replicas  # room only for what the batch keeps free
-    interactive = gate.enter("pool", "app", 0, 10, S)
+    room.value = keep.flow_reserve_replicas  # room only for what the batch keeps free
+    interactive = gate.enter("pool", "app", 0, 10, keep)
     assert interactive.state == LET_OUT and all(t.state == HELD for t in held)
     gate.done(interactive)
     room.value = 0
-    late = gate.enter("pool", "app", 0, 10, S)
+    late = gate.enter("pool", "app", 0, 10, keep)
     assert late.state == HELD and gate.queues["pool"].peek().value is late  # type: ignore[union-attr]
     gate.done(late)
     assert gate.held_count() == 3
