@@ -77,8 +77,8 @@ class RouteSettings:
     # ... or, for a request while a better class than its own is active in its pool, more than this: a worse
     # class takes only what the better leaves and never queues ahead of it on a replica
     flow_worse_queue_tokens: int = 0
-    # ... and leaves this many of the pool's replicas free for the better class (at most all but one; 0 since
-    # measured in `priority`: the better class within 1.5x of its p90 either way, 18 % more served without)
+    # ... and leaves this many of the pool's replicas free for the better class (at most all but one; 0: in
+    # `priority` the better class keeps within 1.5x of its p90 either way, and 18 % more is served without)
     flow_reserve_replicas: int = 0
     flow_in_flight: int = 0  # ... or this many requests in flight (0: max_num_seqs)
     flow_max_wait: float = 10.0  # seconds a request may be held; then 429 (keep under Envoy's max_message_timeout)
