@@ -51,6 +51,9 @@ class Holds:
     def sampled(self, address: str, sample: Sample, restarted: bool) -> None:
         self.calls.append(("sampled", address, restarted))
 
+    def eviction_price(self, address: str) -> float:
+        return 0.0
+
     def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         return {"events_origin": "holds" if address == self.address else "none", "forecast_evicted_tokens": 0}
 

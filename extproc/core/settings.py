@@ -58,6 +58,7 @@ class RouteSettings:
     tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
     max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
     slot_weight: float = 0.25  # pick mode: weight of the wait for a slot on a replica whose slots are all taken
+    eviction_weight: float = 0.0  # pick mode: weight of the prefill a replica's evictions bring back
     adapter_affinity: bool = True  # pick mode: price a LoRA adapter's slot in the choice (extproc.pick.choice.adapters)
     # pick mode: the cost of loading an adapter into a free slot, in prefill tokens: its load and the adapter it
     # evicts, loaded again later (16384: fewer loads than 1024 at the same TTFT on multi-lora, docs/results/multi-lora)
@@ -357,6 +358,7 @@ SPECS: Final[dict[str, _Spec]] = {
     "tie_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),
     "max_num_seqs": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (0: no slot limit known)"),
     "slot_weight": _Spec(_number_in(float, 0.0, 4.0), "a number in 0..4"),
+    "eviction_weight": _Spec(_number_in(float, 0.0, 4.0), "a number in 0..4"),
     "adapter_affinity": _Spec(_switch, "on or off"),
     "adapter_load_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),
     "adapter_home_tokens": _Spec(_number_in(int, 0, 1_000_000), "an integer in 0..1000000 (prefill tokens)"),

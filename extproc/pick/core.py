@@ -52,7 +52,7 @@ class Share(Protocol):
 
 
 LOAD_KINDS: Final = ("in_flight", "own", "running", "waiting", "kv_usage", "backlog_tokens", "prefill_tokens_per_s",
-                     "request_seconds", "recent_ttft_seconds")
+                     "request_seconds", "recent_ttft_seconds", "eviction_price")
 PICK_REASONS: Final = (*REASONS, NO_MODEL, UNKNOWN_MODEL)
 _PICKS: Final = {reason: metrics.PICKS.labels(reason) for reason in PICK_REASONS}  # every series from 0
 
@@ -142,6 +142,7 @@ class PickCore:
         self._hits[address] = sample.prefix_cache_hits
         restarted = before is not None and sample.prefix_cache_hits < before
         self.view.sampled(address, sample, restarted)  # a counter that went back: a new process, cache empty
+        self.load.priced(address, self.view.eviction_price(address))
         if restarted:
             metrics.LEARNED_CLEARED.inc()
         if before is not None:
@@ -280,7 +281,7 @@ class PickCore:
         metrics.INDEX_BYTES.set(stats.bytes)
         for r in self.load.snapshot(self.clock()).replicas:
             values = (r.in_flight, self.load.own(r.address), r.running, r.waiting, r.kv_usage, r.backlog_tokens,
-                      *self.load.speed(r.address))
+                      *self.load.speed(r.address), r.eviction_price)
             for kind, value in zip(LOAD_KINDS, values):
                 metrics.REPLICA_LOAD.labels(r.address, kind).set(value)
 
@@ -297,7 +298,8 @@ class PickCore:
                  "own_in_flight": self.load.own(r.address), "running": r.running,
                  "waiting": r.waiting, "kv_usage": r.kv_usage, "capacity_tokens": r.capacity_tokens,
                  "backlog_tokens": r.backlog_tokens, "token_cost": round(r.token_cost, 4),
-                 "request_tokens": r.request_tokens, **self.adapters.state(r.address),
+                 "request_tokens": r.request_tokens, "eviction_price": round(r.eviction_price, 4),
+                 **self.adapters.state(r.address),
                  **self.view.replica_state(r.address)}
                 for r in self.load.snapshot(self.clock()).replicas
             ],

@@ -109,9 +109,9 @@ def _costs(prompt_tokens: int, cached: Mapping[str, int], replicas: Sequence[Rep
     """Each replica's cost (the formula above), in one comprehension: the choice prices every
     replica of the fleet per request, so a call per replica would cost more than the sums."""
     get, weight, per_request, stall = cached.get, settings.backlog_weight, settings.load_tokens, settings.stall_weight
-    slots, slot_weight = settings.max_num_seqs, settings.slot_weight
+    slots, slot_weight, evict = settings.max_num_seqs, settings.slot_weight, settings.eviction_weight
     return [round(r.token_cost * (max(prompt_tokens - get(r.address, 0), 1)
-                                  * (1 + stall * r.in_flight)
+                                  * (1 + stall * r.in_flight) * (1 + evict * r.eviction_price)
                                   + weight * r.backlog_tokens)
                   + (slot_weight * max(r.in_flight + 1 - slots, 0) * r.request_tokens / slots
                      if slots and r.request_tokens else 0))

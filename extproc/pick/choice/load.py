@@ -45,6 +45,7 @@ class _Replica:
     backlog_at: float = 0.0
     own_prefill: int = 0  # prefill tokens this router's requests in flight brought
     speed: Speed = field(default_factory=Speed)  # its measured prefill rate and request time
+    eviction_price: float = 0.0  # its cache view's (extproc.pick.choice.ghosts), set at each scrape
 
 
 class LoadTracker:
@@ -101,6 +102,13 @@ class LoadTracker:
             if self.prefill_rate:
                 r.backlog = self._drained(r, now)
                 r.backlog_at = now
+            self._refresh(address)
+
+    def priced(self, address: str, eviction_price: float) -> None:
+        """What an eviction on ``address`` costs now, from its cache view."""
+        r = self._replicas.get(address)
+        if r is not None and r.eviction_price != eviction_price:
+            r.eviction_price = eviction_price
             self._refresh(address)
 
     def speed(self, address: str) -> tuple[float, float, float]:
@@ -181,7 +189,7 @@ class LoadTracker:
             address, r.healthy, r.own + others, s.running if s else 0.0, s.waiting if s else 0.0,
             s.kv_usage if s else 0.0, s.capacity_tokens if s else 0, backlog,
             self.prefill_rate / rate if rate and self.prefill_rate else 1.0,
-            round(r.speed.request_s * self.prefill_rate))
+            round(r.speed.request_s * self.prefill_rate), r.eviction_price)
         self._snapshot = None
 
     def snapshot(self, now: float | None = None) -> Snapshot:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, cast
 
+from extproc.pick.choice.ghosts import GhostList
 from extproc.pick.choice.state import IndexStats
 from extproc.pick.events.block_hashes import ROOT, block_hashes, request_extra_keys
 from extproc.pick.events.kv_events import (
@@ -84,6 +85,7 @@ class _Replica:
     last_use: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when its chain was last in use
     # own hash -> [requests watching it, times it left the replica since]: the eviction forecast's check
     watched: dict[int, list[int]] = field(default_factory=dict)
+    ghosts: GhostList = field(default_factory=GhostList)  # what its evictions cost (extproc.pick.choice.ghosts)
 
 
 class EventIndex:
@@ -122,6 +124,17 @@ class EventIndex:
     def holds_block(self, address: str, own_hash: int) -> bool:
         replica = self._replicas.get(address)
         return replica is not None and bool(self._owners.get(own_hash, 0) & replica.bit)
+
+    def eviction_price(self, address: str) -> float:
+        """The share of the replica's recent evictions that came back (extproc.pick.choice.ghosts)."""
+        replica = self._replicas.get(address)
+        return replica.ghosts.price() if replica is not None else 0.0
+
+    def set_ghost_capacity(self, address: str, blocks: int) -> None:
+        """Remember as many of ``address``'s evictions as its KV holds blocks."""
+        replica = self._replica(address)
+        if replica.ghosts.capacity != blocks:
+            replica.ghosts.resize(blocks)
 
     def block_size(self, address: str) -> int | None:
         """The block size ``address``'s events announce (None before its first BlockStored)."""
@@ -293,6 +306,7 @@ class EventIndex:
             if parent != ROOT:
                 last_use[parent] = stamp
         owners, bit, extra = self._owners, replica.bit, replica.extra
+        ghosts = [r.ghosts for r in self._replicas.values() if r.ghosts.ghosts]  # evicted anywhere, back here
         duplicates = 0
         for i in range(n):
             e = hashes[i]
@@ -307,6 +321,9 @@ class EventIndex:
                 owners[h] = held | bit if held else bit  # alone: share the replica's int, not a new one
                 if changed:
                     changed(h)
+                if ghosts and not held:
+                    for g in ghosts:
+                        g.stored(h)
         if duplicates:
             tally.duplicates += duplicates
         replica.blocks += n
@@ -319,6 +336,7 @@ class EventIndex:
         Returns the copies removed."""
         owners, bit = self._owners, replica.bit
         engine, extra, last_use, watched = replica.engine, replica.extra, replica.last_use, replica.watched
+        evicted = replica.ghosts.evicted
         removed = unknown = 0
         for e in event.block_hashes:
             h = engine.get(e)
@@ -343,6 +361,7 @@ class EventIndex:
                     last_use.pop(h, None)
                 if watched and (entry := watched.get(h)) is not None:
                     entry[1] += 1
+                evicted(h)
                 left = held & ~bit
                 if left:
                     owners[h] = left
@@ -380,6 +399,7 @@ class EventIndex:
         replica.engine.clear()  # clear() frees the table (and apply's local names stay valid)
         replica.extra.clear()
         replica.last_use.clear()
+        replica.ghosts.clear()
         for entry in replica.watched.values():
             entry[1] += 1
         replica.blocks = 0

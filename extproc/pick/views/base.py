@@ -78,6 +78,10 @@ class CacheView(Protocol):
         """A scrape of ``address``; ``restarted``: its counters went back, so its cache started empty."""
         ...
 
+    def eviction_price(self, address: str) -> float:
+        """The share of ``address``'s recent evictions that came back (extproc.pick.choice.ghosts)."""
+        ...
+
     def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         """What ``explain`` shows of this view for one candidate."""
         ...

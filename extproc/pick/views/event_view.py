@@ -132,8 +132,13 @@ class EventView:
     def sampled(self, address: str, sample: Sample, restarted: bool) -> None:
         if sample.block_size:
             self.precise.block_size_hint = sample.block_size
+            if sample.capacity_tokens:
+                self.precise.index.set_ghost_capacity(address, sample.capacity_tokens // sample.block_size)
         if self.forecast is not None:
             self.forecast.on_sample(address, self.precise.index.allocations(address), sample.requests_done)
+
+    def eviction_price(self, address: str) -> float:
+        return self.precise.index.eviction_price(address)
 
     def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         exact: Exact | None = match.detail if match is not None else None

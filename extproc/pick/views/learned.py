@@ -107,6 +107,9 @@ class LearnedView:
         for address, tokens in self._capacity_tokens.items():
             self.index.set_capacity(address, self.chunks_for(tokens))
 
+    def eviction_price(self, address: str) -> float:
+        return self.index.eviction_price(address)
+
     def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         return {"events_origin": "none", "forecast_evicted_tokens": 0}
 

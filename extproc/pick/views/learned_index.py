@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Protocol
 
+from extproc.pick.choice.ghosts import GhostList
 from extproc.pick.choice.state import IndexStats
 
 # Memory per entry (an int in the owner map, a node in one replica's LRU), measured with
@@ -60,6 +61,10 @@ class PrefixIndex(Protocol):
 
     def stats(self) -> IndexStats: ...
 
+    def eviction_price(self, address: str) -> float:
+        """The share of the replica's recent evictions that came back (extproc.pick.choice.ghosts)."""
+        ...
+
 
 class LearnedIndex:
     """Per-replica LRU of chained chunk hashes plus, per hash, a bit mask of its holders."""
@@ -72,6 +77,7 @@ class LearnedIndex:
         self._owners: dict[int, int] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
+        self._ghosts: dict[str, GhostList] = {}  # what each replica's evictions cost
 
     # --- reads -------------------------------------------------------------------------
     def match(self, chunks: Sequence[int]) -> dict[str, int]:
@@ -89,6 +95,10 @@ class LearnedIndex:
         share = self.max_chunks // max(len(self._bit), 1)
         return max(1, min(cap, share))
 
+    def eviction_price(self, address: str) -> float:
+        ghosts = self._ghosts.get(address)
+        return ghosts.price() if ghosts is not None else 0.0
+
     def stats(self) -> IndexStats:
         entries = sum(len(lru) for lru in self._lru.values())
         return IndexStats(entries, len(self._owners), entries * BYTES_PER_ENTRY)
@@ -104,6 +114,7 @@ class LearnedIndex:
             self._bit[address] = bit
             self._name[bit] = address
             self._lru[address] = OrderedDict()
+            self._ghosts[address] = GhostList()
             for other in self._bit:  # each replica's share of max_chunks just shrank
                 self._trim(other)
         return bit
@@ -113,11 +124,14 @@ class LearnedIndex:
         lru = self._lru[address]
         owners = self._owners
         touch = lru.move_to_end
+        ghosts = [g for g in self._ghosts.values() if g.ghosts]  # evictions anywhere come back here too
         for h in reversed(chunks):  # the head ends most recent: vLLM evicts a prompt tail first
             if h in lru:
                 touch(h)
             else:
                 lru[h] = None
+                for g in ghosts:
+                    g.stored(h)
                 held = owners.get(h, 0)
                 owners[h] = held | bit if held else bit  # alone: share the replica's int, not a new one
         self._trim(address)
@@ -131,9 +145,11 @@ class LearnedIndex:
 
     def _trim(self, address: str) -> None:
         lru, bit, cap = self._lru[address], self._bit[address], self.capacity(address)
+        evicted = self._ghosts[address].evicted
         while len(lru) > cap:
             h, _ = lru.popitem(last=False)
             self._drop(h, bit)
+            evicted(h)
 
     def forget(self, address: str, chunks: Iterable[int]) -> None:
         if address not in self._bit:
@@ -146,6 +162,7 @@ class LearnedIndex:
     def clear(self, address: str) -> None:
         if address in self._bit:
             self.forget(address, list(self._lru[address]))
+            self._ghosts[address].clear()
 
     def remove(self, address: str) -> None:
         """Forget a replica that left the endpoints (its bit is reused by the next one)."""
@@ -153,11 +170,13 @@ class LearnedIndex:
         self._name.pop(self._bit.pop(address, 0), None)
         self._lru.pop(address, None)
         self._capacity.pop(address, None)
+        self._ghosts.pop(address, None)
 
     def set_capacity(self, address: str, chunks: int) -> None:
         self._slot(address)
         if self._capacity.get(address) != chunks:
             self._capacity[address] = chunks
+            self._ghosts[address].resize(self.capacity(address))
             self._trim(address)
 
     def load(self, holdings: Mapping[str, Sequence[int]]) -> None:

@@ -24,7 +24,7 @@ from extproc.pick.choice.state import IndexStats, Sample, Snapshot
 from extproc.pick.views.base import NOTHING, Match, Placed, new_tuple
 from extproc.pick.views.event_view import EventView
 from extproc.pick.views.learned import LEARNED, LearnedView
-from extproc.pick.views.precise import EVENTS
+from extproc.pick.views.precise import COVERED, EVENTS
 
 
 class Merged(NamedTuple):
@@ -132,6 +132,12 @@ class CombinedView:
     def sampled(self, address: str, sample: Sample, restarted: bool) -> None:
         self.learned.sampled(address, sample, restarted)
         self.events.sampled(address, sample, restarted)
+
+    def eviction_price(self, address: str) -> float:
+        """The events' where they cover the replica, else the learned view's."""
+        if self.events.precise.origin(address) in COVERED:
+            return self.events.eviction_price(address)
+        return self.learned.eviction_price(address)
 
     def describe(self, address: str, match: Match | None) -> dict[str, Any]:
         return self.events.describe(address, match.detail.events if match is not None else None)
