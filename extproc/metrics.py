@@ -175,8 +175,9 @@ REPLICA_LOAD = Gauge(
     "prefix_router_replica_load",
     "Per replica: in_flight (the estimate the choice uses), own (this router's open requests), "
     "running, waiting and kv_usage (last scrape), backlog_tokens (prefill estimated queued), "
-    "prefill_tokens_per_s (measured, else configured), request_seconds (measured; 0: not yet) and "
-    "recent_ttft_seconds (mean time to first token between its last two scrapes; 0: none)",
+    "prefill_tokens_per_s (measured, else configured), request_seconds (measured; 0: not yet), "
+    "recent_ttft_seconds (mean time to first token between its last two scrapes; 0: none) and "
+    "eviction_price (the share of its recent evictions stored again)",
     ["replica", "kind"],
     registry=REGISTRY,
 )

@@ -250,6 +250,8 @@ def test_prediction_splits_the_view_s_error_from_what_the_cache_lost_while_reque
     assert checked["forecast_evicted_tokens"] == 160
     vllm = prediction({"events": 800.0}, FleetDelta([ReplicaCounters(hits=800)]))
     assert "held_at_arrival_accuracy" not in vllm and vllm["accuracy"] == 1.0  # real vLLM has no such counter
+    priced = prediction({"events": 800.0, "eviction_price_min": 0.4404, "eviction_price_max": 0.9}, fleet)
+    assert priced["eviction_price"] == [0.44, 0.9] and "eviction_price" not in vllm
 
 
 def test_kv_pressure_restarts_a_replica_only_when_asked() -> None:

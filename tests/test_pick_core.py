@@ -128,7 +128,7 @@ def test_a_replica_full_of_sequences_charges_the_wait_for_a_slot() -> None:
     unknown = RouteSettings(mode="pick", load_tokens=0, stall_weight=0, max_num_seqs=0)
     assert cost(5000, 4000, ReplicaState(A, in_flight=60, request_tokens=stay), unknown) == 1000
     default = RouteSettings(mode="pick", load_tokens=0, backlog_weight=1.0, stall_weight=0, max_num_seqs=4)
-    assert cost(5000, 4000, ReplicaState(A, in_flight=6, request_tokens=stay), default) == 1000 + 3 * 500 // 4
+    assert cost(5000, 4000, ReplicaState(A, in_flight=6, request_tokens=stay), default) == 1000 + 3 * 500
 
 
 def test_a_prefill_is_charged_the_stall_it_gives_the_requests_running_there() -> None:

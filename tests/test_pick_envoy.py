@@ -348,6 +348,7 @@ def test_pick_metrics_show_reasons_loads_and_the_index(
     assert values[f'prefix_router_replica_up{{replica="{address}"}}'] == 1
     assert f'prefix_router_replica_load{{kind="in_flight",replica="{address}"}}' in values
     assert f'prefix_router_replica_load{{kind="recent_ttft_seconds",replica="{address}"}}' in values
+    assert f'prefix_router_replica_load{{kind="eviction_price",replica="{address}"}}' in values
 
 
 def test_a_request_counts_as_in_flight_until_its_response_ends(

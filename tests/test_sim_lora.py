@@ -405,8 +405,11 @@ def test_the_lora_fidelity_probes_find_two_simulators_alike() -> None:
     seen = []
     for _ in range(2):
         with serving(lora, time_scale=1.0, model="/models/tiny") as (c,):
+            # A decodes 400 tokens (about a second of 2 ms steps): B, sent after A's first token, must
+            # reach the replica and be seen deferred while A runs, on a busy machine too (24 tokens,
+            # 50 ms, missed it once)
             seen.append(lora_fidelity.observe(Server(c.url, "/models/tiny", {"a": paths["a"], "b": paths["b"]}),
-                                              paths["c"], long_tokens=24))
+                                              paths["c"], long_tokens=400))
     table = lora_fidelity.rows(*seen)
     assert all(r["same"] for r in table if r["same"] is not None), [r for r in table if r["same"] is False]
     times = seen[0]["load_times_ms"]  # the tiny profile: 20 ms from disk, 1 ms from CPU memory

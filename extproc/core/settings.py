@@ -57,8 +57,8 @@ class RouteSettings:
     stall_weight: float = 0.25  # pick mode: weight of the delay a request's prefill gives each request in flight there
     tie_tokens: int = 0  # pick mode: costs this close count as equal (rendezvous decides: router replicas agree)
     max_num_seqs: int = 256  # pick mode: vLLM's --max-num-seqs on the replicas (beyond it, a request waits for a slot)
-    slot_weight: float = 0.25  # pick mode: weight of the wait for a slot on a replica whose slots are all taken
-    eviction_weight: float = 0.0  # pick mode: weight of the prefill a replica's evictions bring back
+    slot_weight: float = 1.0  # pick mode: weight of the wait for a slot on a replica whose slots are all taken
+    eviction_weight: float = 1.0  # pick mode: weight of the prefill the pool's evictions bring back
     adapter_affinity: bool = True  # pick mode: price a LoRA adapter's slot in the choice (extproc.pick.choice.adapters)
     # pick mode: the cost of loading an adapter into a free slot, in prefill tokens: its load and the adapter it
     # evicts, loaded again later (16384: fewer loads than 1024 at the same TTFT on multi-lora, docs/results/multi-lora)

@@ -4,7 +4,9 @@ Estimated cost of serving the request on replica r, in prefill tokens at the con
 rate (``prefill_tokens_per_s``), so in effect a time:
 
     cost(r) = token_cost(r) x ( max(prompt_tokens - cached_tokens(r), 1)    prefill it must compute
-                                x (1 + stall_weight x in_flight(r))         ... delaying every request there
+                                x (1 + stall_weight x in_flight(r)          ... delaying every request there
+                                   + eviction_weight x eviction_price       ... and what it evicts, computed
+                                     x (1 + stall_weight x mean in_flight))     again later somewhere
                               + backlog_weight x backlog(r) )               prefill queued ahead of it
             + slot_weight x max(in_flight(r) + 1 - max_num_seqs, 0)        the wait for a slot
                           x request_tokens(r) / max_num_seqs
@@ -20,9 +22,16 @@ is the wait on a replica whose ``max_num_seqs`` slots are all taken: a slot free
 time / max_num_seqs (its request time measured, in configured-rate tokens). Not fewer slots
 where the KV holds fewer requests of the prompt's size: a request whose history is cached needs
 few new blocks, and counting its whole prompt drove conversations off the replica holding it.
-``slot_weight`` is below 1 because on a pool whose every slot is taken a request sent to the
-shorter queue takes the slot the next arrival there would have had: the wait moves more than it
-goes away, while the prefill it computes there is capacity lost to all. ``stall_weight`` charges
+``eviction_price`` is what a token computed in the pool pushes out of a KV that is computed again
+later: the share of the replicas' recent evictions that were stored again (their mean;
+extproc.pick.choice.ghosts, from either cache view), each such token costing a prefill and its
+stall at the pool's mean load. The pool's, not each replica's: a cold prompt evicts as much
+wherever it goes, and per-replica prices (0.3 to 1.0 on one fleet) steered cold prompts into
+uneven queues. Where the KV keeps what is asked again it is 0 and the slot wait counts whole;
+where the KV is short, a conversation moved to a shorter queue costs its history computed twice
+and the evictions that brings, and the price keeps it where it is cached. (Before the price the
+slot wait counted a quarter everywhere, ``slot_weight`` 0.25: that kept conversations on a fleet
+short of KV, and left queues uneven on one that was not.) ``stall_weight`` charges
 what the prefill does to the other requests there: chunked prefill puts it in the same steps as
 the decodes of those running, and those waiting for a slot get theirs that much later, so each
 waits for it too. The last term charges each request in flight a flat amount (off by default:
@@ -110,8 +119,11 @@ def _costs(prompt_tokens: int, cached: Mapping[str, int], replicas: Sequence[Rep
     replica of the fleet per request, so a call per replica would cost more than the sums."""
     get, weight, per_request, stall = cached.get, settings.backlog_weight, settings.load_tokens, settings.stall_weight
     slots, slot_weight, evict = settings.max_num_seqs, settings.slot_weight, settings.eviction_weight
+    if evict and replicas:  # the pool's: what a prefill pushes out is computed again later, at its mean stall
+        n = len(replicas)
+        evict *= sum(r.eviction_price for r in replicas) / n * (1 + stall * sum(r.in_flight for r in replicas) / n)
     return [round(r.token_cost * (max(prompt_tokens - get(r.address, 0), 1)
-                                  * (1 + stall * r.in_flight) * (1 + evict * r.eviction_price)
+                                  * (1 + stall * r.in_flight + evict)
                                   + weight * r.backlog_tokens)
                   + (slot_weight * max(r.in_flight + 1 - slots, 0) * r.request_tokens / slots
                      if slots and r.request_tokens else 0))

@@ -15,23 +15,29 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-DEFAULT_CAPACITY = 4096  # hashes remembered until the replica's KV size is known
+DEFAULT_CAPACITY = 4096  # hashes a replica holds until its KV size is known
+# The event index's blocks are 16 tokens: it remembers and counts one hash in 8 (the hashes are
+# uniform, so the share is the same), an eighth of the memory and of the work on the ingest path.
+BLOCK_SAMPLE_MASK = 7
 
 
 class GhostList:
     """One replica's recently evicted hashes, and how many of its evictions came back."""
 
-    __slots__ = ("capacity", "ghosts", "evictions", "returns", "_keep")
+    __slots__ = ("capacity", "ghosts", "evictions", "returns", "sample_mask", "_keep")
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, sample_mask: int = 0) -> None:
+        """``sample_mask``: the caller passes only the hashes ``h & sample_mask == 0`` (0: every one)."""
         self.ghosts: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0.0  # decayed count
         self.returns = 0.0  # decayed count of evicted hashes stored again while remembered
+        self.sample_mask = sample_mask
         self.resize(capacity)
 
     def resize(self, capacity: int) -> None:
-        """Remember as many evicted hashes as the replica holds (its KV in chunks or blocks)."""
-        self.capacity = max(1, capacity)
+        """Remember as many evicted hashes as the replica holds (its KV in chunks or blocks; of
+        them, the sampled share)."""
+        self.capacity = max(1, capacity // (self.sample_mask + 1))
         self._keep = 1.0 - 1.0 / self.capacity
         while len(self.ghosts) > self.capacity:
             self.ghosts.popitem(last=False)

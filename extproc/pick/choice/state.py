@@ -27,8 +27,8 @@ class ReplicaState(NamedTuple):
     # stays on it, in configured-rate tokens (0: not measured yet). extproc.pick.choice.speed.
     token_cost: float = 1.0
     request_tokens: int = 0
-    # the share of its recent evictions that came back (extproc.pick.choice.ghosts): each token computed
-    # there pushes out that much cached prefix someone computes again
+    # the share of its recent evictions stored again (extproc.pick.choice.ghosts); the choice prices
+    # every prefill token at the pool's mean of it
     eviction_price: float = 0.0
 
 

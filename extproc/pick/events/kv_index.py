@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, cast
 
-from extproc.pick.choice.ghosts import GhostList
+from extproc.pick.choice.ghosts import BLOCK_SAMPLE_MASK, GhostList
 from extproc.pick.choice.state import IndexStats
 from extproc.pick.events.block_hashes import ROOT, block_hashes, request_extra_keys
 from extproc.pick.events.kv_events import (
@@ -85,7 +85,8 @@ class _Replica:
     last_use: dict[int, int] = field(default_factory=dict)  # own hash -> that clock when its chain was last in use
     # own hash -> [requests watching it, times it left the replica since]: the eviction forecast's check
     watched: dict[int, list[int]] = field(default_factory=dict)
-    ghosts: GhostList = field(default_factory=GhostList)  # what its evictions cost (extproc.pick.choice.ghosts)
+    # what its evictions cost (extproc.pick.choice.ghosts), from one block hash in BLOCK_SAMPLE_MASK + 1
+    ghosts: GhostList = field(default_factory=lambda: GhostList(sample_mask=BLOCK_SAMPLE_MASK))
 
 
 class EventIndex:
@@ -321,7 +322,7 @@ class EventIndex:
                 owners[h] = held | bit if held else bit  # alone: share the replica's int, not a new one
                 if changed:
                     changed(h)
-                if ghosts and not held:
+                if ghosts and not held and not h & BLOCK_SAMPLE_MASK:
                     for g in ghosts:
                         g.stored(h)
         if duplicates:
@@ -361,7 +362,8 @@ class EventIndex:
                     last_use.pop(h, None)
                 if watched and (entry := watched.get(h)) is not None:
                     entry[1] += 1
-                evicted(h)
+                if not h & BLOCK_SAMPLE_MASK:
+                    evicted(h)
                 left = held & ~bit
                 if left:
                     owners[h] = left

@@ -191,6 +191,8 @@ def prediction(predicted: Mapping[str, float], fleet: FleetDelta) -> dict[str, A
     if checked:
         out["forecast_came_true"] = round(predicted.get("forecast_evicted", 0.0) / checked, 4)
         out["forecast_missed"] = round(predicted.get("forecast_missed", 0.0) / checked, 4)
+    if "eviction_price_max" in predicted:  # the cost's eviction price per replica at the end: lowest, highest
+        out["eviction_price"] = [round(predicted["eviction_price_min"], 3), round(predicted["eviction_price_max"], 3)]
     if at_arrival:
         out["held_at_arrival_tokens"] = int(at_arrival)
         out["held_at_arrival_accuracy"] = round((sum(views.values()) - in_flight + evicted) / at_arrival, 4)
@@ -349,14 +351,18 @@ def pools_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _span(pair: Sequence[float] | None) -> str:
+    return "" if not pair else f"{pair[0]:.2f}" if pair[0] == pair[1] else f"{pair[0]:.2f}..{pair[1]:.2f}"
+
+
 def prediction_table(report: Report) -> str:
     rows = [(name, a["prediction"]) for name, a in report.arms.items() if a.get("prediction")]
     if not rows:
         return ""
     lines = ["| arm | predicted (events) | of which in flight | forecast evicted (not in it) "
              "| forecast came true / missed | predicted (learned) | replicas' hits | accuracy | held at arrival (sim) "
-             "| held part / held at arrival | kept while waiting | choices by view |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| held part / held at arrival | kept while waiting | eviction price at the end | choices by view |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, p in rows:
         views = ", ".join(f"{v} {n}" for v, n in p["choices_by_view"].items()) or "learned (no events configured)"
         lines.append(f"| {name} | {p['predicted_tokens'].get('events', 0)} | {p.get('in_flight_tokens', 0)} "
@@ -365,7 +371,7 @@ def prediction_table(report: Report) -> str:
                      f"| {p['predicted_tokens'].get('learned', 0)} | {p['actual_hit_tokens']} "
                      f"| {_fmt(p['accuracy'], 3)} "
                      f"| {p.get('held_at_arrival_tokens', '')} | {_fmt(p.get('held_at_arrival_accuracy'), 3)} "
-                     f"| {_fmt(p.get('kept_while_waiting'), 3)} | {views} |")
+                     f"| {_fmt(p.get('kept_while_waiting'), 3)} | {_span(p.get('eviction_price'))} | {views} |")
     return "\n".join(lines)
 
 

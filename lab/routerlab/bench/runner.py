@@ -311,6 +311,9 @@ def _run_arm(arm: arms_mod.ArmSpec, label: str, scenario: Scenario, spec: FleetS
             envoy = running.envoy_stats()
             each_router = [_predictions(port) for port in running.metrics_ports]
             predicted = _summed(each_router)
+            prices = [v for one in each_router for k, v in one.items() if k.startswith("eviction_price:")]
+            if prices:  # a gauge per replica and router: the range, not a sum
+                predicted["eviction_price_min"], predicted["eviction_price_max"] = min(prices), max(prices)
     finally:
         backend.stop()
     resets = [(s["replica_reset"], s["counters"]) for s in snapshots if "replica_reset" in s]
@@ -397,6 +400,8 @@ def _predictions(port: int) -> dict[str, float]:
             key = f"flow_{s.labels['how']}"  # flow_at_once, flow_held
         elif s.name == "prefix_router_flow_shed_total":
             key = "flow_shed"
+        elif s.name == "prefix_router_replica_load" and s.labels.get("kind") == "eviction_price":
+            key = f"eviction_price:{s.labels['replica']}"
         elif (part := _histogram_part(s.name)) is not None:
             key = part
         else:
