@@ -3,7 +3,9 @@
 A replica whose KV is short evicts cached prefixes that later requests ask for again, so a prompt
 computed there costs more than its own prefill: the blocks it pushes out are computed once more
 when their owners return. A ghost list keeps the hashes a replica evicted last (as many as it
-holds: the ghost of a cache twice its size) and counts those stored there again while remembered.
+holds: the ghost of a cache twice its size) and counts those computed again, on any replica, while
+remembered: the learned index counts a chunk recorded on a replica that did not hold it, the event
+index a block stored where no replica held it.
 The price is the share of evictions that came back, both counted with an exponential decay per
 eviction (the last ``capacity`` or so weigh most): near 0 where the KV keeps what is asked again
 (only finished conversations leave), towards 1 where every eviction is computed again. Both
