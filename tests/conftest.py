@@ -205,6 +205,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_bench_overhead.py": ("test_microbench_reports_normalise_key_and_the_pick_choice_per_size",),  # 3-4 s
     "test_word_tokens.py": ("test_word_by_word_gives_the_tokenizers_ids[gpt2-regex]",  # 3-7 s
                             "test_slices_tokenise_one_after_the_other_as_the_whole_text[gpt2-regex]"),
+    "test_sim_lora.py": ("test_the_lora_fidelity_probes_find_two_simulators_alike",),  # 3 s: a second's decode, twice
 }
 
 
