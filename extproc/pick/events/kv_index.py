@@ -132,10 +132,9 @@ class EventIndex:
         return replica.ghosts.price() if replica is not None else 0.0
 
     def set_ghost_capacity(self, address: str, blocks: int) -> None:
-        """Remember as many of ``address``'s evictions as its KV holds blocks."""
-        replica = self._replica(address)
-        if replica.ghosts.capacity != blocks:
-            replica.ghosts.resize(blocks)
+        """Remember as many of ``address``'s evictions as its KV holds blocks (each scrape: the same
+        size again costs a division)."""
+        self._replica(address).ghosts.resize(blocks)
 
     def block_size(self, address: str) -> int | None:
         """The block size ``address``'s events announce (None before its first BlockStored)."""
